@@ -1,0 +1,133 @@
+"""`TransferDockClient`: the dock's methods, for workers in other processes.
+
+The client validates rows where they are made (a bad put fails in the caller, not in the actor),
+packs each column into one flat buffer, and sends it inline when small or as an object-store
+reference when large (`inline_bytes`), so big tensors are copied into the store once by the
+producer and read zero-copy by the consumer. Every call has a timeout: a dead or stuck dock
+raises instead of hanging a worker.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import ray
+
+from .actor import RefBlock, remote_actor_class
+from .codec import ColumnBlock, pack, unpack
+from .dock import checked_rows
+from .errors import DockError, DockValueError
+
+# Columns whose packed size is at least this go by reference. Chosen by benchmarks/dock_throughput.py
+# (see docs/transfer_dock.md): below it, the extra ray.put costs more than copying through the actor.
+DEFAULT_INLINE_BYTES = 256 * 1024
+# Slack on top of a blocking get's own timeout before the client gives up on the actor itself.
+CALL_SLACK_S = 30.0
+
+
+class TransferDockClient:
+    """Picklable handle to a dock actor; pass it to workers."""
+
+    def __init__(self, actor: Any, default_timeout: float, inline_bytes: int = DEFAULT_INLINE_BYTES,
+                 call_timeout: float = 300.0) -> None:
+        self.actor = actor
+        self.default_timeout = default_timeout
+        self.inline_bytes = inline_bytes
+        self.call_timeout = call_timeout
+
+    def _call(self, ref, timeout: float | None = None):
+        try:
+            return ray.get(ref, timeout=self.call_timeout if timeout is None else timeout)
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, DockError):  # the dock's own message says it all
+                raise e.cause from None
+            raise
+
+    def put_experience(self, data: Mapping[str, Sequence[Any]], indexes: Sequence[int], *,
+                       overwrite: bool = False, producer: str | None = None) -> None:
+        if not isinstance(data, Mapping) or not data:
+            raise DockValueError(f"put_experience: data must be a non-empty dict column -> values, got {type(data).__name__}")
+        blocks: dict[str, ColumnBlock | RefBlock] = {}
+        for column, values in data.items():
+            block = pack(checked_rows(column, values))
+            if block.nbytes >= self.inline_bytes:
+                sizes = np.diff(block.offsets)
+                blocks[column] = RefBlock([ray.put(block)], sizes, block.flat.itemsize)
+            else:
+                blocks[column] = block
+        idx = indexes.tolist() if hasattr(indexes, "tolist") else list(indexes)
+        self._call(self.actor.put.remote(blocks, idx, overwrite, producer))
+
+    def get_experience(self, consumer: str, columns: Sequence[str], count: int,
+                       indexes: Sequence[int] | None = None, get_n_samples: bool = False,
+                       blocking: bool = False, timeout: float | None = None) -> tuple[dict[str, list], list[int]]:
+        if indexes is not None and hasattr(indexes, "tolist"):
+            indexes = indexes.tolist()
+        wait = (self.default_timeout if timeout is None else timeout) if blocking else 0.0
+        parts_by_column, rows = self._call(
+            self.actor.get.remote(consumer, list(columns) if not isinstance(columns, str) else [columns], count,
+                                  indexes, get_n_samples, blocking, timeout),
+            timeout=self.call_timeout + wait + CALL_SLACK_S)
+        return assemble(parts_by_column, len(rows)), rows
+
+    def all_consumed(self, consumer: str) -> bool:
+        return self._call(self.actor.all_consumed.remote(consumer))
+
+    def clear(self) -> None:
+        self._call(self.actor.clear.remote())
+
+    def get_consumer_status(self) -> dict:
+        return self._call(self.actor.get_consumer_status.remote())
+
+    def get_column_status(self) -> dict:
+        return self._call(self.actor.get_column_status.remote())
+
+    def get_metrics(self) -> dict[str, float]:
+        return self._call(self.actor.get_metrics.remote())
+
+    def get_event_log(self, since: int = 0) -> list[dict]:
+        return self._call(self.actor.get_event_log.remote(since))
+
+    def state_dict(self) -> dict:
+        return self._call(self.actor.state_dict.remote())
+
+    def load_state_dict(self, state: dict) -> None:
+        self._call(self.actor.load_state_dict.remote(state))
+
+    def layout(self) -> dict:
+        return self._call(self.actor.layout.remote())
+
+    def noop(self) -> None:
+        self._call(self.actor.noop.remote())
+
+
+def assemble(parts_by_column: dict[str, list], n_rows: int) -> dict[str, list]:
+    """Rebuild each column's rows, in the order handed out, from inline blocks and references."""
+    refs = {id(p[1][0]): p[1][0] for parts in parts_by_column.values() for p in parts if p[2] is not None}
+    fetched = dict(zip(refs, ray.get(list(refs.values())))) if refs else {}
+    out: dict[str, list] = {}
+    for column, parts in parts_by_column.items():
+        rows: list = [None] * n_rows
+        for out_pos, source, src_pos in parts:
+            block = source if src_pos is None else fetched[id(source[0])].take(src_pos)
+            for p, value in zip(out_pos, unpack(block)):
+                rows[p] = value
+        out[column] = rows
+    return out
+
+
+def create_transfer_dock(columns: Sequence[str], consumers: Sequence[str], prompts_num: int,
+                         n_samples_per_prompt: int = 1, *, name: str | None = None, num_cpus: float = 0.0,
+                         inline_bytes: int = DEFAULT_INLINE_BYTES, **dock_kwargs: Any) -> TransferDockClient:
+    """Start a dock actor (Ray must be initialised) and return a client for it.
+
+    `num_cpus` defaults to 0: the dock moves metadata and waits, it does not compute, and on a
+    2-core machine a whole CPU for it would starve the workers.
+    """
+    cls = remote_actor_class(num_cpus)
+    options = {"name": name} if name else {}
+    actor = cls.options(**options).remote(columns, consumers, prompts_num, n_samples_per_prompt, **dock_kwargs)
+    client = TransferDockClient(actor, default_timeout=float(dock_kwargs.get("default_timeout", 600.0)),
+                                inline_bytes=inline_bytes)
+    client.layout()  # fail here, with the dock's own error, if its arguments are bad
+    return client

@@ -1,0 +1,84 @@
+"""How a column's rows cross a process boundary.
+
+Ray pickles torch tensors but moves numpy arrays zero-copy through its object store, so rows
+travel as one `ColumnBlock`: a flat numpy array of all the rows back to back plus their offsets,
+and the torch dtype to restore. One flat buffer per column also avoids per-row object overhead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+# numpy has no bfloat16: such tensors travel as their int16 bit pattern and are viewed back.
+_BITCAST = {torch.bfloat16: torch.int16}
+
+
+@dataclass
+class ColumnBlock:
+    """Rows of one column, back to back. Row i is `flat[offsets[i]:offsets[i+1]]`."""
+
+    flat: np.ndarray
+    offsets: np.ndarray
+    torch_dtype: str | None  # None: the rows were numpy arrays
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.flat.nbytes)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def row_numel(self, i: int) -> int:
+        return int(self.offsets[i + 1] - self.offsets[i])
+
+    def take(self, positions: Sequence[int]) -> "ColumnBlock":
+        """A new block with the given rows, in that order (one copy of just those bytes)."""
+        positions = list(positions)
+        if positions == list(range(len(self))):
+            return self
+        pieces = [self.flat[self.offsets[p]:self.offsets[p + 1]] for p in positions]
+        sizes = [len(x) for x in pieces]
+        offsets = np.zeros(len(pieces) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=offsets[1:])
+        flat = np.concatenate(pieces) if pieces else self.flat[:0]
+        return ColumnBlock(flat, offsets, self.torch_dtype)
+
+
+def pack(rows: Sequence[Any]) -> ColumnBlock:
+    """Rows (1-D tensors or arrays of one dtype) -> one block."""
+    if not len(rows):
+        raise ValueError("pack: no rows to pack")
+    first = rows[0]
+    sizes = [len(r) for r in rows]
+    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    if isinstance(first, torch.Tensor):
+        dtype = first.dtype
+        flat_t = torch.cat([r.detach().reshape(-1) for r in rows]) if len(rows) > 1 else first.detach().reshape(-1)
+        flat_t = flat_t.cpu()
+        if dtype in _BITCAST:
+            flat_t = flat_t.view(_BITCAST[dtype])
+        return ColumnBlock(flat_t.numpy(), offsets, str(dtype).removeprefix("torch."))
+    flat = np.concatenate([np.asarray(r).reshape(-1) for r in rows])
+    return ColumnBlock(flat, offsets, None)
+
+
+def unpack(block: ColumnBlock) -> list:
+    """One block -> its rows, as tensors (or arrays) that are views of one buffer.
+
+    Ray hands out read-only, zero-copy views of its object store; such a buffer is copied once so
+    the rows are private and writable (callers may modify them in place). A buffer that is
+    already private (a `take()` of some rows) is used as it is.
+    """
+    flat = block.flat if block.flat.flags.writeable else block.flat.copy()
+    offs = block.offsets.tolist()
+    if block.torch_dtype is None:
+        return [flat[offs[i]:offs[i + 1]] for i in range(len(offs) - 1)]
+    t = torch.from_numpy(flat)
+    dtype = getattr(torch, block.torch_dtype)
+    if dtype in _BITCAST:
+        t = t.view(dtype)
+    return [t[offs[i]:offs[i + 1]] for i in range(len(offs) - 1)]

@@ -1,0 +1,555 @@
+"""TransferDock: the step's experience as columns keyed by row, with per-consumer progress.
+
+A row is one sample (one prompt x one response). Rows `p*n .. p*n+n-1` belong to prompt `p`.
+Producers write cells (column, row); consumers take rows whose columns they need are all
+written. Each consumer takes each row once per step, however many data-parallel callers it has,
+so stages can run concurrently on whatever micro-batches are ready.
+
+This class is plain Python, thread-safe, and needs no Ray: the Ray actor in `actor.py` wraps
+one of these. Waiting is event-driven (a condition variable notified by `put_experience`), and
+every wait is bounded.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from .errors import (DockIndexError, DockKeyError, DockTimeoutError, DockValueError, MissingDataError,
+                     preview)
+from .metrics import DockMetrics
+from .samplers import AnyReadySampler, OrderedSampler, ReadyRows, Sampler, SampleRequest
+
+try:  # torch is a core dependency, but the dock itself works on numpy alone
+    import torch
+except ImportError:  # pragma: no cover
+    torch = None
+
+STATE_VERSION = 1
+
+
+def _is_tensor(v: Any) -> bool:
+    return torch is not None and isinstance(v, torch.Tensor)
+
+
+def cell_nbytes(v: Any) -> int:
+    """Bytes of one cell: a tensor, an array, or anything with `nbytes` (the actor's cells)."""
+    return int(v.nbytes)
+
+
+@dataclass
+class _ConsumerState:
+    """One consumer's progress in the current step."""
+
+    sampler: Sampler
+    capacity: int
+    taken: np.ndarray = field(init=False)
+    blocked: np.ndarray = field(init=False)  # taken, or reserved by the sampler
+    taken_count: int = 0
+    reserved: set[int] = field(default_factory=set)
+    cursor: int = 0  # every row below it is taken
+    views: dict[frozenset, ReadyRows] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.taken = np.zeros(self.capacity, dtype=bool)
+        self.blocked = np.zeros(self.capacity, dtype=bool)
+
+    def reset(self, n_samples_per_prompt: int) -> None:
+        self.taken[:] = False
+        self.blocked[:] = False
+        self.taken_count = 0
+        self.reserved.clear()
+        self.cursor = 0
+        self.views = {k: ReadyRows(k, self.capacity, n_samples_per_prompt) for k in self.views}
+        self.sampler.reset()
+
+
+class TransferDock:
+    """Central store of one step's experience. See `docs/transfer_dock.md` for the contract.
+
+    Args:
+        columns: names of the columns (e.g. "prompts", "responses", "old_log_prob").
+        consumers: names of the stages that read (e.g. "actor_train").
+        prompts_num: prompts per step; the dock holds `prompts_num * n_samples_per_prompt` rows.
+        n_samples_per_prompt: responses per prompt (the GRPO group size).
+        guarantee_order: hand rows out strictly in index order (deterministic runs).
+        samplers: per-consumer sampler overriding the default (see `samplers.py`).
+        default_timeout: seconds a blocking get waits when it is given no timeout.
+        event_log_size: events kept for the timeline (older ones are dropped).
+    """
+
+    def __init__(
+        self,
+        columns: Sequence[str],
+        consumers: Sequence[str],
+        prompts_num: int,
+        n_samples_per_prompt: int = 1,
+        *,
+        guarantee_order: bool = False,
+        samplers: Mapping[str, Sampler] | None = None,
+        default_timeout: float = 600.0,
+        event_log_size: int = 100_000,
+    ) -> None:
+        self.columns = _unique_names("columns", columns)
+        self.consumers = _unique_names("consumers", consumers)
+        for name, v in (("prompts_num", prompts_num), ("n_samples_per_prompt", n_samples_per_prompt)):
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+                raise DockValueError(f"TransferDock: {name}={v!r}; it must be an integer >= 1")
+        if not default_timeout or default_timeout <= 0:
+            raise DockValueError(f"TransferDock: default_timeout={default_timeout!r}; it must be > 0 seconds "
+                                 "(nothing in the dock waits forever)")
+        samplers = dict(samplers or {})
+        unknown = sorted(set(samplers) - set(self.consumers))
+        if unknown:
+            raise DockKeyError(f"TransferDock: samplers given for unknown consumers {unknown}; "
+                               f"consumers are {self.consumers}")
+        self.prompts_num = int(prompts_num)
+        self.n_samples_per_prompt = int(n_samples_per_prompt)
+        self.capacity = self.prompts_num * self.n_samples_per_prompt
+        self.guarantee_order = guarantee_order
+        self.default_timeout = float(default_timeout)
+        self.step = 0
+        self.metrics = DockMetrics(event_log_size=event_log_size)
+        self._cond = threading.Condition(threading.Lock())
+        self._cells: dict[str, list] = {c: [None] * self.capacity for c in self.columns}
+        self._written = {c: np.zeros(self.capacity, dtype=bool) for c in self.columns}
+        self._written_count = {c: 0 for c in self.columns}
+        self._numel = {c: np.zeros(self.capacity, dtype=np.int32) for c in self.columns}
+        default = OrderedSampler if guarantee_order else AnyReadySampler
+        self._state = {c: _ConsumerState(samplers.get(c) or default(), self.capacity) for c in self.consumers}
+
+    # ------------------------------------------------------------------ put
+    def put_experience(
+        self,
+        data: Mapping[str, Sequence[Any]],
+        indexes: Sequence[int],
+        *,
+        overwrite: bool = False,
+        producer: str | None = None,
+    ) -> None:
+        """Write `data[column][i]` into row `indexes[i]`. All or nothing: a bad put changes nothing.
+
+        Each value is a 1-D tensor or array (one row); a 2-D tensor or array stands for its rows.
+        Writing a cell twice is an error unless `overwrite=True`.
+        """
+        rows = {c: checked_rows(c, v) for c, v in self._checked_data(data).items()}
+        self.put_cells(rows, indexes, overwrite=overwrite, producer=producer)
+
+    def put_cells(
+        self,
+        data: Mapping[str, Sequence[Any]],
+        indexes: Sequence[int],
+        *,
+        overwrite: bool = False,
+        producer: str | None = None,
+    ) -> None:
+        """`put_experience` without the value-type check, for wrappers whose cells are not tensors
+        (the Ray actor stores references). A cell needs `len()` (tokens) and `nbytes`."""
+        data = self._checked_data(data)
+        idx = self._checked_indexes("put_experience", indexes)
+        for column, values in data.items():
+            if len(values) != len(idx):
+                raise DockValueError(
+                    f"put_experience: column '{column}' has {len(values)} values for {len(idx)} indexes; "
+                    "give one value per index")
+        t = time.time()
+        with self._cond:
+            if not overwrite:
+                for column in data:
+                    again = idx[self._written[column][idx]]
+                    if len(again):
+                        raise DockValueError(
+                            f"put_experience: column '{column}' is already written at rows {preview(again.tolist())}; "
+                            "each cell is written once per step (pass overwrite=True to replace it)")
+            nbytes = 0
+            idx_list = idx.tolist()
+            for column, values in data.items():
+                cells, numel = self._cells[column], self._numel[column]
+                for r, v in zip(idx_list, values):
+                    cells[r] = v
+                    numel[r] = len(v)
+                    nbytes += cell_nbytes(v)
+                fresh = int(np.count_nonzero(~self._written[column][idx]))
+                self._written[column][idx] = True
+                self._written_count[column] += fresh
+            self._refresh_ready(set(data), idx)
+            self.metrics.on_put(producer or "+".join(data), self.step, {c: len(idx) for c in data}, nbytes, t)
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ get
+    def get_experience(
+        self,
+        consumer: str,
+        columns: Sequence[str],
+        count: int,
+        indexes: Sequence[int] | None = None,
+        get_n_samples: bool = False,
+        blocking: bool = False,
+        timeout: float | None = None,
+    ) -> tuple[dict[str, list], list[int]]:
+        """Take up to `count` ready rows for `consumer`; see the module doc and `docs/transfer_dock.md`.
+
+        Returns `({column: [row values]}, row_indexes)`, or `({}, [])` when nothing can be handed
+        out now (or `consumer` has taken every row of this step). With `blocking=True` it waits
+        for a put, at most `timeout` seconds (the dock's `default_timeout` if None), then raises
+        `DockTimeoutError` describing what is ready and what is missing.
+        """
+        columns, idx = self.checked_get(consumer, columns, count, indexes, get_n_samples)
+        t_start = time.time()
+        deadline = t_start + (self.default_timeout if timeout is None else float(timeout))
+        with self._cond:
+            while True:
+                got = self.try_take(consumer, columns, count, idx, get_n_samples, raise_missing=not blocking)
+                if got is not None or not blocking:
+                    return self.finish_get(consumer, columns, count, idx, got, t_start)
+                left = deadline - time.time()
+                if left <= 0:
+                    return self.finish_get(consumer, columns, count, idx, None, t_start, timed_out=True)
+                self._cond.wait(left)
+
+    def checked_get(self, consumer, columns, count, indexes, get_n_samples) -> tuple[list[str], np.ndarray | None]:
+        """Validate a get's arguments (before any waiting); returns the columns and row indexes."""
+        columns = self._checked_request(consumer, columns, count, indexes, get_n_samples)
+        return columns, (None if indexes is None else self._checked_indexes("get_experience", indexes))
+
+    def finish_get(self, consumer, columns, count, idx, got, t_start: float, timed_out: bool = False):
+        """Record a get in the metrics and event log; raise the timeout error if it timed out."""
+        t_end = time.time()
+        if timed_out:
+            self.metrics.on_get(consumer, self.step, 0, 0, t_end - t_start, t_start, t_end)
+            raise DockTimeoutError(self.describe_wait(consumer, columns, count, idx, t_end - t_start))
+        data, rows = got if got is not None else ({}, [])
+        nbytes = sum(cell_nbytes(v) for values in data.values() for v in values)
+        self.metrics.on_get(consumer, self.step, len(rows), nbytes, t_end - t_start, t_start, t_end)
+        return data, rows
+
+    def try_take(
+        self,
+        consumer: str,
+        columns: list[str],
+        count: int,
+        idx: np.ndarray | None,
+        get_n_samples: bool,
+        raise_missing: bool = True,
+    ) -> tuple[dict[str, list], list[int]] | None:
+        """One non-blocking attempt, arguments already checked; the caller holds the lock (or is
+        the only thread, as in the async actor). None means "not now"; ({}, []) means "no more rows
+        for this consumer this step"."""
+        state = self._state[consumer]
+        if idx is not None:
+            missing = self._missing(columns, idx)
+            if missing:
+                if raise_missing:
+                    detail = "; ".join(f"'{c}' at rows {preview(r)}" for c, r in missing.items())
+                    raise MissingDataError(f"get_experience: consumer '{consumer}' asked by index for unwritten "
+                                           f"cells: {detail}; put them first or call with blocking=True")
+                return None
+            rows = idx.tolist()
+        else:
+            left = self.capacity - state.taken_count
+            if left == 0:
+                return {}, []
+            want = min(count, left)
+            if get_n_samples:
+                want -= want % self.n_samples_per_prompt
+                if want == 0:
+                    return None
+            req = SampleRequest(
+                consumer=consumer, ready=self._view(state, columns), want=want, group=get_n_samples,
+                n_samples_per_prompt=self.n_samples_per_prompt, is_blocked=lambda r: bool(state.blocked[r]),
+                cursor=state.cursor, row_tokens=lambda rs: self._tokens(columns, rs),
+                reserve=lambda rs: self._reserve(state, rs), release=lambda rs: self._release(state, rs),
+            )
+            rows = state.sampler.select(req)
+            self.metrics.rows_examined += req.examined[0]
+            if not rows:
+                return None
+        self._take(state, rows)
+        return {c: [self._cells[c][r] for r in rows] for c in columns}, rows
+
+    # ------------------------------------------------------------------ step control
+    def all_consumed(self, consumer: str) -> bool:
+        """True once every row of this step went to `consumer`."""
+        self._checked_consumer(consumer)
+        with self._cond:
+            return self._state[consumer].taken_count == self.capacity
+
+    def clear(self) -> None:
+        """Empty the dock for the next step; memory goes back to its baseline."""
+        with self._cond:
+            for c in self.columns:
+                self._cells[c] = [None] * self.capacity
+                self._written[c][:] = False
+                self._written_count[c] = 0
+                self._numel[c][:] = 0
+            for s in self._state.values():
+                s.reset(self.n_samples_per_prompt)
+            self.step += 1
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ observability
+    def get_consumer_status(self) -> dict[str, dict[str, Any]]:
+        """Per consumer: rows taken / rows total this step."""
+        with self._cond:
+            return {c: {"taken": s.taken_count, "total": self.capacity, "all_consumed": s.taken_count == self.capacity}
+                    for c, s in self._state.items()}
+
+    def get_column_status(self) -> dict[str, dict[str, int]]:
+        """Per column: rows written / rows total this step."""
+        with self._cond:
+            return {c: {"written": self._written_count[c], "total": self.capacity} for c in self.columns}
+
+    def get_metrics(self) -> dict[str, float]:
+        """Counters since the dock was made (see `metrics.py`), plus this step's progress."""
+        with self._cond:
+            out = self.metrics.as_dict()
+            out["step"] = float(self.step)
+            for c, s in self._state.items():
+                out[f"consumer/{c}/step_rows_taken"] = float(s.taken_count)
+            for c in self.columns:
+                out[f"column/{c}/step_rows_written"] = float(self._written_count[c])
+            return out
+
+    def get_event_log(self, since: int = 0) -> list[dict]:
+        """Events (put/get with times, stage, step, rows, bytes) with sequence number > `since`."""
+        with self._cond:
+            return self.metrics.events_since(since)
+
+    def describe_wait(self, consumer: str, columns: Sequence[str], count: int, idx: np.ndarray | None,
+                      waited_s: float) -> str:
+        """Why a get for `consumer` cannot be answered: what is ready, taken and missing."""
+        state = self._state[consumer]
+        ready = len(self._view(state, list(columns)).rows) if idx is None else 0
+        per_column = ", ".join(
+            f"'{c}' written {self._written_count[c]}/{self.capacity}" for c in columns)
+        missing = self._missing(list(columns), np.arange(self.capacity) if idx is None else idx)
+        miss = "; ".join(f"'{c}' missing at rows {preview(r)}" for c, r in missing.items()) or "none"
+        asked = f"rows {preview(idx.tolist())}" if idx is not None else f"{count} rows"
+        return (f"TransferDock step {self.step}: consumer '{consumer}' waited {waited_s:.1f} s for {asked} of "
+                f"columns {list(columns)} and timed out. Ready now: {ready}; taken: {state.taken_count}/{self.capacity}; "
+                f"{per_column}; missing cells: {miss}. A producer of the missing columns is slow, stalled or crashed.")
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume mid-step: written cells and who took which rows.
+
+        Rows a sampler had reserved but not handed out are saved as not taken, so they are
+        handed out again after a resume rather than lost.
+        """
+        with self._cond:
+            return {
+                "version": STATE_VERSION,
+                "columns": list(self.columns),
+                "consumers": list(self.consumers),
+                "prompts_num": self.prompts_num,
+                "n_samples_per_prompt": self.n_samples_per_prompt,
+                "step": self.step,
+                "cells": {c: {int(r): self._cells[c][r] for r in np.flatnonzero(self._written[c]).tolist()}
+                          for c in self.columns},
+                "taken": {c: np.flatnonzero(s.taken).tolist() for c, s in self._state.items()},
+            }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a `state_dict()`; the dock's columns, consumers and size must match."""
+        for key in ("version", "columns", "consumers", "prompts_num", "n_samples_per_prompt", "cells", "taken"):
+            if key not in state:
+                raise DockValueError(f"load_state_dict: the state has no '{key}'; pass what state_dict() returned")
+        if state["version"] != STATE_VERSION:
+            raise DockValueError(f"load_state_dict: state version {state['version']}; this dock reads {STATE_VERSION}")
+        for key, mine in (("columns", self.columns), ("consumers", self.consumers), ("prompts_num", self.prompts_num),
+                          ("n_samples_per_prompt", self.n_samples_per_prompt)):
+            if state[key] != mine:
+                raise DockValueError(f"load_state_dict: saved {key}={state[key]!r} but this dock has {mine!r}; "
+                                     "build the dock with the same layout before loading")
+        with self._cond:
+            for c in self.columns:
+                self._cells[c] = [None] * self.capacity
+                self._written[c][:] = False
+                self._numel[c][:] = 0
+                for r, v in state["cells"][c].items():
+                    self._cells[c][r] = v
+                    self._numel[c][r] = len(v)
+                    self._written[c][r] = True
+                self._written_count[c] = len(state["cells"][c])
+            for c, s in self._state.items():
+                s.reset(self.n_samples_per_prompt)
+                s.views = {}
+                taken = np.asarray(state["taken"][c], dtype=np.int64)
+                s.taken[taken] = True
+                s.blocked[taken] = True
+                s.taken_count = len(taken)
+                self._advance_cursor(s)
+            self.step = int(state.get("step", self.step))
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ internals
+    def _checked_data(self, data: Mapping[str, Sequence[Any]]) -> Mapping[str, Sequence[Any]]:
+        if not isinstance(data, Mapping) or not data:
+            raise DockValueError(f"put_experience: data must be a non-empty dict column -> values, got {type(data).__name__}")
+        unknown = [c for c in data if c not in self._cells]
+        if unknown:
+            raise DockKeyError(f"put_experience: unknown columns {unknown}; the dock's columns are {self.columns}")
+        return data
+
+    def _checked_indexes(self, where: str, indexes: Sequence[int]) -> np.ndarray:
+        try:
+            idx = np.asarray(indexes.tolist() if hasattr(indexes, "tolist") else list(indexes))
+        except TypeError:
+            raise DockValueError(f"{where}: indexes must be a sequence of ints, got {type(indexes).__name__}") from None
+        if idx.size == 0:
+            raise DockValueError(f"{where}: indexes is empty; give at least one row index")
+        if idx.ndim != 1 or not np.issubdtype(idx.dtype, np.integer):
+            raise DockValueError(f"{where}: indexes must be a flat sequence of ints, got dtype {idx.dtype}, "
+                                 f"shape {idx.shape}")
+        bad = idx[(idx < 0) | (idx >= self.capacity)]
+        if len(bad):
+            raise DockIndexError(f"{where}: row indexes {preview(bad.tolist())} are out of range; rows are "
+                                 f"0 .. {self.capacity - 1} (prompts_num={self.prompts_num} x "
+                                 f"n_samples_per_prompt={self.n_samples_per_prompt})")
+        uniq, counts = np.unique(idx, return_counts=True)
+        if len(uniq) != len(idx):
+            raise DockValueError(f"{where}: duplicate row indexes {preview(uniq[counts > 1].tolist())}; "
+                                 "give each row once")
+        return idx.astype(np.int64, copy=False)
+
+    def _checked_consumer(self, consumer: str) -> None:
+        if consumer not in self._state:
+            raise DockKeyError(f"TransferDock: unknown consumer '{consumer}'; the dock's consumers are {self.consumers}")
+
+    def _checked_request(self, consumer, columns, count, indexes, get_n_samples) -> list[str]:
+        self._checked_consumer(consumer)
+        if isinstance(columns, str):
+            columns = [columns]
+        columns = list(columns)
+        if not columns:
+            raise DockValueError(f"get_experience: consumer '{consumer}' asked for no columns; name at least one")
+        unknown = [c for c in columns if c not in self._cells]
+        if unknown:
+            raise DockKeyError(f"get_experience: consumer '{consumer}' asked for unknown columns {unknown}; "
+                               f"the dock's columns are {self.columns}")
+        if indexes is None:
+            if not isinstance(count, (int, np.integer)) or isinstance(count, bool) or count <= 0:
+                raise DockValueError(f"get_experience: consumer '{consumer}' asked for count={count!r}; "
+                                     "it must be an integer > 0")
+            if get_n_samples and count % self.n_samples_per_prompt:
+                raise DockValueError(
+                    f"get_experience: consumer '{consumer}' asked for count={count} with get_n_samples=True; "
+                    f"count counts rows and must be a multiple of n_samples_per_prompt={self.n_samples_per_prompt}")
+        return columns
+
+    def _as_columns_ready(self, columns, idx: np.ndarray) -> np.ndarray:
+        ok = np.ones(len(idx), dtype=bool)
+        for c in columns:
+            ok &= self._written[c][idx]
+        return ok
+
+    def _missing(self, columns: list[str], idx: np.ndarray) -> dict[str, list[int]]:
+        out = {}
+        for c in columns:
+            miss = idx[~self._written[c][idx]]
+            if len(miss):
+                out[c] = miss.tolist()
+        return out
+
+    def _view(self, state: _ConsumerState, columns: list[str]) -> ReadyRows:
+        key = frozenset(columns)
+        view = state.views.get(key)
+        if view is None:  # first get with this column set: one vectorized scan, then kept current
+            view = ReadyRows(key, self.capacity, self.n_samples_per_prompt)
+            ok = ~state.blocked
+            for c in key:
+                ok &= self._written[c]
+            view.add(np.flatnonzero(ok).tolist())
+            state.views[key] = view
+        return view
+
+    def _refresh_ready(self, columns: set[str], idx: np.ndarray) -> None:
+        """After a put: rows whose requested columns are now all written become ready."""
+        for state in self._state.values():
+            for key, view in state.views.items():
+                if key & columns:
+                    ok = self._as_columns_ready(key, idx) & ~state.blocked[idx]
+                    if ok.any():
+                        view.add(idx[ok].tolist())
+
+    def _take(self, state: _ConsumerState, rows: list[int]) -> None:
+        state.taken_count += int(np.count_nonzero(~state.taken[rows]))  # an index read may re-read a row
+        state.taken[rows] = True
+        state.blocked[rows] = True
+        state.reserved.difference_update(rows)
+        for view in state.views.values():
+            view.discard(rows)
+        self._advance_cursor(state)
+
+    def _advance_cursor(self, state: _ConsumerState) -> None:
+        while state.cursor < self.capacity and state.taken[state.cursor]:
+            state.cursor += 1
+
+    def _reserve(self, state: _ConsumerState, rows: list[int]) -> None:
+        state.blocked[rows] = True
+        state.reserved.update(rows)
+        for view in state.views.values():
+            view.discard(rows)
+
+    def _release(self, state: _ConsumerState, rows: list[int]) -> None:
+        if not rows:
+            return
+        state.reserved.difference_update(rows)
+        idx = np.asarray(rows, dtype=np.int64)
+        idx = idx[~state.taken[idx]]
+        state.blocked[idx] = False
+        for key, view in state.views.items():
+            view.add(idx[self._as_columns_ready(key, idx)].tolist())
+
+    def _tokens(self, columns: list[str], rows: list[int]) -> np.ndarray:
+        tokens = np.zeros(len(rows), dtype=np.int64)
+        for c in columns:
+            tokens += self._numel[c][rows]
+        return tokens
+
+
+def _unique_names(what: str, names: Sequence[str]) -> list[str]:
+    if isinstance(names, str):
+        raise DockValueError(f"TransferDock: {what} must be a list of names, not the string {names!r}")
+    names = list(names)
+    if not names:
+        raise DockValueError(f"TransferDock: {what} is empty; give at least one name")
+    bad = [n for n in names if not isinstance(n, str) or not n]
+    if bad:
+        raise DockValueError(f"TransferDock: {what} must be non-empty strings, got {bad}")
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise DockValueError(f"TransferDock: {what} {dup} are given more than once; name each once")
+    return names
+
+
+def checked_rows(column: str, values: Any) -> list:
+    """A column's values as a list of 1-D rows of one dtype, or a `DockValueError` saying why not.
+
+    A 2-D tensor or array stands for its rows.
+    """
+    if (_is_tensor(values) or isinstance(values, np.ndarray)) and values.ndim == 2:
+        return list(values)
+    if _is_tensor(values) or isinstance(values, np.ndarray):
+        raise DockValueError(
+            f"put_experience: column '{column}' got one {values.ndim}-D {type(values).__name__} of shape "
+            f"{tuple(values.shape)}; give a list of 1-D rows, or a 2-D [rows, length] tensor "
+            "(for one scalar per row, use x.reshape(-1, 1))")
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+        raise DockValueError(f"put_experience: column '{column}' got {type(values).__name__}; "
+                             "give a list with one 1-D tensor or array per row")
+    values = list(values)
+    for i, v in enumerate(values):
+        if not (_is_tensor(v) or isinstance(v, np.ndarray)) or v.ndim != 1:
+            what = f"{type(v).__name__} of shape {tuple(v.shape)}" if hasattr(v, "shape") else type(v).__name__
+            raise DockValueError(
+                f"put_experience: column '{column}', value {i} is a {what}; each row must be a 1-D "
+                "torch.Tensor or numpy array (wrap a scalar as tensor([x]) or reshape(1))")
+        if type(v) is not type(values[0]) or v.dtype != values[0].dtype:
+            raise DockValueError(
+                f"put_experience: column '{column}', value {i} is a {type(v).__name__} of dtype {v.dtype} but value 0 "
+                f"is a {type(values[0]).__name__} of dtype {values[0].dtype}; give one column's rows one type and dtype")
+    return values

@@ -1,0 +1,32 @@
+"""mindspeed_rl: asynchronous RL post-training around a central TransferDock.
+
+Install for CPU with `pip install -r requirements.txt -e .` (pins the CPU torch build).
+Optional backends that need accelerators are extras, imported lazily only where used.
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="mindspeed_rl",
+    version="0.1.0",
+    description="Asynchronous RL post-training (GRPO, PPO, REINFORCE) with a central TransferDock",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["mindspeed_rl", "mindspeed_rl.*"]),
+    install_requires=[
+        "torch>=2.3",  # pinned to the CPU build by requirements.txt
+        "ray>=2.40,<3",
+        "numpy>=1.26",
+        "pyyaml>=6.0",
+        "hydra-core>=1.3,<1.4",
+        "transformers>=4.45",
+        "safetensors>=0.4",
+        "networkx>=3.2",
+    ],
+    extras_require={
+        "vllm": ["vllm>=0.8"],  # CUDA only
+        "megatron": ["megatron-core>=0.12"],  # forward needs CUDA
+        "npu": ["torch-npu"],  # needs Ascend CANN
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"],
+    },
+)
