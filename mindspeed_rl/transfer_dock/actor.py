@@ -11,6 +11,7 @@ Workers use it through `TransferDockClient`, which picks the form by size.
 from __future__ import annotations
 
 import asyncio
+import pickle
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -24,9 +25,14 @@ from .dock import TransferDock
 
 @dataclass
 class RefBlock:
-    """A block that stayed in the producer's object store: the actor sees only sizes."""
+    """A block that stayed in the producer's object store: the actor sees only sizes.
 
-    ref: list  # [ObjectRef]: a ref nested in a list is passed as a ref, not resolved
+    On the wire `ref` is a slot number into the call's list of refs (refs must travel through
+    Ray's own serializer, or Ray pins their objects forever); the actor swaps in the ObjectRef.
+    """
+
+    ref: Any  # slot number on the wire; the ObjectRef once stored
+    column: str  # the object holds {column: ColumnBlock} for all large columns of one put
     numel: np.ndarray  # per row
     itemsize: int
 
@@ -53,8 +59,11 @@ def _cells(block: ColumnBlock | RefBlock) -> list[Cell]:
     return [Cell(block, i, block.row_numel(i), block.row_numel(i) * itemsize) for i in range(len(block))]
 
 
-def reply_parts(cells: Sequence[Cell]) -> list[tuple[list[int], Any, list[int]]]:
-    """Group a column's cells by source: (output positions, inline block or [ref], source positions)."""
+def reply_parts(cells: Sequence[Cell], refs: list) -> list[tuple[list[int], Any, list[int] | None]]:
+    """Group a column's cells by source: (output positions, inline block or ref slot, source positions).
+
+    Referenced blocks are appended to `refs` (once each) and named by their slot in it.
+    """
     groups: dict[int, tuple[Any, list[int], list[int]]] = {}
     for out_pos, cell in enumerate(cells):
         g = groups.setdefault(id(cell.source), (cell.source, [], []))
@@ -63,7 +72,11 @@ def reply_parts(cells: Sequence[Cell]) -> list[tuple[list[int], Any, list[int]]]
     parts = []
     for source, out_pos, src_pos in groups.values():
         if isinstance(source, RefBlock):
-            parts.append((out_pos, source.ref, src_pos))
+            slot = next((i for i, r in enumerate(refs) if r is source.ref), None)
+            if slot is None:
+                slot = len(refs)
+                refs.append(source.ref)
+            parts.append((out_pos, (slot, source.column), src_pos))
         else:
             parts.append((out_pos, source.take(src_pos), None))
     return parts
@@ -91,13 +104,26 @@ class TransferDockActor:
     async def noop(self) -> None:
         """An empty call: the floor any dock call is measured against."""
 
-    async def put(self, blocks: dict[str, ColumnBlock | RefBlock], indexes: Sequence[int],
-                  overwrite: bool = False, producer: str | None = None) -> None:
+    # put and get take one pickled blob and answer one: each extra argument or reply object costs
+    # Ray ~0.1-0.2 ms of serialization, as much as the dock's own work (docs/transfer_dock.md).
+    async def put(self, blob: bytes, refs: list | None = None) -> None:
+        blocks, indexes, overwrite, producer = pickle.loads(blob)
+        for block in blocks.values():
+            if isinstance(block, RefBlock):
+                block.ref = refs[block.ref]
         self._dock.put_cells({c: _cells(b) for c, b in blocks.items()}, indexes, overwrite=overwrite, producer=producer)
         await self._notify()
 
-    async def get(self, consumer: str, columns: Sequence[str], count: int, indexes: Sequence[int] | None = None,
-                  get_n_samples: bool = False, blocking: bool = False, timeout: float | None = None):
+    async def get(self, blob: bytes):
+        """Answers the pickled `(parts_by_column, rows)`, with the list of refs they name if any."""
+        data, rows = await self._get(*pickle.loads(blob))
+        refs: list = []
+        reply = pickle.dumps(({c: reply_parts(cells, refs) for c, cells in data.items()}, rows),
+                             protocol=pickle.HIGHEST_PROTOCOL)
+        return (reply, refs) if refs else reply
+
+    async def _get(self, consumer: str, columns: Sequence[str], count: int, indexes: Sequence[int] | None = None,
+                   get_n_samples: bool = False, blocking: bool = False, timeout: float | None = None):
         dock = self._dock
         columns, idx = dock.checked_get(consumer, columns, count, indexes, get_n_samples)
         t_start = time.time()
@@ -119,8 +145,7 @@ class TransferDockActor:
                 except asyncio.TimeoutError:
                     pass
         with dock._cond:
-            data, rows = dock.finish_get(consumer, columns, count, idx, got, t_start)
-        return {c: reply_parts(cells) for c, cells in data.items()}, rows
+            return dock.finish_get(consumer, columns, count, idx, got, t_start)
 
     async def all_consumed(self, consumer: str) -> bool:
         return self._dock.all_consumed(consumer)
@@ -155,7 +180,7 @@ class TransferDockActor:
             for cell in cells.values():
                 src = cell.source
                 if isinstance(src, RefBlock) and id(src) not in fetched:
-                    fetched[id(src)] = await src.ref[0]
+                    fetched[id(src)] = (await src.ref)[src.column]
             for r, cell in list(cells.items()):
                 block = fetched.get(id(cell.source), cell.source)
                 cells[r] = unpack(block.take([cell.pos]))[0]

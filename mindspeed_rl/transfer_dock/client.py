@@ -8,6 +8,7 @@ raises instead of hanging a worker.
 """
 from __future__ import annotations
 
+import pickle
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -29,46 +30,96 @@ class TransferDockClient:
     """Picklable handle to a dock actor; pass it to workers."""
 
     def __init__(self, actor: Any, default_timeout: float, inline_bytes: int = DEFAULT_INLINE_BYTES,
-                 call_timeout: float = 300.0) -> None:
+                 call_timeout: float = 300.0, max_pending_puts: int = 8) -> None:
         self.actor = actor
         self.default_timeout = default_timeout
         self.inline_bytes = inline_bytes
         self.call_timeout = call_timeout
+        self.max_pending_puts = max_pending_puts
+        self._pending: list = []  # puts sent with wait=False whose answer is not checked yet
 
-    def _call(self, ref, timeout: float | None = None):
+    def __getstate__(self) -> dict:  # a copy sent to another process starts with nothing pending
+        return {**self.__dict__, "_pending": []}
+
+    @staticmethod
+    def _unwrap(fn, *args, **kwargs):
         try:
-            return ray.get(ref, timeout=self.call_timeout if timeout is None else timeout)
+            return fn(*args, **kwargs)
         except ray.exceptions.RayTaskError as e:
             if isinstance(e.cause, DockError):  # the dock's own message says it all
                 raise e.cause from None
             raise
 
+    def _call(self, ref, timeout: float | None = None):
+        self._check_pending()
+        return self._unwrap(ray.get, ref, timeout=self.call_timeout if timeout is None else timeout)
+
+    def _check_pending(self, wait_all: bool = False) -> None:
+        """Raise the error of an earlier `wait=False` put, if one failed; keep at most
+        `max_pending_puts` in flight."""
+        while self._pending:
+            must = wait_all or len(self._pending) > self.max_pending_puts
+            done, _ = ray.wait(self._pending[:1], timeout=self.call_timeout if must else 0)
+            if not done:
+                if must:
+                    raise TimeoutError(f"TransferDockClient: a put got no answer from the dock in "
+                                       f"{self.call_timeout:.0f} s; the dock actor is stuck or dead")
+                return
+            self._pending.pop(0)
+            self._unwrap(ray.get, done[0])
+
+    def flush(self) -> None:
+        """Wait until every put sent with `wait=False` is stored; raise the first one's error."""
+        self._check_pending(wait_all=True)
+
     def put_experience(self, data: Mapping[str, Sequence[Any]], indexes: Sequence[int], *,
-                       overwrite: bool = False, producer: str | None = None) -> None:
+                       overwrite: bool = False, producer: str | None = None, wait: bool = True) -> None:
+        """As `TransferDock.put_experience`, from another process.
+
+        `wait=False` sends the put without waiting for the dock's answer (one round trip less
+        per micro-batch; in order with this client's later calls). An error the dock finds (a cell
+        written twice) is then raised by this client's next call or `flush()`; the bad put itself
+        changes nothing in the dock. Call `flush()` before telling another process the rows are in.
+        """
         if not isinstance(data, Mapping) or not data:
             raise DockValueError(f"put_experience: data must be a non-empty dict column -> values, got {type(data).__name__}")
         blocks: dict[str, ColumnBlock | RefBlock] = {}
+        large: dict[str, ColumnBlock] = {}
         for column, values in data.items():
             block = pack(checked_rows(column, values))
             if block.nbytes >= self.inline_bytes:
-                sizes = np.diff(block.offsets)
-                blocks[column] = RefBlock([ray.put(block)], sizes, block.flat.itemsize)
+                large[column] = block
+                blocks[column] = RefBlock(0, column, np.diff(block.offsets), block.flat.itemsize)
             else:
                 blocks[column] = block
+        # One object for all large columns: every ref passed through the dock costs Ray a
+        # borrower registration (~1 ms), so a put pays it once, not once per column.
+        refs = [ray.put(large)] if large else []
         idx = indexes.tolist() if hasattr(indexes, "tolist") else list(indexes)
-        self._call(self.actor.put.remote(blocks, idx, overwrite, producer))
+        blob = pickle.dumps((blocks, idx, overwrite, producer), protocol=pickle.HIGHEST_PROTOCOL)
+        ref = self.actor.put.remote(blob, refs) if refs else self.actor.put.remote(blob)
+        if wait:
+            self._call(ref)
+        else:
+            self._pending.append(ref)
+            self._check_pending()
 
     def get_experience(self, consumer: str, columns: Sequence[str], count: int,
                        indexes: Sequence[int] | None = None, get_n_samples: bool = False,
-                       blocking: bool = False, timeout: float | None = None) -> tuple[dict[str, list], list[int]]:
+                       blocking: bool = False, timeout: float | None = None,
+                       copy: bool = False) -> tuple[dict[str, list], list[int]]:
+        """As `TransferDock.get_experience`. Rows are zero-copy, read-only views of Ray's object
+        store unless `copy=True` (then each column gets one private, writable buffer)."""
         if indexes is not None and hasattr(indexes, "tolist"):
             indexes = indexes.tolist()
+        columns = [columns] if isinstance(columns, str) else list(columns)
         wait = (self.default_timeout if timeout is None else timeout) if blocking else 0.0
-        parts_by_column, rows = self._call(
-            self.actor.get.remote(consumer, list(columns) if not isinstance(columns, str) else [columns], count,
-                                  indexes, get_n_samples, blocking, timeout),
-            timeout=self.call_timeout + wait + CALL_SLACK_S)
-        return assemble(parts_by_column, len(rows)), rows
+        blob = pickle.dumps((consumer, columns, count, indexes, get_n_samples, blocking, timeout),
+                            protocol=pickle.HIGHEST_PROTOCOL)
+        reply = self._call(self.actor.get.remote(blob), timeout=self.call_timeout + wait + CALL_SLACK_S)
+        reply, refs = (reply, []) if isinstance(reply, bytes) else reply
+        parts_by_column, rows = pickle.loads(reply)
+        return assemble(parts_by_column, len(rows), refs, copy), rows
 
     def all_consumed(self, consumer: str) -> bool:
         return self._call(self.actor.all_consumed.remote(consumer))
@@ -101,16 +152,20 @@ class TransferDockClient:
         self._call(self.actor.noop.remote())
 
 
-def assemble(parts_by_column: dict[str, list], n_rows: int) -> dict[str, list]:
-    """Rebuild each column's rows, in the order handed out, from inline blocks and references."""
-    refs = {id(p[1][0]): p[1][0] for parts in parts_by_column.values() for p in parts if p[2] is not None}
-    fetched = dict(zip(refs, ray.get(list(refs.values())))) if refs else {}
+def assemble(parts_by_column: dict[str, list], n_rows: int, refs: list, copy: bool = False) -> dict[str, list]:
+    """Rebuild each column's rows, in the order handed out, from inline blocks and referenced ones."""
+    fetched = ray.get(refs) if refs else []
     out: dict[str, list] = {}
     for column, parts in parts_by_column.items():
+        if len(parts) == 1 and parts[0][0] == list(range(n_rows)):  # the common case: one source, in order
+            out_pos, source, src_pos = parts[0]
+            block = source if src_pos is None else fetched[source[0]][source[1]].take(src_pos)
+            out[column] = unpack(block, copy)
+            continue
         rows: list = [None] * n_rows
         for out_pos, source, src_pos in parts:
-            block = source if src_pos is None else fetched[id(source[0])].take(src_pos)
-            for p, value in zip(out_pos, unpack(block)):
+            block = source if src_pos is None else fetched[source[0]][source[1]].take(src_pos)
+            for p, value in zip(out_pos, unpack(block, copy)):
                 rows[p] = value
         out[column] = rows
     return out

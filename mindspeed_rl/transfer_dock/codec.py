@@ -6,6 +6,7 @@ and the torch dtype to restore. One flat buffer per column also avoids per-row o
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -57,8 +58,10 @@ def pack(rows: Sequence[Any]) -> ColumnBlock:
     np.cumsum(sizes, out=offsets[1:])
     if isinstance(first, torch.Tensor):
         dtype = first.dtype
-        flat_t = torch.cat([r.detach().reshape(-1) for r in rows]) if len(rows) > 1 else first.detach().reshape(-1)
-        flat_t = flat_t.cpu()
+        flat_t = _contiguous_view(rows, int(offsets[-1]))
+        if flat_t is None:
+            flat_t = torch.cat([r.detach().reshape(-1) for r in rows]) if len(rows) > 1 else first.detach().reshape(-1)
+        flat_t = flat_t.detach().cpu()
         if dtype in _BITCAST:
             flat_t = flat_t.view(_BITCAST[dtype])
         return ColumnBlock(flat_t.numpy(), offsets, str(dtype).removeprefix("torch."))
@@ -66,18 +69,38 @@ def pack(rows: Sequence[Any]) -> ColumnBlock:
     return ColumnBlock(flat, offsets, None)
 
 
-def unpack(block: ColumnBlock) -> list:
+def _contiguous_view(rows: Sequence[torch.Tensor], total: int) -> torch.Tensor | None:
+    """The rows as one flat tensor without copying, when they already lie back to back in one
+    buffer (as the rows of a 2-D tensor do); else None."""
+    first = rows[0]
+    if not first.is_contiguous() or first.device.type != "cpu":
+        return None
+    base, step = first.data_ptr(), first.element_size()
+    pos = 0
+    for r in rows:
+        if r.dtype != first.dtype or not r.is_contiguous() or r.data_ptr() != base + pos * step:
+            return None
+        pos += r.numel()
+    return torch.as_strided(first, (total,), (1,))
+
+
+def unpack(block: ColumnBlock, copy: bool = False) -> list:
     """One block -> its rows, as tensors (or arrays) that are views of one buffer.
 
-    Ray hands out read-only, zero-copy views of its object store; such a buffer is copied once so
-    the rows are private and writable (callers may modify them in place). A buffer that is
-    already private (a `take()` of some rows) is used as it is.
+    Zero-copy by default: rows that came through Ray's object store are views of an immutable
+    object, so treat them as read-only (the in-process dock likewise hands out its stored rows).
+    `copy=True` gives the rows one private, writable buffer.
     """
-    flat = block.flat if block.flat.flags.writeable else block.flat.copy()
+    flat = block.flat.copy() if copy else block.flat
     offs = block.offsets.tolist()
     if block.torch_dtype is None:
         return [flat[offs[i]:offs[i + 1]] for i in range(len(offs) - 1)]
-    t = torch.from_numpy(flat)
+    if flat.flags.writeable:
+        t = torch.from_numpy(flat)
+    else:
+        with warnings.catch_warnings():  # read-only by design; see the docstring
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.from_numpy(flat)
     dtype = getattr(torch, block.torch_dtype)
     if dtype in _BITCAST:
         t = t.view(dtype)

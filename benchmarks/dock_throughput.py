@@ -1,0 +1,427 @@
+"""TransferDock throughput and latency against bare Ray, measured side by side in one run.
+
+    python benchmarks/dock_throughput.py            # full run (~2-3 min on 2 cores)
+    python benchmarks/dock_throughput.py --quick    # fewer repetitions (~1 min)
+    python benchmarks/dock_throughput.py --json out.json
+
+What is measured (every number comes from worker processes, as in training, not from the driver):
+- latency: a bare no-op call to a plain Ray actor; a no-op call to the dock actor; a small get
+  (one 1 KB micro-batch of 8 rows) through the dock client. Medians of many calls.
+- transfer: a producer process moves micro-batches of 1 KB, 1 MB and 16 MB to 1, 4 and 8 consumer
+  processes. Systems: the dock (transport by size, as shipped), the dock with every column inline
+  through the actor, the dock with every column by object reference, plain `ray.put`/`ray.get`
+  of the same bytes between the same processes, and a naive buffer (one sync actor, one lock,
+  consumers start after the producer finished). For the dock, producer and consumers run at once,
+  as in training; the "sequential" bandwidth (all puts, then all gets) is what is compared with
+  plain Ray, which has no broker to overlap through.
+- scaling: get latency of the plain dock (in process) with 1,000 rows and with 1,000,000 rows.
+
+The three target ratios are printed at the end and written to JSON as `small_get_over_noop_call`,
+`bw_16mb_over_plain_ray` and `get_1m_over_1k_rows`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+
+import numpy as np
+import ray
+import torch
+
+from mindspeed_rl.transfer_dock import TransferDock, create_transfer_dock
+
+ROWS_PER_MB = 8
+PAYLOADS = {"1KB": 1 << 10, "1MB": 1 << 20, "16MB": 16 << 20}
+CONSUMER_COUNTS = (1, 4, 8)
+WORKER_CPUS = 0.1  # workers only move bytes here; fractional CPUs let 10 of them fit on 2 cores
+
+
+def _microbatch(payload_bytes: int) -> torch.Tensor:
+    """One micro-batch: ROWS_PER_MB rows of float32 adding up to `payload_bytes`."""
+    return torch.randn(ROWS_PER_MB, max(1, payload_bytes // (4 * ROWS_PER_MB)))
+
+
+@ray.remote(num_cpus=WORKER_CPUS)
+class Noop:
+    def noop(self) -> None:
+        pass
+
+
+@ray.remote(num_cpus=WORKER_CPUS)
+class NaiveBuffer:
+    """What one writes without a dock: a list behind one lock, holding torch tensors as given."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: list = []
+
+    def put(self, batch) -> None:
+        with self._lock:
+            self._items.append(batch)
+
+    def get(self):
+        with self._lock:
+            return self._items.pop() if self._items else None
+
+
+@ray.remote(num_cpus=WORKER_CPUS)
+class Worker:
+    """A producer or consumer process; each method times its own loop."""
+
+    def __init__(self) -> None:
+        torch.set_num_threads(1)
+
+    def ready(self) -> bool:
+        return True
+
+    # --- latency
+    def time_noop(self, actor, calls: int) -> list[float]:
+        out = []
+        for _ in range(calls):
+            t = time.perf_counter()
+            ray.get(actor.noop.remote())
+            out.append(time.perf_counter() - t)
+        return out
+
+    def time_dock_noop(self, client, calls: int) -> list[float]:
+        out = []
+        for _ in range(calls):
+            t = time.perf_counter()
+            client.noop()
+            out.append(time.perf_counter() - t)
+        return out
+
+    def time_small_gets(self, client, consumer: str, calls: int) -> list[float]:
+        out = []
+        for _ in range(calls):
+            t = time.perf_counter()
+            _, rows = client.get_experience(consumer, ["x"], ROWS_PER_MB)
+            out.append(time.perf_counter() - t)
+            assert len(rows) == ROWS_PER_MB
+        return out
+
+    # --- dock
+    def dock_put(self, client, payload_bytes: int, first_mb: int, n_mb: int) -> float:
+        batch = _microbatch(payload_bytes)
+        t = time.perf_counter()
+        for k in range(first_mb, first_mb + n_mb):
+            client.put_experience({"x": batch}, range(k * ROWS_PER_MB, (k + 1) * ROWS_PER_MB), producer="producer")
+        return time.perf_counter() - t
+
+    def dock_drain(self, client, consumer: str, copy: bool = False) -> tuple[int, float]:
+        rows_seen = 0
+        t = time.perf_counter()
+        while True:
+            data, rows = client.get_experience(consumer, ["x"], ROWS_PER_MB, blocking=True, timeout=120, copy=copy)
+            if not rows:
+                return rows_seen, time.perf_counter() - t
+            rows_seen += len(rows)
+            assert data["x"][0].numel() > 0
+
+    def warm_object_store(self, total_bytes: int) -> None:
+        """Touch the store's pages once: first-touch page faults cost more than the copies we
+        measure, and whichever system ran first would pay them all."""
+        arr = np.ones(16 << 20, dtype=np.uint8)
+        refs = [ray.put(arr) for _ in range(max(1, total_bytes // arr.nbytes))]
+        del refs
+
+    # --- one micro-batch at a time, timed here (see measure_handoff)
+    def one_plain_put(self, payload_bytes: int) -> tuple[float, list]:
+        arr = self._batch(payload_bytes).numpy()
+        t = time.perf_counter()
+        ref = ray.put(arr)
+        return time.perf_counter() - t, [ref]
+
+    def one_plain_get(self, refs: list) -> float:
+        t = time.perf_counter()
+        arr = ray.get(refs[0])
+        assert arr.size > 0
+        return time.perf_counter() - t
+
+    def one_dock_put(self, client, payload_bytes: int, k: int, wait: bool) -> float:
+        batch = self._batch(payload_bytes)
+        t = time.perf_counter()
+        client.put_experience({"x": batch}, range(k * ROWS_PER_MB, (k + 1) * ROWS_PER_MB), wait=wait)
+        return time.perf_counter() - t
+
+    def one_dock_get(self, client) -> float:
+        t = time.perf_counter()
+        data, rows = client.get_experience("c", ["x"], ROWS_PER_MB, blocking=True, timeout=60)
+        assert len(rows) == ROWS_PER_MB and data["x"][0].numel() > 0
+        return time.perf_counter() - t
+
+    def flush(self, client) -> None:
+        client.flush()
+
+    def _batch(self, payload_bytes: int) -> torch.Tensor:
+        if getattr(self, "_batch_cache", (None,))[0] != payload_bytes:
+            self._batch_cache = (payload_bytes, _microbatch(payload_bytes))
+        return self._batch_cache[1]
+
+    # --- plain Ray
+    def plain_put(self, payload_bytes: int, n_mb: int) -> tuple[float, list]:
+        arr = _microbatch(payload_bytes).numpy()
+        t = time.perf_counter()
+        refs = [ray.put(arr) for _ in range(n_mb)]
+        return time.perf_counter() - t, refs
+
+    def plain_get(self, refs: list) -> float:
+        t = time.perf_counter()
+        for ref in refs:
+            arr = ray.get(ref)
+            assert arr.size > 0
+        return time.perf_counter() - t
+
+    # --- naive buffer
+    def naive_put(self, buffer, payload_bytes: int, n_mb: int) -> float:
+        batch = _microbatch(payload_bytes)
+        t = time.perf_counter()
+        for _ in range(n_mb):
+            ray.get(buffer.put.remote({"x": batch}))
+        return time.perf_counter() - t
+
+    def naive_drain(self, buffer) -> tuple[int, float]:
+        rows_seen = 0
+        t = time.perf_counter()
+        while (batch := ray.get(buffer.get.remote())) is not None:
+            rows_seen += batch["x"].shape[0]
+        return rows_seen, time.perf_counter() - t
+
+
+def _median_ms(xs: list[float]) -> float:
+    return statistics.median(xs) * 1e3
+
+
+def _n_microbatches(payload: int, quick: bool) -> int:
+    """Enough micro-batches per run to time well, bounded in bytes so the object store copes."""
+    if payload <= 1 << 10:
+        return 80 if quick else 240
+    if payload <= 1 << 20:
+        return 32 if quick else 64
+    return 8 if quick else 16
+
+
+def measure_latency(workers, calls: int) -> dict[str, float]:
+    noop = Noop.remote()
+    client = create_transfer_dock(["x"], ["c"], prompts_num=calls * ROWS_PER_MB + ROWS_PER_MB)
+    ray.get(workers[0].dock_put.remote(client, PAYLOADS["1KB"], 0, calls + 1))
+    w = workers[1]
+    ray.get(w.time_noop.remote(noop, 20))  # warm-up: connections, first-call costs
+    ray.get(w.time_small_gets.remote(client, "c", 1))
+    noop_ms = _median_ms(ray.get(w.time_noop.remote(noop, calls)))
+    dock_noop_ms = _median_ms(ray.get(w.time_dock_noop.remote(client, calls)))
+    get_ms = _median_ms(ray.get(w.time_small_gets.remote(client, "c", calls)))
+    ray.kill(noop)
+    ray.kill(client.actor)
+    return {"noop_call_ms": noop_ms, "dock_noop_call_ms": dock_noop_ms, "small_get_ms": get_ms}
+
+
+def measure_dock(workers, payload: int, consumers: int, n_mb: int, inline_bytes: int | None = None,
+                 copy: bool = False) -> dict:
+    """Producer and consumers at once (overlapped), then all puts followed by all gets (sequential)."""
+    kwargs = {} if inline_bytes is None else {"inline_bytes": inline_bytes}
+    client = create_transfer_dock(["x"], ["c"], prompts_num=n_mb * ROWS_PER_MB, **kwargs)
+    producer, cons = workers[0], workers[1:1 + consumers]
+    # overlapped
+    t = time.perf_counter()
+    drains = [w.dock_drain.remote(client, "c", copy) for w in cons]
+    ray.get(producer.dock_put.remote(client, payload, 0, n_mb))
+    rows = sum(r for r, _ in ray.get(drains))
+    overlapped_s = time.perf_counter() - t
+    assert rows == n_mb * ROWS_PER_MB, (rows, n_mb)
+    client.clear()
+    # sequential: all puts, then all gets
+    put_s = ray.get(producer.dock_put.remote(client, payload, 0, n_mb))
+    t = time.perf_counter()
+    rows = sum(r for r, _ in ray.get([w.dock_drain.remote(client, "c", copy) for w in cons]))
+    get_s = time.perf_counter() - t
+    assert rows == n_mb * ROWS_PER_MB
+    ray.kill(client.actor)
+    return {"overlapped_s": overlapped_s, "put_s": put_s, "get_s": get_s}
+
+
+def measure_plain(workers, payload: int, consumers: int, n_mb: int) -> dict:
+    producer, cons = workers[0], workers[1:1 + consumers]
+    put_s, refs = ray.get(producer.plain_put.remote(payload, n_mb))
+    t = time.perf_counter()
+    ray.get([w.plain_get.remote(refs[i::consumers]) for i, w in enumerate(cons)])
+    get_s = time.perf_counter() - t
+    del refs
+    return {"put_s": put_s, "get_s": get_s}
+
+
+def measure_naive(workers, payload: int, consumers: int, n_mb: int) -> dict:
+    buffer = NaiveBuffer.remote()
+    producer, cons = workers[0], workers[1:1 + consumers]
+    put_s = ray.get(producer.naive_put.remote(buffer, payload, n_mb))
+    t = time.perf_counter()
+    rows = sum(r for r, _ in ray.get([w.naive_drain.remote(buffer) for w in cons]))
+    get_s = time.perf_counter() - t
+    assert rows == n_mb * ROWS_PER_MB
+    ray.kill(buffer)
+    return {"put_s": put_s, "get_s": get_s}
+
+
+def measure_handoff(workers, payload: int, reps: int) -> dict[str, float]:
+    """Median time to hand one micro-batch from a producer process to a consumer process.
+
+    The systems alternate micro-batch by micro-batch, each timed inside the workers (the
+    producer's put plus the consumer's get), so machine noise and page-fault warmth hit them
+    alike. `dock` waits for each put's answer (the default); `dock pipelined` sends puts with
+    `wait=False` (the consumer's blocking get still waits until the rows are in).
+    """
+    producer, consumer = workers[0], workers[1]
+    client = create_transfer_dock(["x"], ["c"], prompts_num=reps * ROWS_PER_MB)
+    times: dict[str, list[float]] = {"plain-ray": [], "dock": [], "dock pipelined": []}
+    k = 0
+    for r in range(reps + 1):
+        for system in ("plain-ray", "dock", "dock pipelined"):
+            if system == "plain-ray":
+                put_s, refs = ray.get(producer.one_plain_put.remote(payload))
+                get_s = ray.get(consumer.one_plain_get.remote(refs))
+                del refs
+            else:
+                if k == reps:
+                    client.clear()
+                    k = 0
+                put_s = ray.get(producer.one_dock_put.remote(client, payload, k, system == "dock"))
+                get_s = ray.get(consumer.one_dock_get.remote(client))
+                ray.get(producer.flush.remote(client))
+                k += 1
+            if r > 0:  # the first round warms connections and caches
+                times[system].append(put_s + get_s)
+    ray.kill(client.actor)
+    return {f"{system}_ms": _median_ms(ts) for system, ts in times.items()}
+
+
+def measure_scaling(gets: int) -> dict[str, float]:
+    """Median get latency of the plain dock, in process, at 1,000 and 1,000,000 rows."""
+    out = {}
+    row = np.zeros(4, dtype=np.float32)
+    for capacity in (1_000, 1_000_000):
+        dock = TransferDock(["x"], ["c"], prompts_num=capacity, event_log_size=1000)
+        chunk = 100_000
+        for start in range(0, capacity, chunk):
+            stop = min(capacity, start + chunk)
+            dock.put_experience({"x": [row] * (stop - start)}, range(start, stop))
+        dock.get_experience("c", ["x"], ROWS_PER_MB)  # first get builds the consumer's ready set
+        lat = []
+        while len(lat) < gets:
+            t = time.perf_counter()
+            _, rows = dock.get_experience("c", ["x"], ROWS_PER_MB)
+            lat.append(time.perf_counter() - t)
+            if len(rows) < ROWS_PER_MB:  # the small dock runs dry: refill (not timed)
+                dock.clear()
+                dock.put_experience({"x": [row] * capacity}, range(capacity))
+                dock.get_experience("c", ["x"], ROWS_PER_MB)
+        out[f"get_ms_{capacity}_rows"] = _median_ms(lat)
+        del dock
+    return out
+
+
+def run(quick: bool, only_handoff: bool = False) -> dict:
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             object_store_memory=2 * 1024 ** 3)
+    workers = [Worker.remote() for _ in range(1 + max(CONSUMER_COUNTS))]
+    ray.get([w.ready.remote() for w in workers])
+    results: dict = {"machine": {"python": sys.version.split()[0], "torch": torch.__version__, "ray": ray.__version__,
+                                 "cpus": os.cpu_count(), "platform": platform.platform()},
+                     "quick": quick, "rows_per_microbatch": ROWS_PER_MB}
+    results["latency"] = measure_latency(workers, 200 if quick else 1000)
+    rounds = 2 if quick else 3
+    ray.get(workers[0].warm_object_store.remote(2 * 16 * max(PAYLOADS.values())))
+    results["handoff"] = {name: measure_handoff(workers, payload, 20 if quick else 60)
+                          for name, payload in PAYLOADS.items()}
+    if only_handoff:
+        ray.shutdown()
+        return results
+    rows = []
+    for name, payload in PAYLOADS.items():
+        n_mb = _n_microbatches(payload, quick)
+        mb_bytes = _microbatch(payload).numel() * 4
+        total_bytes, total_rows = n_mb * mb_bytes, n_mb * ROWS_PER_MB
+        for consumers in CONSUMER_COUNTS:
+            systems = {
+                "dock": lambda: measure_dock(workers, payload, consumers, n_mb),
+                "plain-ray": lambda: measure_plain(workers, payload, consumers, n_mb),
+                "naive-buffer": lambda: measure_naive(workers, payload, consumers, n_mb),
+            }
+            if consumers == 1:  # the data-path variants, for the choice in docs/transfer_dock.md
+                systems["dock copy=True"] = lambda: measure_dock(workers, payload, 1, n_mb, copy=True)
+                systems["dock all-inline"] = lambda: measure_dock(workers, payload, 1, n_mb, inline_bytes=1 << 62)
+                systems["dock all-by-ref"] = lambda: measure_dock(workers, payload, 1, n_mb, inline_bytes=0)
+            runs: dict[str, list[dict]] = {k: [] for k in systems}
+            order = list(systems)
+            for r in range(rounds):  # alternate the systems so drift and noise hit them alike
+                for system in order[r % len(order):] + order[:r % len(order)]:
+                    runs[system].append(systems[system]())
+            for system, ms in runs.items():
+                seq_s = statistics.median(m["put_s"] + m["get_s"] for m in ms)
+                wall_s = statistics.median(m.get("overlapped_s", m["put_s"] + m["get_s"]) for m in ms)
+                rows.append({
+                    "payload": name, "consumers": consumers, "system": system, "microbatches": n_mb,
+                    "rounds": rounds, "rows_per_s": total_rows / wall_s, "mb_per_s": total_bytes / wall_s / 1e6,
+                    "seq_mb_per_s": total_bytes / seq_s / 1e6, "runs": ms,
+                })
+            print(f"  measured {name} x {consumers} consumers", file=sys.stderr, flush=True)
+    results["transfer"] = rows
+    results["scaling"] = measure_scaling(2_000 if quick else 20_000)
+    ray.shutdown()
+
+    lat, sc = results["latency"], results["scaling"]
+    seq = {(r["payload"], r["consumers"], r["system"]): r["seq_mb_per_s"] for r in rows}
+    results["ratios"] = {
+        "small_get_over_noop_call": lat["small_get_ms"] / lat["noop_call_ms"],
+        "bw_16mb_over_plain_ray": seq[("16MB", 1, "dock")] / seq[("16MB", 1, "plain-ray")],
+        "get_1m_over_1k_rows": sc["get_ms_1000000_rows"] / sc["get_ms_1000_rows"],
+    }
+    return results
+
+
+def print_table(results: dict) -> None:
+    lat, sc, ratios = results["latency"], results["scaling"], results["ratios"]
+    print(f"\nTransferDock benchmark ({'quick' if results['quick'] else 'full'}; {results['machine']['cpus']} CPUs, "
+          f"ray {results['machine']['ray']}, torch {results['machine']['torch']}; {ROWS_PER_MB} rows per micro-batch)\n")
+    print("latency (median, from a worker process)")
+    print(f"  no-op call, plain Ray actor   {lat['noop_call_ms']:8.3f} ms")
+    print(f"  no-op call, dock actor        {lat['dock_noop_call_ms']:8.3f} ms")
+    print(f"  small get (1 KB micro-batch)  {lat['small_get_ms']:8.3f} ms")
+    print(f"  plain dock get, 1,000 rows    {sc['get_ms_1000_rows']:8.4f} ms")
+    print(f"  plain dock get, 1,000,000 rows{sc['get_ms_1000000_rows']:8.4f} ms\n")
+    print("transfer (rows/s and MB/s: producer and consumers at once for the dock; sequential MB/s: all puts, then all gets)")
+    print(f"  {'payload':>7} {'cons':>4}  {'system':<16} {'rows/s':>10} {'MB/s':>9} {'seq MB/s':>9}")
+    for r in results["transfer"]:
+        print(f"  {r['payload']:>7} {r['consumers']:>4}  {r['system']:<16} {r['rows_per_s']:>10.0f} "
+              f"{r['mb_per_s']:>9.1f} {r['seq_mb_per_s']:>9.1f}")
+    print("\ntargets")
+    print(f"  small_get_over_noop_call  {ratios['small_get_over_noop_call']:6.2f}  (target <= 2)")
+    print(f"  bw_16mb_over_plain_ray    {ratios['bw_16mb_over_plain_ray']:6.2f}  (target >= 0.7)")
+    print(f"  get_1m_over_1k_rows       {ratios['get_1m_over_1k_rows']:6.2f}  (target <= 2)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer repetitions (about a minute)")
+    p.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
+    p.add_argument("--handoff-only", action="store_true",
+                   help="only the latency and one-micro-batch handoff figures (quick look at the data path)")
+    args = p.parse_args()
+    results = run(args.quick, only_handoff=args.handoff_only)
+    if args.handoff_only:
+        print(json.dumps({k: results[k] for k in ("latency", "handoff")}, indent=1))
+    else:
+        print_table(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+        print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
