@@ -35,6 +35,7 @@ class RefBlock:
     column: str  # the object holds {column: ColumnBlock} for all large columns of one put
     numel: np.ndarray  # per row
     itemsize: int
+    kind: str  # as ColumnBlock.kind
 
     def __len__(self) -> int:
         return len(self.numel)
@@ -111,7 +112,9 @@ class TransferDockActor:
         for block in blocks.values():
             if isinstance(block, RefBlock):
                 block.ref = refs[block.ref]
-        self._dock.put_cells({c: _cells(b) for c, b in blocks.items()}, indexes, overwrite=overwrite, producer=producer)
+        kinds = {c: b.kind for c, b in blocks.items()}
+        self._dock.put_cells({c: _cells(b) for c, b in blocks.items()}, indexes, overwrite=overwrite,
+                             producer=producer, kinds=kinds)
         await self._notify()
 
     async def get(self, blob: bytes):
@@ -125,7 +128,7 @@ class TransferDockActor:
     async def _get(self, consumer: str, columns: Sequence[str], count: int, indexes: Sequence[int] | None = None,
                    get_n_samples: bool = False, blocking: bool = False, timeout: float | None = None):
         dock = self._dock
-        columns, idx = dock.checked_get(consumer, columns, count, indexes, get_n_samples)
+        columns, idx = dock.checked_get(consumer, columns, count, indexes, get_n_samples, timeout)
         t_start = time.time()
         deadline = t_start + (dock.default_timeout if timeout is None else float(timeout))
         while True:

@@ -89,7 +89,7 @@ class TransferDockClient:
             block = pack(checked_rows(column, values))
             if block.nbytes >= self.inline_bytes:
                 large[column] = block
-                blocks[column] = RefBlock(0, column, np.diff(block.offsets), block.flat.itemsize)
+                blocks[column] = RefBlock(0, column, np.diff(block.offsets), block.flat.itemsize, block.kind)
             else:
                 blocks[column] = block
         # One object for all large columns: every ref passed through the dock costs Ray a
@@ -107,9 +107,11 @@ class TransferDockClient:
     def get_experience(self, consumer: str, columns: Sequence[str], count: int,
                        indexes: Sequence[int] | None = None, get_n_samples: bool = False,
                        blocking: bool = False, timeout: float | None = None,
-                       copy: bool = False) -> tuple[dict[str, list], list[int]]:
-        """As `TransferDock.get_experience`. Rows are zero-copy, read-only views of Ray's object
-        store unless `copy=True` (then each column gets one private, writable buffer)."""
+                       copy: bool = True) -> tuple[dict[str, list], list[int]]:
+        """As `TransferDock.get_experience`. Each column's rows share one private, writable buffer.
+        `copy=False` skips that copy: rows are then views of Ray's object store that other
+        consumers read too, so writing to them corrupts their data; use it only where the rows are
+        collated into a new batch at once."""
         if indexes is not None and hasattr(indexes, "tolist"):
             indexes = indexes.tolist()
         columns = [columns] if isinstance(columns, str) else list(columns)
@@ -152,7 +154,7 @@ class TransferDockClient:
         self._call(self.actor.noop.remote())
 
 
-def assemble(parts_by_column: dict[str, list], n_rows: int, refs: list, copy: bool = False) -> dict[str, list]:
+def assemble(parts_by_column: dict[str, list], n_rows: int, refs: list, copy: bool = True) -> dict[str, list]:
     """Rebuild each column's rows, in the order handed out, from inline blocks and referenced ones."""
     fetched = ray.get(refs) if refs else []
     out: dict[str, list] = {}

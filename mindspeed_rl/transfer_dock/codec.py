@@ -29,6 +29,11 @@ class ColumnBlock:
     def nbytes(self) -> int:
         return int(self.flat.nbytes)
 
+    @property
+    def kind(self) -> str:
+        """Row type and dtype, as `dock.row_kind` names them."""
+        return f"torch.{self.torch_dtype}" if self.torch_dtype else f"numpy.{self.flat.dtype}"
+
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
@@ -75,21 +80,26 @@ def _contiguous_view(rows: Sequence[torch.Tensor], total: int) -> torch.Tensor |
     first = rows[0]
     if not first.is_contiguous() or first.device.type != "cpu":
         return None
+    storage = first.untyped_storage()
+    if (first.storage_offset() + total) * first.element_size() > storage.nbytes():
+        return None  # adjacent in memory but not one storage (e.g. rows from separate from_numpy calls)
     base, step = first.data_ptr(), first.element_size()
     pos = 0
     for r in rows:
-        if r.dtype != first.dtype or not r.is_contiguous() or r.data_ptr() != base + pos * step:
+        if (r.dtype != first.dtype or not r.is_contiguous() or r.data_ptr() != base + pos * step
+                or r.untyped_storage().data_ptr() != storage.data_ptr()):
             return None
         pos += r.numel()
     return torch.as_strided(first, (total,), (1,))
 
 
-def unpack(block: ColumnBlock, copy: bool = False) -> list:
+def unpack(block: ColumnBlock, copy: bool = True) -> list:
     """One block -> its rows, as tensors (or arrays) that are views of one buffer.
 
-    Zero-copy by default: rows that came through Ray's object store are views of an immutable
-    object, so treat them as read-only (the in-process dock likewise hands out its stored rows).
-    `copy=True` gives the rows one private, writable buffer.
+    `copy=True` (default) gives the rows one private, writable buffer. `copy=False` is zero-copy:
+    rows that came through Ray's object store are then views of an object other consumers read
+    too, and torch cannot mark them read-only, so only a caller that never writes to them (one
+    that collates them into a new batch at once) should ask for it.
     """
     flat = block.flat.copy() if copy else block.flat
     offs = block.offsets.tolist()

@@ -11,6 +11,7 @@ every wait is bounded.
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -48,7 +49,10 @@ class _ConsumerState:
     capacity: int
     taken: np.ndarray = field(init=False)
     blocked: np.ndarray = field(init=False)  # taken, or reserved by the sampler
+    n_samples_per_prompt: int = 1
     taken_count: int = 0
+    untouched_groups: int = 0  # prompt groups none of whose rows this consumer has taken
+    group_taken: np.ndarray = field(init=False)
     reserved: set[int] = field(default_factory=set)
     cursor: int = 0  # every row below it is taken
     views: dict[frozenset, ReadyRows] = field(default_factory=dict)
@@ -56,11 +60,15 @@ class _ConsumerState:
     def __post_init__(self) -> None:
         self.taken = np.zeros(self.capacity, dtype=bool)
         self.blocked = np.zeros(self.capacity, dtype=bool)
+        self.group_taken = np.zeros(self.capacity // self.n_samples_per_prompt, dtype=np.int32)
+        self.untouched_groups = len(self.group_taken)
 
     def reset(self, n_samples_per_prompt: int) -> None:
         self.taken[:] = False
         self.blocked[:] = False
         self.taken_count = 0
+        self.group_taken[:] = 0
+        self.untouched_groups = len(self.group_taken)
         self.reserved.clear()
         self.cursor = 0
         self.views = {k: ReadyRows(k, self.capacity, n_samples_per_prompt) for k in self.views}
@@ -98,7 +106,7 @@ class TransferDock:
         for name, v in (("prompts_num", prompts_num), ("n_samples_per_prompt", n_samples_per_prompt)):
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
                 raise DockValueError(f"TransferDock: {name}={v!r}; it must be an integer >= 1")
-        if not default_timeout or default_timeout <= 0:
+        if not isinstance(default_timeout, (int, float)) or not math.isfinite(default_timeout) or default_timeout <= 0:
             raise DockValueError(f"TransferDock: default_timeout={default_timeout!r}; it must be > 0 seconds "
                                  "(nothing in the dock waits forever)")
         samplers = dict(samplers or {})
@@ -113,13 +121,16 @@ class TransferDock:
         self.default_timeout = float(default_timeout)
         self.step = 0
         self.metrics = DockMetrics(event_log_size=event_log_size)
+        self.metrics.register(self.consumers, self.columns)
         self._cond = threading.Condition(threading.Lock())
         self._cells: dict[str, list] = {c: [None] * self.capacity for c in self.columns}
         self._written = {c: np.zeros(self.capacity, dtype=bool) for c in self.columns}
         self._written_count = {c: 0 for c in self.columns}
         self._numel = {c: np.zeros(self.capacity, dtype=np.int32) for c in self.columns}
+        self._kind: dict[str, str] = {}  # column -> row type and dtype written this step
         default = OrderedSampler if guarantee_order else AnyReadySampler
-        self._state = {c: _ConsumerState(samplers.get(c) or default(), self.capacity) for c in self.consumers}
+        self._state = {c: _ConsumerState(samplers.get(c) or default(), self.capacity, self.n_samples_per_prompt)
+                       for c in self.consumers}
 
     # ------------------------------------------------------------------ put
     def put_experience(
@@ -136,7 +147,8 @@ class TransferDock:
         Writing a cell twice is an error unless `overwrite=True`.
         """
         rows = {c: checked_rows(c, v) for c, v in self._checked_data(data).items()}
-        self.put_cells(rows, indexes, overwrite=overwrite, producer=producer)
+        kinds = {c: row_kind(v[0]) for c, v in rows.items() if len(v)}
+        self.put_cells(rows, indexes, overwrite=overwrite, producer=producer, kinds=kinds)
 
     def put_cells(
         self,
@@ -145,9 +157,11 @@ class TransferDock:
         *,
         overwrite: bool = False,
         producer: str | None = None,
+        kinds: Mapping[str, str] | None = None,
     ) -> None:
         """`put_experience` without the value-type check, for wrappers whose cells are not tensors
-        (the Ray actor stores references). A cell needs `len()` (tokens) and `nbytes`."""
+        (the Ray actor stores references). A cell needs `len()` (tokens) and `nbytes`. `kinds`
+        names each column's row type and dtype (see `row_kind`): one column keeps one kind per step."""
         data = self._checked_data(data)
         idx = self._checked_indexes("put_experience", indexes)
         for column, values in data.items():
@@ -157,6 +171,11 @@ class TransferDock:
                     "give one value per index")
         t = time.time()
         with self._cond:
+            for column, kind in (kinds or {}).items():
+                if self._kind.get(column, kind) != kind:
+                    raise DockValueError(
+                        f"put_experience: column '{column}' holds {self._kind[column]} rows this step, got {kind}; "
+                        "give one column's rows one type and dtype")
             if not overwrite:
                 for column in data:
                     again = idx[self._written[column][idx]]
@@ -175,6 +194,7 @@ class TransferDock:
                 fresh = int(np.count_nonzero(~self._written[column][idx]))
                 self._written[column][idx] = True
                 self._written_count[column] += fresh
+            self._kind.update(kinds or {})
             self._refresh_ready(set(data), idx)
             self.metrics.on_put(producer or "+".join(data), self.step, {c: len(idx) for c in data}, nbytes, t)
             self._cond.notify_all()
@@ -197,7 +217,7 @@ class TransferDock:
         for a put, at most `timeout` seconds (the dock's `default_timeout` if None), then raises
         `DockTimeoutError` describing what is ready and what is missing.
         """
-        columns, idx = self.checked_get(consumer, columns, count, indexes, get_n_samples)
+        columns, idx = self.checked_get(consumer, columns, count, indexes, get_n_samples, timeout)
         t_start = time.time()
         deadline = t_start + (self.default_timeout if timeout is None else float(timeout))
         with self._cond:
@@ -210,8 +230,12 @@ class TransferDock:
                     return self.finish_get(consumer, columns, count, idx, None, t_start, timed_out=True)
                 self._cond.wait(left)
 
-    def checked_get(self, consumer, columns, count, indexes, get_n_samples) -> tuple[list[str], np.ndarray | None]:
+    def checked_get(self, consumer, columns, count, indexes, get_n_samples,
+                    timeout: float | None = None) -> tuple[list[str], np.ndarray | None]:
         """Validate a get's arguments (before any waiting); returns the columns and row indexes."""
+        if timeout is not None and (not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout < 0):
+            raise DockValueError(f"get_experience: consumer '{consumer}' gave timeout={timeout!r}; give a finite "
+                                 "number of seconds >= 0, or None for the dock's default_timeout")
         columns = self._checked_request(consumer, columns, count, indexes, get_n_samples)
         return columns, (None if indexes is None else self._checked_indexes("get_experience", indexes))
 
@@ -248,15 +272,18 @@ class TransferDock:
                                            f"cells: {detail}; put them first or call with blocking=True")
                 return None
             rows = idx.tolist()
+            if state.reserved.intersection(rows):  # a sampler's held-back rows: hand them all back
+                self._release(state, list(state.reserved))
+                state.sampler.reset()
         else:
             left = self.capacity - state.taken_count
             if left == 0:
                 return {}, []
             want = min(count, left)
-            if get_n_samples:
-                want -= want % self.n_samples_per_prompt
+            if get_n_samples:  # only groups none of whose rows were taken (by index) can go whole
+                want = min(count, state.untouched_groups * self.n_samples_per_prompt)
                 if want == 0:
-                    return None
+                    return {}, []
             req = SampleRequest(
                 consumer=consumer, ready=self._view(state, columns), want=want, group=get_n_samples,
                 n_samples_per_prompt=self.n_samples_per_prompt, is_blocked=lambda r: bool(state.blocked[r]),
@@ -267,6 +294,9 @@ class TransferDock:
             self.metrics.rows_examined += req.examined[0]
             if not rows:
                 return None
+            if len(rows) != want or not req.ready.rows.issuperset(rows):  # a sampler bug must not lose rows
+                raise RuntimeError(f"TransferDock: sampler {type(state.sampler).__name__} of consumer '{consumer}' "
+                                   f"picked rows {preview(rows)} that are not {want} ready rows")
         self._take(state, rows)
         return {c: [self._cells[c][r] for r in rows] for c in columns}, rows
 
@@ -285,6 +315,7 @@ class TransferDock:
                 self._written[c][:] = False
                 self._written_count[c] = 0
                 self._numel[c][:] = 0
+            self._kind.clear()
             for s in self._state.values():
                 s.reset(self.n_samples_per_prompt)
             self.step += 1
@@ -374,14 +405,15 @@ class TransferDock:
                     self._numel[c][r] = len(v)
                     self._written[c][r] = True
                 self._written_count[c] = len(state["cells"][c])
+                first = next(iter(state["cells"][c].values()), None)
+                if first is not None and hasattr(first, "dtype"):
+                    self._kind[c] = row_kind(first)
+                else:
+                    self._kind.pop(c, None)
             for c, s in self._state.items():
                 s.reset(self.n_samples_per_prompt)
                 s.views = {}
-                taken = np.asarray(state["taken"][c], dtype=np.int64)
-                s.taken[taken] = True
-                s.blocked[taken] = True
-                s.taken_count = len(taken)
-                self._advance_cursor(s)
+                self._take(s, np.asarray(state["taken"][c], dtype=np.int64).tolist())
             self.step = int(state.get("step", self.step))
             self._cond.notify_all()
 
@@ -476,7 +508,13 @@ class TransferDock:
                         view.add(idx[ok].tolist())
 
     def _take(self, state: _ConsumerState, rows: list[int]) -> None:
-        state.taken_count += int(np.count_nonzero(~state.taken[rows]))  # an index read may re-read a row
+        if not rows:
+            return
+        fresh = np.asarray(rows, dtype=np.int64)[~state.taken[rows]]  # an index read may re-read a row
+        state.taken_count += len(fresh)
+        groups = fresh // self.n_samples_per_prompt
+        state.untouched_groups -= int(np.count_nonzero(state.group_taken[np.unique(groups)] == 0))
+        np.add.at(state.group_taken, groups, 1)
         state.taken[rows] = True
         state.blocked[rows] = True
         state.reserved.difference_update(rows)
@@ -524,6 +562,11 @@ def _unique_names(what: str, names: Sequence[str]) -> list[str]:
     if dup:
         raise DockValueError(f"TransferDock: {what} {dup} are given more than once; name each once")
     return names
+
+
+def row_kind(row: Any) -> str:
+    """'torch.float32', 'numpy.int64', ...: what one column's rows must all be."""
+    return f"{'torch' if _is_tensor(row) else 'numpy'}.{str(row.dtype).removeprefix('torch.')}"
 
 
 def checked_rows(column: str, values: Any) -> list:

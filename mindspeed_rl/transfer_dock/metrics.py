@@ -36,6 +36,13 @@ class DockMetrics:
     def __post_init__(self) -> None:
         self.events = deque(maxlen=self.event_log_size)
 
+    def register(self, consumers, columns) -> None:
+        """Every consumer and column appears in the metrics from the start, at zero."""
+        for c in consumers:
+            self.consumers[c]
+        for c in columns:
+            self.rows_written[c] += 0
+
     def log(self, op: str, stage: str, step: int, rows: int, nbytes: int, t_start: float, t_end: float) -> None:
         self._seq += 1
         self.events.append(
@@ -75,7 +82,7 @@ class DockMetrics:
             out[f"consumer/{name}/empty_calls"] = float(c.empty_calls)
             out[f"consumer/{name}/wait_s"] = c.wait_s
         for name, n in sorted(self.rows_written.items()):
-            out[f"column/{name}/rows_written"] = float(n)
+            out[f"column/{name}/rows_written"] = float(n)  # overwrites count again
         return out
 
     def events_since(self, seq: int = 0) -> list[dict]:

@@ -138,7 +138,10 @@ class OrderedSampler:
         rows: list[int] = []
         r = start
         ready = req.ready.rows
+        capacity = len(req.ready._group_count) * n
         while len(rows) < req.want:
+            if r >= capacity:  # groups partly taken by index reads cannot go out whole
+                return []
             req.examined[0] += 1
             if req.group:
                 group = range(r, r + n)
@@ -179,16 +182,18 @@ class LengthBalancedSampler:
             raise ValueError(f"LengthBalancedSampler: dp_size={dp_size}; it must be >= 1")
         self.dp_size = dp_size
         self._pending: list[list[int]] = []
+        self._pending_columns: frozenset | None = None  # the column set the pending batches are ready for
 
     def select(self, req: SampleRequest) -> list[int]:
         if req.group:
             return _pop_groups(req)
-        for i, batch in enumerate(self._pending):
-            if len(batch) == req.want:
-                del self._pending[i]
-                req.release(batch)
-                return batch
-        if self._pending:  # cut for another count: give the rows back and cut anew
+        if self._pending_columns == req.ready.columns:
+            for i, batch in enumerate(self._pending):
+                if len(batch) == req.want:
+                    del self._pending[i]
+                    req.release(batch)
+                    return batch
+        if self._pending:  # cut for another count or column set: give the rows back, cut anew
             req.release(self.reserved_rows())
             self._pending.clear()
         ready = req.ready.rows
@@ -206,6 +211,7 @@ class LengthBalancedSampler:
             parts[p].append(pool[i])
             sums[p] += int(tokens[i])
         first, self._pending = parts[0], parts[1:]
+        self._pending_columns = req.ready.columns
         if self._pending:
             req.reserve(self.reserved_rows())
         return first
