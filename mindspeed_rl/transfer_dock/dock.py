@@ -472,7 +472,8 @@ class TransferDock:
                     f"count counts rows and must be a multiple of n_samples_per_prompt={self.n_samples_per_prompt}")
         return columns
 
-    def _as_columns_ready(self, columns, idx: np.ndarray) -> np.ndarray:
+    def _all_written(self, columns, idx: np.ndarray) -> np.ndarray:
+        """Per row of `idx`: are all `columns` written there? (Readiness also needs "not taken".)"""
         ok = np.ones(len(idx), dtype=bool)
         for c in columns:
             ok &= self._written[c][idx]
@@ -503,7 +504,7 @@ class TransferDock:
         for state in self._state.values():
             for key, view in state.views.items():
                 if key & columns:
-                    ok = self._as_columns_ready(key, idx) & ~state.blocked[idx]
+                    ok = self._all_written(key, idx) & ~state.blocked[idx]
                     if ok.any():
                         view.add(idx[ok].tolist())
 
@@ -540,7 +541,7 @@ class TransferDock:
         idx = idx[~state.taken[idx]]
         state.blocked[idx] = False
         for key, view in state.views.items():
-            view.add(idx[self._as_columns_ready(key, idx)].tolist())
+            view.add(idx[self._all_written(key, idx)].tolist())
 
     def _tokens(self, columns: list[str], rows: list[int]) -> np.ndarray:
         tokens = np.zeros(len(rows), dtype=np.int64)
