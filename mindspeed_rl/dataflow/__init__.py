@@ -1,0 +1,22 @@
+"""The algorithm as data: MFCs (model function calls) and the dataflow graph built from them.
+
+An RL algorithm is a list of `MFCDef`; `build_graph` turns it into a checked networkx graph, and
+the trainer derives the dock's columns and consumers, the stage order, the worker groups and the
+weight-sync points from that graph. `draw` renders it (SVG, or PNG with matplotlib).
+"""
+from .graph import (build_graph, data_graph, dataset_readers, describe, dock_columns, dock_consumers,
+                    same_step_readers, topological_order, trained_models, version_edges,
+                    weight_sync_targets, worker_groups)
+from .grpo import DATASET_KEYS as GRPO_DATASET_KEYS
+from .grpo import grpo_mfcs
+from .mfc import InterfaceType, MFCDef
+from .registry import ALGORITHMS, algorithm_graph, get_algorithm, known_algorithms
+
+__all__ = [
+    "InterfaceType", "MFCDef",
+    "build_graph", "data_graph", "topological_order", "dock_columns", "dock_consumers",
+    "dataset_readers", "version_edges", "trained_models", "weight_sync_targets", "same_step_readers",
+    "worker_groups", "describe",
+    "grpo_mfcs", "GRPO_DATASET_KEYS",
+    "ALGORITHMS", "known_algorithms", "get_algorithm", "algorithm_graph",
+]

@@ -1,0 +1,136 @@
+"""Model function calls (MFCs): one stage of an RL algorithm, written as data.
+
+An MFC says *which model* (role) is called, *how* (generate, inference, train_step, compute), which
+dock columns it reads and which it writes, and where it runs. An algorithm is a list of MFCs;
+`mindspeed_rl.dataflow.graph.build_graph` turns the list into the graph the trainer runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class InterfaceType(str, Enum):
+    """How an MFC calls its model."""
+
+    GENERATE = "generate"      # rollout engine: sample responses
+    INFERENCE = "inference"    # forward pass only (log-probs, values, reward model scores)
+    TRAIN_STEP = "train_step"  # forward + backward + optimizer steps: changes the model's weights
+    COMPUTE = "compute"        # plain tensor math or Python (rule rewards, advantages), no weights
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_ALLOWED_INTERFACES = ", ".join(repr(t.value) for t in InterfaceType)
+
+
+def _normalize_interface(mfc_name: str, value) -> InterfaceType:
+    if isinstance(value, InterfaceType):
+        return value
+    if isinstance(value, str):
+        try:
+            return InterfaceType(value.strip().lower())
+        except ValueError:
+            pass
+    raise ValueError(f"MFC {mfc_name!r}: interface_type={value!r} is not a known interface type; "
+                     f"use one of {_ALLOWED_INTERFACES}")
+
+
+def _normalize_keys(mfc_name: str, field: str, value) -> tuple[str, ...]:
+    if isinstance(value, str):
+        raise ValueError(f"MFC {mfc_name!r}: {field}={value!r} is a single string, not a sequence of "
+                         f"key names; write {field}=({value!r},)")
+    try:
+        keys = tuple(value)
+    except TypeError:
+        raise ValueError(f"MFC {mfc_name!r}: {field}={value!r} is not a sequence of key names; "
+                         f"write e.g. {field}=('prompts', 'responses')") from None
+    for key in keys:
+        if not isinstance(key, str) or not key.strip():
+            raise ValueError(f"MFC {mfc_name!r}: {field} contains {key!r}; every key must be a "
+                             f"non-empty column name string")
+    seen, dups = set(), []
+    for key in keys:
+        if key in seen and key not in dups:
+            dups.append(key)
+        seen.add(key)
+    if dups:
+        raise ValueError(f"MFC {mfc_name!r}: {field}={keys!r} lists {', '.join(map(repr, dups))} more "
+                         f"than once; list each key once")
+    return keys
+
+
+@dataclass(frozen=True)
+class MFCDef:
+    """One model function call: a stage of the algorithm's dataflow graph.
+
+    The first five fields alone make a valid MFC; the rest say where and how it runs.
+
+    name:           unique stage name; also the dock consumer name (e.g. ``"actor_log_prob"``).
+    model_name:     the role whose model is called (``"actor"``, ``"ref"``, ``"critic"``, ``"reward"``...).
+                    MFCs that share a model_name share weights.
+    interface_type: an `InterfaceType` or its string (``"generate"``, ``"inference"``,
+                    ``"train_step"``, ``"compute"``).
+    input_keys:     dock columns the MFC reads (lists accepted, stored as tuples).
+    output_keys:    dock columns the MFC writes; may be empty (e.g. a train step).
+    worker_group:   name of the worker group that runs the MFC; None means its own group named after
+                    the MFC (see `worker_group_name`). MFCs naming the same group are colocated.
+                    The trainer's config may override it.
+    dp_size:        data-parallel workers in the group.
+    get_n_samples:  True when the MFC must receive whole prompt groups (all n samples of a prompt),
+                    e.g. GRPO's group-normalized advantage.
+    micro_batch_size: rows per pull from the dock; None means the trainer's default.
+    """
+
+    name: str
+    model_name: str
+    interface_type: InterfaceType
+    input_keys: tuple[str, ...]
+    output_keys: tuple[str, ...]
+    worker_group: str | None = None
+    dp_size: int = 1
+    get_n_samples: bool = False
+    micro_batch_size: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise ValueError(f"MFC of model {self.model_name!r}: name={self.name!r} is empty; give every "
+                             f"MFC a unique non-empty name such as 'actor_rollout'")
+        name = self.name
+        if not isinstance(self.model_name, str) or not self.model_name.strip():
+            raise ValueError(f"MFC {name!r}: model_name={self.model_name!r} is empty; name the role whose "
+                             f"model it calls, e.g. 'actor', 'ref', 'reward'")
+        object.__setattr__(self, "interface_type", _normalize_interface(name, self.interface_type))
+        inputs = _normalize_keys(name, "input_keys", self.input_keys)
+        outputs = _normalize_keys(name, "output_keys", self.output_keys)
+        both = [key for key in inputs if key in outputs]
+        if both:
+            raise ValueError(f"MFC {name!r}: key(s) {', '.join(map(repr, both))} are in both input_keys "
+                             f"and output_keys; an MFC may not overwrite a column it reads, write the "
+                             f"result to a new key (e.g. {both[0] + '_new'!r})")
+        object.__setattr__(self, "input_keys", inputs)
+        object.__setattr__(self, "output_keys", outputs)
+        if self.worker_group is not None and (not isinstance(self.worker_group, str)
+                                              or not self.worker_group.strip()):
+            raise ValueError(f"MFC {name!r}: worker_group={self.worker_group!r} is empty; give a group "
+                             f"name or None for a group of its own")
+        if isinstance(self.dp_size, bool) or not isinstance(self.dp_size, int) or self.dp_size < 1:
+            raise ValueError(f"MFC {name!r}: dp_size={self.dp_size!r} must be an integer >= 1; "
+                             f"use 1 for a single worker")
+        if not isinstance(self.get_n_samples, bool):
+            raise ValueError(f"MFC {name!r}: get_n_samples={self.get_n_samples!r} must be True or False")
+        mbs = self.micro_batch_size
+        if mbs is not None and (isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1):
+            raise ValueError(f"MFC {name!r}: micro_batch_size={mbs!r} must be an integer >= 1, or None "
+                             f"for the trainer's default")
+
+    @property
+    def is_trainable(self) -> bool:
+        """True for a train_step MFC: it changes its model's weights."""
+        return self.interface_type is InterfaceType.TRAIN_STEP
+
+    @property
+    def worker_group_name(self) -> str:
+        """The worker group that runs this MFC: `worker_group`, or the MFC's own name."""
+        return self.worker_group if self.worker_group is not None else self.name

@@ -1,0 +1,40 @@
+"""Algorithms by name: name -> (function returning its MFCs, its dataset keys).
+
+A new algorithm (ppo, remax, ...) is one module with its MFC list and one entry here.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import networkx as nx
+
+from .graph import build_graph
+from .grpo import DATASET_KEYS as GRPO_DATASET_KEYS
+from .grpo import grpo_mfcs
+from .mfc import MFCDef
+
+ALGORITHMS: dict[str, tuple[Callable[[], list[MFCDef]], tuple[str, ...]]] = {
+    "grpo": (grpo_mfcs, GRPO_DATASET_KEYS),
+}
+
+
+def known_algorithms() -> list[str]:
+    """Names of the registered algorithms, sorted."""
+    return sorted(ALGORITHMS)
+
+
+def get_algorithm(name: str) -> tuple[list[MFCDef], tuple[str, ...]]:
+    """(a fresh list of the algorithm's MFCs, its dataset keys). Names are case-insensitive."""
+    key = name.strip().lower() if isinstance(name, str) else name
+    if key not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {name!r}; known algorithms: {', '.join(known_algorithms())}")
+    make_mfcs, dataset_keys = ALGORITHMS[key]
+    return make_mfcs(), tuple(dataset_keys)
+
+
+def algorithm_graph(name: str) -> nx.DiGraph:
+    """The checked dataflow graph of a registered algorithm (graph attribute ``name`` is set)."""
+    mfcs, dataset_keys = get_algorithm(name)
+    g = build_graph(mfcs, dataset_keys)
+    g.graph["name"] = name.strip().lower()
+    return g
