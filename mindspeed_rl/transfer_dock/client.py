@@ -9,6 +9,7 @@ raises instead of hanging a worker.
 from __future__ import annotations
 
 import pickle
+import threading
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -36,10 +37,22 @@ class TransferDockClient:
         self.inline_bytes = inline_bytes
         self.call_timeout = call_timeout
         self.max_pending_puts = max_pending_puts
-        self._pending: list = []  # puts sent with wait=False whose answer is not checked yet
+        self._local = threading.local()  # per thread: puts sent with wait=False, answer not checked yet
+
+    @property
+    def _pending(self) -> list:
+        """This thread's unchecked puts: stages sharing a worker (threads) each flush their own."""
+        pending = getattr(self._local, "pending", None)
+        if pending is None:
+            pending = self._local.pending = []
+        return pending
 
     def __getstate__(self) -> dict:  # a copy sent to another process starts with nothing pending
-        return {**self.__dict__, "_pending": []}
+        return {k: v for k, v in self.__dict__.items() if k != "_local"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._local = threading.local()
 
     @staticmethod
     def _unwrap(fn, *args, **kwargs):
