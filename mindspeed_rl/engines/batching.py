@@ -1,0 +1,69 @@
+"""Rows (variable-length 1-D token tensors) to padded model batches and back.
+
+Layout as verl: prompts left-padded to the longest prompt, responses right-padded to the longest
+response, so every response starts at the same column and `[batch, response_len]` tensors with a
+response mask line up for the loss.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass
+class SequenceBatch:
+    input_ids: torch.Tensor       # [B, P + R]
+    attention_mask: torch.Tensor  # [B, P + R]
+    position_ids: torch.Tensor    # [B, P + R]
+    responses: torch.Tensor       # [B, R]
+    response_mask: torch.Tensor   # [B, R] float, 1 on real response tokens
+    prompt_width: int             # P
+
+    @property
+    def response_lengths(self) -> list[int]:
+        return self.response_mask.sum(-1).long().tolist()
+
+
+def left_pad(rows: Sequence[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(int(r.numel()) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        n = int(r.numel())
+        if n:
+            ids[i, width - n:] = torch.as_tensor(r, dtype=torch.long)
+            mask[i, width - n:] = 1
+    return ids, mask
+
+
+def right_pad(rows: Sequence[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(1, max(int(r.numel()) for r in rows))
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.float32)
+    for i, r in enumerate(rows):
+        n = int(r.numel())
+        if n:
+            ids[i, :n] = torch.as_tensor(r, dtype=torch.long)
+            mask[i, :n] = 1.0
+    return ids, mask
+
+
+def positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def collate(prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor], pad_id: int) -> SequenceBatch:
+    p_ids, p_mask = left_pad(prompts, pad_id)
+    r_ids, r_mask = right_pad(responses, pad_id)
+    attn = torch.cat([p_mask, r_mask.long()], dim=1)
+    return SequenceBatch(input_ids=torch.cat([p_ids, r_ids], dim=1), attention_mask=attn,
+                         position_ids=positions(attn), responses=r_ids, response_mask=r_mask,
+                         prompt_width=p_ids.shape[1])
+
+
+def unpad_rows(values: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
+    """[B, R] values -> B 1-D tensors of each row's real (masked-in) length."""
+    lengths = mask.sum(-1).long().tolist()
+    return [values[i, :n].contiguous() for i, n in enumerate(lengths)]

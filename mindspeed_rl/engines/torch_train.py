@@ -1,0 +1,110 @@
+"""Training with plain torch: AdamW, gradient accumulation over micro-batches, grad clipping, and
+DDP over gloo (nccl/hccl on devices) when a stage has DP > 1.
+
+The engine knows nothing about RL: it turns rows into a padded batch, returns per-token log-probs
+(and entropies) of the responses, takes a loss to backpropagate, and steps the optimizer. The RL
+loss is built by the worker's interface from `mindspeed_rl.algorithms`.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ..algorithms import entropy_from_logits, log_probs_from_logits
+from .batching import SequenceBatch, collate, unpad_rows
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+
+
+def response_logits(model: torch.nn.Module, batch: SequenceBatch, temperature: float) -> torch.Tensor:
+    """Logits that predict each response token: positions P-1 .. P+R-2 of the full sequence."""
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                position_ids=batch.position_ids, use_cache=False)
+    p, r = batch.prompt_width, batch.responses.shape[1]
+    logits = out.logits[:, p - 1:p + r - 1, :].float()
+    return logits / temperature if temperature not in (0, 1.0) else logits
+
+
+class TorchTrainEngine:
+    def __init__(self, model: torch.nn.Module, pad_token_id: int, optim: OptimConfig | None = None,
+                 temperature: float = 1.0, device: torch.device | str = "cpu", process_group=None):
+        self.device = torch.device(device)
+        self.model = model.to(self.device)
+        self.module = model  # the bare model, also when wrapped in DDP
+        self.pad_token_id = int(pad_token_id)
+        self.temperature = float(temperature)
+        self.optim_config = optim
+        self.optimizer = None
+        self.version = 0
+        if optim is not None:
+            self.model.train()
+            if process_group is not None:
+                from torch.nn.parallel import DistributedDataParallel
+                self.model = DistributedDataParallel(self.module, process_group=process_group)
+            self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=optim.lr, betas=optim.betas,
+                                               eps=optim.eps, weight_decay=optim.weight_decay)
+        else:
+            self.module.eval()
+            for p in self.module.parameters():
+                p.requires_grad_(False)
+
+    def batch(self, prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor]) -> SequenceBatch:
+        b = collate(prompts, responses, self.pad_token_id)
+        if self.device.type != "cpu":
+            b = SequenceBatch(*(x.to(self.device) if torch.is_tensor(x) else x for x in
+                                (b.input_ids, b.attention_mask, b.position_ids, b.responses, b.response_mask)),
+                              prompt_width=b.prompt_width)
+        return b
+
+    def forward(self, batch: SequenceBatch, with_entropy: bool = False):
+        """Per-token log-probs [B, R] (and entropies) of the responses, with grad when training."""
+        logits = response_logits(self.model, batch, self.temperature)
+        logp = log_probs_from_logits(logits, batch.responses)
+        return logp, (entropy_from_logits(logits) if with_entropy else None)
+
+    @torch.no_grad()
+    def log_probs(self, prompts, responses, micro_batch_size: int) -> list[torch.Tensor]:
+        """Inference: per-token log-probs, one 1-D tensor per row, micro-batch by micro-batch."""
+        out: list[torch.Tensor] = []
+        for i in range(0, len(prompts), micro_batch_size):
+            b = self.batch(prompts[i:i + micro_batch_size], responses[i:i + micro_batch_size])
+            logits = response_logits(self.module, b, self.temperature)
+            out.extend(r.cpu() for r in unpad_rows(log_probs_from_logits(logits, b.responses), b.response_mask))
+        return out
+
+    def no_sync(self, sync: bool):
+        """DDP all-reduces only on the last micro-batch of an update (gradient accumulation)."""
+        if sync or not hasattr(self.model, "no_sync"):
+            return contextlib.nullcontext()
+        return self.model.no_sync()
+
+    def optimizer_step(self) -> dict[str, float]:
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.optim_config.grad_clip)
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        return {"grad_norm": float(grad_norm)}
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [p.data for _, p in self.module.named_parameters()]
+
+    def state_dict(self) -> dict:
+        return {"model": self.module.state_dict(), "version": self.version,
+                "optimizer": self.optimizer.state_dict() if self.optimizer else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.module.load_state_dict(state["model"])
+        self.version = int(state["version"])
+        if self.optimizer is not None and state.get("optimizer") is not None:
+            self.optimizer.load_state_dict(state["optimizer"])

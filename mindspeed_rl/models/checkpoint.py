@@ -1,0 +1,112 @@
+"""Where models come from: local HF checkpoints, and the built-in tiny one made on first use.
+
+`actor_config.model_path: builtin:tiny-qwen2` names the built-in model. It is created once (a
+fixed seed, so every machine gets the same weights), saved as a real HF checkpoint (safetensors
+plus tokenizer files) under the cache directory, and from then on loaded like any other local
+checkpoint. Nothing is downloaded.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_MODELS = ("tiny-qwen2",)
+_CONFIG_DIR = Path(__file__).with_name("tiny_qwen2")
+TINY_SEED = 1234
+
+
+def cache_dir() -> Path:
+    """`$MINDSPEED_RL_CACHE`, else `~/.cache/mindspeed_rl`."""
+    return Path(os.environ.get("MINDSPEED_RL_CACHE", Path.home() / ".cache" / "mindspeed_rl"))
+
+
+def is_builtin(path: str) -> bool:
+    return str(path).startswith(BUILTIN_PREFIX)
+
+
+def check_model_path(field: str, path: str | None) -> None:
+    """Raise a ValueError naming `field` when `path` is neither a built-in name nor a checkpoint dir."""
+    if not path:
+        raise ValueError(f"{field} is empty; set it to a local HF checkpoint directory or to "
+                         f"'{BUILTIN_PREFIX}{BUILTIN_MODELS[0]}' for the built-in tiny model")
+    if is_builtin(path):
+        name = str(path)[len(BUILTIN_PREFIX):]
+        if name not in BUILTIN_MODELS:
+            raise ValueError(f"{field}={path!r}: unknown built-in model {name!r}; built-in models are "
+                             f"{[BUILTIN_PREFIX + m for m in BUILTIN_MODELS]}")
+        return
+    p = Path(path).expanduser()
+    if not (p / "config.json").is_file():
+        raise ValueError(f"{field}={path!r}: no HF checkpoint there (no config.json); give a local "
+                         f"checkpoint directory or '{BUILTIN_PREFIX}{BUILTIN_MODELS[0]}'")
+
+
+def resolve_model_path(path: str) -> Path:
+    """Turn a model path from the config into a checkpoint directory, creating the built-in one."""
+    if not is_builtin(path):
+        return Path(path).expanduser()
+    name = str(path)[len(BUILTIN_PREFIX):]
+    check_model_path("model_path", path)
+    target = cache_dir() / f"{name}-{builtin_fingerprint()}"
+    if not (target / "model.safetensors").is_file():
+        save_tiny_checkpoint(target)
+    return target
+
+
+def builtin_fingerprint() -> str:
+    """Changes whenever the tiny model's config, vocabulary or seed change, so a stale cached
+    checkpoint is never loaded."""
+    import hashlib
+
+    from .tokenizer import CHARACTERS, SPECIAL_TOKENS
+
+    h = hashlib.sha256((_CONFIG_DIR / "config.json").read_bytes())
+    h.update(repr((CHARACTERS, SPECIAL_TOKENS, TINY_SEED)).encode())
+    return h.hexdigest()[:10]
+
+
+def save_tiny_checkpoint(target: Path) -> Path:
+    """Create the tiny Qwen2 from the config in the repo and save it as an HF checkpoint.
+
+    Written to a temporary directory and renamed, so concurrent workers never read half a file.
+    """
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from .tokenizer import build_char_tokenizer
+
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
+    config = Qwen2Config(**json.loads((_CONFIG_DIR / "config.json").read_text()))
+    with torch.random.fork_rng():
+        torch.manual_seed(TINY_SEED)
+        model = Qwen2ForCausalLM(config)
+    model.save_pretrained(tmp, safe_serialization=True)
+    build_char_tokenizer().save_pretrained(tmp)
+    try:
+        os.replace(tmp, target)
+    except OSError:  # another process won the race: its copy is identical
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(resolve_model_path(path)))
+    tok.padding_side = "left"
+    return tok
+
+
+def load_causal_lm(path: str, dtype: str = "float32"):
+    """Load a causal LM for CPU/GPU use; attention is 'eager' on CPU tiny models (fastest there)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(resolve_model_path(path)),
+                                                 dtype=getattr(torch, dtype))
+    return model
