@@ -1,0 +1,123 @@
+"""Every YAML section as a dataclass with defaults: the one place that says what a key means.
+
+Section names follow MindSpeed-RL (`actor_config`, `generate_config`, `rl_config`, ...); keys
+that scripts rely on (`trainer.total_steps`, `rl_config.blocking`, ...) keep their names.
+`docs/configs.md` documents every key; `tests/config` checks that the two agree.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 200               # RL steps (one batch of prompts each)
+    output_dir: str = "outputs/grpo_tiny"  # metrics.jsonl, checkpoints/, curve.png go here
+    seed: int = 1                        # seeds data order, sampling and model init
+    save_interval: int = 0               # checkpoint every N steps (0: only at the end when > 0 steps ran)
+    resume: bool = False                 # continue from the newest checkpoint in output_dir
+    dry_run: bool = False                # validate, print graph and placement plan, start nothing
+    logger: list = field(default_factory=lambda: ["console", "jsonl"])  # console, jsonl
+    progress: bool = True                # per-step progress bar with per-stage consumption
+    stage_timeout_s: float = 120.0       # a stage waiting longer than this for its inputs fails the run
+    plot: bool = True                    # write curve.png (reward and loss per step) at the end
+
+
+@dataclass
+class ActorConfig:
+    model_path: str = "builtin:tiny-qwen2"  # local HF checkpoint dir, or builtin:tiny-qwen2
+    backend: str = "torch"               # torch (DDP over gloo/nccl); megatron: planned, not implemented
+    dtype: str = "float32"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: list = field(default_factory=lambda: [0.9, 0.999])
+    grad_clip: float = 1.0
+    micro_batch_size: int = 32           # rows per forward/backward (gradient accumulation unit)
+    mini_batch_size: Optional[int] = 32  # rows per optimizer step; null: one step over the whole batch
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0            # dual-clip bound for negative advantages
+    loss_agg_mode: str = "token-mean"    # token-mean, seq-mean-token-mean, seq-mean-token-sum
+    use_kl_loss: bool = True             # GRPO's KL to the reference in the loss
+    kl_loss_type: str = "k3"             # k1, k2, k3 (verl's low_var_kl)
+    kl_loss_coef: float = 0.001
+    kl_ctrl: str = "fixed"               # fixed or adaptive coefficient on top of kl_loss_coef
+    kl_target: float = 0.1               # adaptive only
+    kl_horizon: int = 10000              # adaptive only
+    entropy_coeff: float = 0.0
+    log_prob_micro_batch_size: int = 64  # rows per forward when computing old log-probs
+
+
+@dataclass
+class RefConfig:
+    model_path: Optional[str] = None     # null: the actor's initial checkpoint
+    micro_batch_size: int = 64
+
+
+@dataclass
+class GenerateConfig:
+    backend: str = "hf"                  # hf (transformers, KV cache); vllm: planned, not implemented
+    max_new_tokens: int = 4
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                       # 0: off
+    stop_tokens: list = field(default_factory=lambda: ["<eos>"])  # token strings that end a response
+    micro_batch_size: int = 64           # rows per generate call (a multiple of n_samples_per_prompt)
+
+
+@dataclass
+class RLConfig:
+    algorithm: str = "grpo"              # the dataflow graph to run (mindspeed_rl.dataflow.registry)
+    blocking: bool = False               # true: stages one after another; false: overlapped micro-batches
+    guarantee_order: bool = True         # rows handed out in index order: blocking == non-blocking results
+    n_samples_per_prompt: int = 8        # GRPO group size
+    prompts_per_step: int = 16           # prompts per step (rows = prompts_per_step * n_samples_per_prompt)
+    reward_fn: str = "digits"            # built-in name or dotted path pkg.module:function
+    adv_eps: float = 1e-6
+    norm_adv_by_std: bool = True
+    max_weight_staleness: int = 0        # rollout may use weights at most this many versions old
+    dock_micro_batch_size: int = 32      # rows per get for stages that set none (reward, advantage)
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "builtin:copy"        # builtin:copy|reverse|sort|add, or a .jsonl/.parquet path
+    num_digits: int = 3                  # built-in tasks only
+    size: int = 10000                    # built-in tasks only: prompts in the dataset
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    max_prompt_length: int = 64
+    shuffle: bool = True
+    chat_template: bool = False
+
+
+@dataclass
+class GroupConfig:
+    """One worker group: the Ray actors that run some MFCs, with their resources."""
+    mfcs: list = field(default_factory=list)
+    num_cpus: float = 0.5                # per actor (fractional CPUs let several share a core)
+    num_gpus: float = 0.0                # per actor
+    num_npus: float = 0.0                # per actor
+    dp: int = 1                          # data-parallel actors in the group
+    torch_threads: int = 1               # torch.set_num_threads inside each actor
+    device: str = "cpu"                  # cpu, cuda, npu, auto
+
+
+@dataclass
+class PlacementConfig:
+    mode: str = "colocated"              # colocated, disaggregated, or custom (groups below only)
+    groups: dict = field(default_factory=dict)  # group name -> GroupConfig fields (override the mode's)
+    ray_address: Optional[str] = None    # null: start a local Ray
+    ray_num_cpus: Optional[float] = None  # local Ray only; null: all cores
+
+
+@dataclass
+class Config:
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    actor_config: ActorConfig = field(default_factory=ActorConfig)
+    ref_config: RefConfig = field(default_factory=RefConfig)
+    generate_config: GenerateConfig = field(default_factory=GenerateConfig)
+    rl_config: RLConfig = field(default_factory=RLConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)

@@ -1,0 +1,97 @@
+"""Checks of a config on its own (no cluster, no files): divisibility, ranges, names.
+
+Checks that need other layers (reward names, model paths, the placement against the dataflow
+graph and the Ray cluster) run in `mindspeed_rl.trainer.plan`, still before any worker starts.
+"""
+from __future__ import annotations
+
+from .load import ConfigError
+from .schema import Config
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+KL_TYPES = ("k1", "k2", "k3", "kl", "mse", "low_var_kl", "abs")
+PLACEMENT_MODES = ("colocated", "disaggregated", "custom")
+LOGGERS = ("console", "jsonl")
+TRAIN_BACKENDS = ("torch", "megatron")
+ROLLOUT_BACKENDS = ("hf", "vllm")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _positive(errors: list, key: str, value, fix: str = "", allow_zero: bool = False) -> None:
+    bad = value is None or value < 0 or (value == 0 and not allow_zero)
+    if bad:
+        errors.append(f"{key}={value!r}: must be {'>= 0' if allow_zero else '> 0'}{'; ' + fix if fix else ''}")
+
+
+def _one_of(errors: list, key: str, value, allowed) -> None:
+    if value not in allowed:
+        errors.append(f"{key}={value!r}: must be one of {list(allowed)}")
+
+
+def validate_config(cfg: Config) -> None:
+    """Raise one ConfigError listing every problem found (so a user fixes them in one go)."""
+    e: list[str] = []
+    t, a, g, rl, d = cfg.trainer, cfg.actor_config, cfg.generate_config, cfg.rl_config, cfg.data
+    _positive(e, "trainer.total_steps", t.total_steps, allow_zero=True)
+    _positive(e, "trainer.save_interval", t.save_interval, "0 turns periodic checkpoints off", allow_zero=True)
+    _positive(e, "trainer.stage_timeout_s", t.stage_timeout_s)
+    for lg in t.logger:
+        _one_of(e, "trainer.logger", lg, LOGGERS)
+    if rl.n_samples_per_prompt < 2:
+        e.append(f"rl_config.n_samples_per_prompt={rl.n_samples_per_prompt}: GRPO compares responses within a "
+                 "prompt's group, so it needs at least 2; set it to 2 or more (8 is common)")
+    _positive(e, "rl_config.prompts_per_step", rl.prompts_per_step)
+    _positive(e, "rl_config.max_weight_staleness", rl.max_weight_staleness, "0 = strictly on-policy", allow_zero=True)
+    _positive(e, "rl_config.dock_micro_batch_size", rl.dock_micro_batch_size)
+    rows = rl.prompts_per_step * max(rl.n_samples_per_prompt, 1)
+    _positive(e, "actor_config.micro_batch_size", a.micro_batch_size)
+    _positive(e, "actor_config.log_prob_micro_batch_size", a.log_prob_micro_batch_size)
+    _positive(e, "ref_config.micro_batch_size", cfg.ref_config.micro_batch_size)
+    _positive(e, "generate_config.micro_batch_size", g.micro_batch_size)
+    if a.mini_batch_size is not None:
+        _positive(e, "actor_config.mini_batch_size", a.mini_batch_size, "or null for one update per step")
+        if a.mini_batch_size > 0 and rows % a.mini_batch_size:
+            e.append(f"actor_config.mini_batch_size={a.mini_batch_size} does not divide the {rows} rows of a step "
+                     f"(rl_config.prompts_per_step={rl.prompts_per_step} x n_samples_per_prompt="
+                     f"{rl.n_samples_per_prompt}); pick a divisor of {rows} so every optimizer step sees as many rows")
+        if a.micro_batch_size > 0 and a.mini_batch_size > 0 and a.mini_batch_size % a.micro_batch_size:
+            e.append(f"actor_config.micro_batch_size={a.micro_batch_size} does not divide actor_config."
+                     f"mini_batch_size={a.mini_batch_size}; gradient accumulation needs whole micro-batches")
+    elif a.micro_batch_size > 0 and rows % a.micro_batch_size:
+        e.append(f"actor_config.micro_batch_size={a.micro_batch_size} does not divide the {rows} rows of a step; "
+                 f"pick a divisor of {rows}")
+    if g.micro_batch_size > 0 and rl.n_samples_per_prompt > 0 and g.micro_batch_size % rl.n_samples_per_prompt:
+        e.append(f"generate_config.micro_batch_size={g.micro_batch_size} is not a multiple of "
+                 f"rl_config.n_samples_per_prompt={rl.n_samples_per_prompt}; rollout takes whole prompt groups")
+    _positive(e, "generate_config.max_new_tokens", g.max_new_tokens)
+    _positive(e, "generate_config.temperature", g.temperature, "0 means greedy", allow_zero=True)
+    if not 0 < g.top_p <= 1:
+        e.append(f"generate_config.top_p={g.top_p}: must be in (0, 1]")
+    _positive(e, "generate_config.top_k", g.top_k, "0 turns it off", allow_zero=True)
+    _one_of(e, "generate_config.backend", g.backend, ROLLOUT_BACKENDS)
+    _one_of(e, "actor_config.backend", a.backend, TRAIN_BACKENDS)
+    _one_of(e, "actor_config.dtype", a.dtype, DTYPES)
+    _one_of(e, "actor_config.loss_agg_mode", a.loss_agg_mode, AGG_MODES)
+    _one_of(e, "actor_config.kl_loss_type", a.kl_loss_type, KL_TYPES)
+    _one_of(e, "actor_config.kl_ctrl", a.kl_ctrl, ("fixed", "adaptive"))
+    _positive(e, "actor_config.lr", a.lr)
+    _positive(e, "actor_config.grad_clip", a.grad_clip)
+    _positive(e, "actor_config.kl_loss_coef", a.kl_loss_coef, allow_zero=True)
+    if a.clip_ratio_c <= 1:
+        e.append(f"actor_config.clip_ratio_c={a.clip_ratio_c}: the dual-clip bound must be > 1 (3.0 is usual)")
+    if len(a.betas) != 2:
+        e.append(f"actor_config.betas={a.betas}: AdamW needs two betas, e.g. [0.9, 0.999]")
+    _one_of(e, "placement.mode", cfg.placement.mode, PLACEMENT_MODES)
+    _positive(e, "data.max_prompt_length", d.max_prompt_length)
+    _positive(e, "data.num_digits", d.num_digits)
+    _positive(e, "data.size", d.size)
+    for name, grp in cfg.placement.groups.items():
+        k = f"placement.groups.{name}"
+        _positive(e, f"{k}.dp", grp.dp)
+        _positive(e, f"{k}.num_cpus", grp.num_cpus, allow_zero=True)
+        _positive(e, f"{k}.num_gpus", grp.num_gpus, allow_zero=True)
+        _positive(e, f"{k}.num_npus", grp.num_npus, allow_zero=True)
+        _positive(e, f"{k}.torch_threads", grp.torch_threads)
+        _one_of(e, f"{k}.device", grp.device, ("cpu", "cuda", "npu", "auto"))
+    if e:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(e))
