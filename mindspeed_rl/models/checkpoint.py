@@ -95,9 +95,12 @@ def save_tiny_checkpoint(target: Path) -> Path:
 
 
 def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    tok = AutoTokenizer.from_pretrained(str(resolve_model_path(path)))
+    # the built-in char tokenizer is a plain fast tokenizer; AutoTokenizer would pick Qwen2's
+    # class from config.json, whose normalizer drops characters the char vocabulary maps to <unk>
+    cls = PreTrainedTokenizerFast if is_builtin(path) else AutoTokenizer
+    tok = cls.from_pretrained(str(resolve_model_path(path)))
     tok.padding_side = "left"
     return tok
 

@@ -1,0 +1,118 @@
+"""The synthetic tasks: formats, right answers, determinism, and that ignoring the prompt scores low."""
+import re
+
+import numpy as np
+import pytest
+
+from mindspeed_rl.data import SYNTHETIC_KINDS, SyntheticPromptDataset, SyntheticTask
+from mindspeed_rl.data.synthetic import ALPHABET
+from mindspeed_rl.models import build_char_tokenizer
+from mindspeed_rl.rewards import digits, get_reward_fn
+
+FORMATS = {"copy": r"\d{3}=", "reverse": r"\d{3}=", "sort": r"\+?\d{3}=", "add": r"\d{3}\+\d{3}="}
+
+
+@pytest.mark.parametrize("kind, prompt, answer", [
+    ("copy", "123=", "123"), ("copy", "007=", "007"),
+    ("reverse", "123=", "321"), ("reverse", "100=", "001"),
+    ("sort", "312=", "123"), ("sort", "+312=", "321"), ("sort", "909=", "099"), ("sort", "+909=", "990"),
+    ("add", "123+456=", "579"), ("add", "999+111=", "000"), ("add", "555+505=", "050"),
+])
+def test_solve_by_hand(kind, prompt, answer):
+    assert SyntheticTask(kind, 3).solve(prompt) == answer
+
+
+@pytest.mark.parametrize("kind", SYNTHETIC_KINDS)
+def test_samples_have_the_format_and_the_right_answer(kind):
+    task = SyntheticTask(kind, 3)
+    pairs = task.sample_many(np.random.default_rng(0), 500)
+    for prompt, answer in pairs:
+        assert re.fullmatch(FORMATS[kind], prompt), prompt
+        assert re.fullmatch(r"\d{3}", answer), answer
+        assert task.solve(prompt) == answer
+        assert digits(answer, answer, prompt) == 1.0
+    assert len({p for p, _ in pairs}) > 350  # varied (500 draws of 1000 prompts: ~393 distinct)
+    prompt, answer = task.sample(np.random.default_rng(1))
+    assert task.solve(prompt) == answer
+
+
+def test_sort_uses_both_directions_and_other_lengths():
+    prompts = [p for p, _ in SyntheticTask("sort").sample_many(np.random.default_rng(0), 200)]
+    assert 60 < sum(p.startswith("+") for p in prompts) < 140
+    for kind in SYNTHETIC_KINDS:
+        task = SyntheticTask(kind, 5)
+        for prompt, answer in task.sample_many(np.random.default_rng(2), 50):
+            assert len(answer) == 5 and task.solve(prompt) == answer
+
+
+def test_solve_rejects_other_prompts():
+    with pytest.raises(ValueError, match=r"'\+123=' is not a prompt of SyntheticTask\(kind='copy'"):
+        SyntheticTask("copy").solve("+123=")
+    for kind, bad in (("reverse", "12="), ("sort", "++123="), ("sort", "1x3="), ("add", "12+345="),
+                      ("add", "123+45a="), ("copy", "123"), ("copy", "=")):
+        with pytest.raises(ValueError, match="is not a prompt of"):
+            SyntheticTask(kind).solve(bad)
+
+
+def test_task_argument_errors():
+    with pytest.raises(ValueError, match=r"unknown synthetic task kind 'mul'; kinds are \['copy', "
+                                         r"'reverse', 'sort', 'add'\]"):
+        SyntheticTask("mul")
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="num_digits must be a positive integer"):
+            SyntheticTask("copy", bad)
+    with pytest.raises(ValueError, match="size must be a positive integer"):
+        SyntheticPromptDataset("copy", size=0)
+
+
+def test_dataset_is_deterministic_and_indexable():
+    a = SyntheticPromptDataset(SyntheticTask("add", 3), size=1000, seed=7)
+    b = SyntheticPromptDataset(SyntheticTask("add", 3), size=1000, seed=7)
+    c = SyntheticPromptDataset(SyntheticTask("add", 3), size=1000, seed=8)
+    assert len(a) == 1000 and a.records == b.records and a.records != c.records
+    assert set(a[0]) == {"prompt", "answer"} and a[-1] == b[-1]
+    assert list(a)[:3] == a.records[:3]
+    assert len(SyntheticPromptDataset("reverse", size=5, num_digits=4)[0]["prompt"]) == 5
+    assert len(SyntheticPromptDataset()) == 10000
+    assert "builtin:add" in repr(a)
+
+
+def _mean_reward(responses, dataset):
+    return float(np.mean([digits(r, rec["answer"], rec["prompt"])
+                          for r, rec in zip(responses, dataset)]))
+
+
+def _best_constant(dataset, n):
+    """The prompt-ignoring answer that scores best: the most frequent digit at each position."""
+    answers = np.array([[int(ch) for ch in r["answer"]] for r in dataset])
+    return "".join(str(np.bincount(answers[:, i], minlength=10).argmax()) for i in range(n))
+
+
+@pytest.mark.parametrize("kind", SYNTHETIC_KINDS)
+def test_a_policy_that_ignores_the_prompt_scores_under_0_2(kind):
+    n = 3
+    dataset = SyntheticPromptDataset(SyntheticTask(kind, n), size=4000, seed=0)
+    rng = np.random.default_rng(123)
+    random_strings = ["".join(map(str, rng.integers(0, 10, n))) for _ in dataset]
+    assert _mean_reward(random_strings, dataset) < 0.2
+    random_lengths = ["".join(map(str, rng.integers(0, 10, rng.integers(1, 2 * n + 1))))
+                      for _ in dataset]
+    assert _mean_reward(random_lengths, dataset) < 0.2
+    for constant in ("000", "123", "555", "999", _best_constant(dataset, n)):
+        assert _mean_reward([constant] * len(dataset), dataset) < 0.2, constant
+    # ... while reading the prompt gets full credit
+    task = dataset.task
+    assert _mean_reward([task.solve(r["prompt"]) for r in dataset], dataset) == 1.0
+    assert get_reward_fn(task.reward) is digits
+
+
+@pytest.mark.parametrize("kind", SYNTHETIC_KINDS)
+def test_prompts_are_made_of_real_tokens_of_the_builtin_tokenizer(kind):
+    """No character may map to <unk>: the tiny model must see every prompt character."""
+    tok = build_char_tokenizer()
+    unk = tok.unk_token_id
+    for record in SyntheticPromptDataset(kind, size=100, seed=0):
+        ids = tok(record["prompt"], add_special_tokens=False)["input_ids"]
+        assert unk not in ids and len(ids) == len(record["prompt"])
+        assert tok.decode(ids) == record["prompt"]
+        assert set(record["prompt"]) <= set(ALPHABET)
