@@ -13,7 +13,8 @@ _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
 def _npu_available() -> bool:
     try:
-        import torch_npu  # noqa: F401  (registers the 'npu' device with torch)
+        import importlib
+        importlib.import_module("torch_npu")  # registers the 'npu' device with torch
     except ImportError:
         return False
     return bool(getattr(torch, "npu", None)) and torch.npu.is_available()

@@ -1,0 +1,26 @@
+"""What every `cli/train_*.py` entry point does with its Hydra config (they are thin aliases)."""
+from __future__ import annotations
+
+import sys
+
+
+def train_main(raw_cfg, algorithm: str | None = None) -> list[dict]:
+    """Build the typed config, fail fast on bad input, run the trainer; exit 1 with a clear error."""
+    from .config import ConfigError, config_from_dict
+    from .trainer import Trainer, TrainingError
+
+    try:
+        cfg = config_from_dict(raw_cfg)
+        trainer = Trainer(cfg)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if not cfg.trainer.dry_run:
+        print(f"mindspeed_rl: {cfg.rl_config.algorithm} on {cfg.data.dataset}, {cfg.trainer.total_steps} steps, "
+              f"{'blocking' if cfg.rl_config.blocking else 'non-blocking'}, placement {cfg.placement.mode}; "
+              f"output in {cfg.trainer.output_dir}", file=sys.stderr)
+    try:
+        return trainer.run()
+    except TrainingError as e:
+        print(f"training stopped: {e}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,374 @@
+"""The driver: reads like a single-process program.
+
+    plan = make_plan(cfg)                 # graph, columns, consumers, groups: all derived
+    dock, workers = start(plan)
+    for step: put prompts -> run the stages -> sync weights -> log -> clear -> checkpoint
+
+`rl_config.blocking: true` runs the stages one after another in the graph's topological order;
+`false` starts all of them at once and each takes micro-batches as soon as its inputs are ready.
+Every wait is bounded: a stage that makes no progress for `trainer.stage_timeout_s`, a worker that
+dies, or a failed stage stops the run within seconds, naming the stage and the cause.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+
+from ..config import Config
+from .checkpoint import checkpoint_dir, latest_checkpoint, mark_latest, save_driver_state
+from .plan import Plan, check_cluster, format_plan, make_plan
+from .run_log import RunLog, plot_curve
+
+STARTUP_TIMEOUT_S = 300.0
+POLL_S = 0.25
+
+
+class TrainingError(RuntimeError):
+    """The run stopped; the message names the stage and the cause."""
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.plan: Plan = make_plan(cfg, check_files=not cfg.trainer.dry_run)
+        self.workers: dict[str, list[Any]] = {}
+        self.dock = None
+        self._started_ray = False
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> list[dict]:
+        cfg = self.cfg
+        if cfg.trainer.dry_run:
+            print(self.describe())
+            return []
+        self._start_ray()
+        try:
+            self._start()
+            start_step = self._maybe_resume()
+            self.log = RunLog(cfg.trainer.output_dir, cfg.trainer.logger, resume_step=start_step)
+            self._sync_weights()
+            bar = self._progress(start_step)
+            for step in range(start_step, cfg.trainer.total_steps):
+                record = self.train_step(step, bar)
+                line = self.log.log(record)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix_str(f"reward {record['reward/mean']:.3f}", refresh=False)
+                if "console" in cfg.trainer.logger:
+                    (bar.write if bar is not None else print)(line)
+                saving = cfg.trainer.save_interval and (step + 1) % cfg.trainer.save_interval == 0
+                if saving or (step + 1 == cfg.trainer.total_steps and cfg.trainer.save_interval):
+                    self.save(step + 1)
+            if bar is not None:
+                bar.close()
+            if cfg.trainer.plot and self.log.history:
+                plot_curve(self.log.history, self.log.dir / "curve.png", title=f"{cfg.rl_config.algorithm} "
+                           f"({'blocking' if cfg.rl_config.blocking else 'non-blocking'})")
+            return self.log.history
+        finally:
+            self.shutdown()
+
+    def train_step(self, step: int, bar=None) -> dict:
+        cfg, plan = self.cfg, self.plan
+        t0 = time.perf_counter()
+        batch = self.loader.next_batch()
+        n = cfg.rl_config.n_samples_per_prompt
+        import torch
+        rows = {k: [torch.from_numpy(v) for v in batch[k] for _ in range(n)] for k in plan.dataset_keys}
+        self.dock.put_experience(rows, list(range(plan.rows_per_step)))
+        version = self.policy_version
+        kl_coef = float(self.kl_ctrl.value)
+        reports = self._run_stages(step, version, kl_coef, bar)
+        t_stages = time.perf_counter()
+        for model, train_mfc in plan.trained.items():
+            versions = [r["metrics"]["version"] for r in reports if r["stage"] == train_mfc]
+            if versions:
+                self._versions[model] = int(max(versions))
+        sync = self._sync_weights()
+        self.dock.clear()
+        record = self._metrics(step, reports, time.perf_counter() - t0, t_stages - t0, sync)
+        if record.get("actor/kl") is not None:
+            self.kl_ctrl.update(record["actor/kl"], plan.rows_per_step)
+        return record
+
+    # ------------------------------------------------------------------ stages
+    def _run_stages(self, step: int, version: int, kl_coef: float, bar) -> list[dict]:
+        calls = [(m.name, w) for m in self.plan.order for w in self.workers[self.plan.group_of(m.name)]]
+        if self.cfg.rl_config.blocking:
+            reports = []
+            for m in self.plan.order:
+                group = [(name, w) for name, w in calls if name == m.name]
+                reports += self._wait(step, [(name, w.run_stage.remote(name, step, version, kl_coef))
+                                             for name, w in group], bar)
+            return reports
+        return self._wait(step, [(name, w.run_stage.remote(name, step, version, kl_coef)) for name, w in calls], bar)
+
+    def _wait(self, step: int, pending: list[tuple[str, Any]], bar) -> list[dict]:
+        """Wait for stage calls; abort on the first failure or when a stage stops making progress."""
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+        stage_of = {ref: name for name, ref in pending}
+        refs = [ref for _, ref in pending]
+        reports: list[dict] = []
+        last_taken: dict[str, int] = {}
+        last_progress = time.time()
+        timeout = self.cfg.trainer.stage_timeout_s
+        while refs:
+            done, refs = ray.wait(refs, num_returns=len(refs), timeout=POLL_S)
+            for ref in done:
+                try:
+                    reports.append(ray.get(ref))
+                except RayTaskError as e:
+                    raise TrainingError(f"step {step}: {_cause(e)}") from None
+                except RayActorError as e:
+                    raise TrainingError(f"step {step}: the worker running stage '{stage_of[ref]}' died "
+                                        f"({type(e).__name__}): {_first_line(e)}") from None
+            if not refs:
+                break
+            status = self.dock.get_consumer_status()
+            taken = {c: s["taken"] for c, s in status.items()}
+            if taken != last_taken:
+                last_taken, last_progress = taken, time.time()
+            elif time.time() - last_progress > timeout + 5.0:
+                stuck = sorted({stage_of[r] for r in refs})
+                raise TrainingError(f"step {step}: stages {stuck} made no progress for {timeout:.0f} s "
+                                    f"(trainer.stage_timeout_s); consumption: "
+                                    + ", ".join(f"{c} {s['taken']}/{s['total']}" for c, s in status.items()))
+            if bar is not None:
+                bar.set_postfix_str(" ".join(f"{c} {taken[c]}/{status[c]['total']}" for c in self.plan.consumers),
+                                    refresh=True)
+        return reports
+
+    # ------------------------------------------------------------------ weights
+    @property
+    def policy_version(self) -> int:
+        return self._versions.get("actor", 0)
+
+    def _sync_weights(self) -> dict:
+        """Push each trained model's weights to its readers; compare checksums on both sides."""
+        import ray
+        out = {}
+        for model, train_mfc in self.plan.trained.items():
+            members = self._sync_members[model]
+            version = self._versions.get(model, 0)
+            results = ray.get([w.sync_weights.remote(model, version) for w in members], timeout=STARTUP_TIMEOUT_S)
+            sent = next(r["sent"] for r in results if "sent" in r)
+            received = [c for r in results for c in r["received"]]
+            if any(c != sent for c in received):
+                raise TrainingError(f"weight sync of '{model}' (version {version}): checksums differ: trainer "
+                                    f"{sent}, readers {received}")
+            out[model] = {"checksum": sent, "readers": len(received),
+                          "seconds": max(r["seconds"] for r in results)}
+        return out
+
+    # ------------------------------------------------------------------ metrics
+    def _metrics(self, step: int, reports: list[dict], step_s: float, stages_s: float, sync: dict) -> dict:
+        by_stage: dict[str, list[dict]] = {}
+        for r in reports:
+            by_stage.setdefault(r["stage"], []).append(r)
+        sums: dict[str, float] = {}
+        for r in reports:
+            for k, v in r["metrics"].items():
+                sums[k] = sums.get(k, 0.0) + v
+        rec: dict[str, Any] = {"step": step}
+        rows = max(sums.get("reward_rows", 0.0), 1.0)
+        rec["reward/mean"] = sums.get("reward_sum", 0.0) / rows
+        rec["reward/max_fraction"] = sums.get("reward_max_count", 0.0) / rows
+        gen_rows = max(sums.get("rows", 0.0), 1.0)
+        rec["response_length/mean"] = sums.get("response_length_sum", 0.0) / gen_rows
+        rec["response_length/max"] = sums.get("response_length_max", 0.0)
+        mb = max(sums.get("micro_batches", 0.0), 1.0)
+        for k in ("pg_loss", "kl", "entropy", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"):
+            if k in sums:
+                rec[f"actor/{k}"] = sums[k] / mb
+        if "updates" in sums:
+            rec["actor/grad_norm"] = sums.get("grad_norm", 0.0) / sums["updates"]
+            rec["actor/updates"] = sums["updates"]
+        rec["actor/kl_coef"] = float(self.kl_ctrl.value)
+        rec["weight_version"] = self.policy_version
+        rec["timing/step"] = step_s
+        rec["timing/stages"] = stages_s
+        for stage, rs in by_stage.items():
+            rec[f"timing/{stage}"] = max(r["t_end"] for r in rs) - min(r["t_start"] for r in rs)
+            rec[f"busy/{stage}"] = sum(r["compute_s"] for r in rs)
+        rec["timing/weight_sync"] = sum(s["seconds"] for s in sync.values())
+        for model, s in sync.items():
+            rec[f"weight_sync/{model}_checksum"] = s["checksum"]
+            rec[f"weight_sync/{model}_readers"] = s["readers"]
+        tokens = sums.get("prompt_length_sum", 0.0) + sums.get("response_length_sum", 0.0)
+        rec["throughput/tokens_per_s"] = tokens / step_s if step_s > 0 else 0.0
+        return rec
+
+    # ------------------------------------------------------------------ start-up and shutdown
+    def describe(self) -> str:
+        from ..dataflow import describe
+        return ("dataflow graph\n" + describe(self.plan.graph) + "\n\nplacement plan\n" + format_plan(self.plan))
+
+    def _start_ray(self) -> None:
+        import ray
+        p = self.cfg.placement
+        if not ray.is_initialized():
+            kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True,
+                                      "logging_level": "ERROR", "configure_logging": True}
+            if p.ray_address:
+                kwargs["address"] = p.ray_address
+            elif p.ray_num_cpus is not None:
+                kwargs["num_cpus"] = p.ray_num_cpus
+            ray.init(**kwargs)
+            self._started_ray = True
+        check_cluster(self.plan, ray.available_resources())
+
+    def _start(self) -> None:
+        import ray
+
+        from ..algorithms import make_kl_controller
+        from ..data.loader import PromptLoader
+        from ..data.prompts import load_prompt_dataset
+        from ..models import load_tokenizer
+        from ..transfer_dock.client import create_transfer_dock
+        from ..workers.worker import Worker, WorkerSpec
+
+        cfg, plan = self.cfg, self.plan
+        t = cfg.trainer
+        self.dock = create_transfer_dock(plan.columns, plan.consumers, cfg.rl_config.prompts_per_step,
+                                         cfg.rl_config.n_samples_per_prompt,
+                                         guarantee_order=cfg.rl_config.guarantee_order,
+                                         default_timeout=t.stage_timeout_s)
+        env = {"MINDSPEED_RL_CACHE": _cache_env()}
+        for name, gp in plan.groups.items():
+            r = gp.resources
+            opts: dict[str, Any] = {"num_cpus": r.num_cpus, "max_concurrency": len(gp.mfcs) + 4,
+                                    "name": None}
+            opts.pop("name")
+            if r.num_gpus:
+                opts["num_gpus"] = r.num_gpus
+            if r.num_npus:
+                opts["resources"] = {"NPU": r.num_npus}
+            cls = ray.remote(Worker).options(**opts)
+            self.workers[name] = [
+                cls.remote(WorkerSpec(group=name, rank=k, dp=r.dp, mfcs=gp.mfcs, config=cfg, dock=self.dock,
+                                      model_paths=plan.model_paths, trained_models=plan.trained,
+                                      same_step_outputs=plan.same_step_outputs, rows_per_step=plan.rows_per_step,
+                                      torch_threads=r.torch_threads, device=r.device, env=env))
+                for k in range(r.dp)]
+        all_workers = [w for ws in self.workers.values() for w in ws]
+        infos = self._get([w.ping.remote() for w in all_workers], "starting workers")
+        for name, ws in self.workers.items():
+            if len(ws) > 1:  # DDP group of the DP ranks
+                host = infos[all_workers.index(ws[0])]["host"]
+                port = self._get([ws[0].free_port.remote()], "DDP port")[0]
+                self._get([w.init_ddp.remote(host, port) for w in ws], f"DDP group of '{name}'")
+        self._get([w.setup.remote() for w in all_workers], "loading models")
+        # weight sync groups: the trainer's rank 0 + every worker hosting a reader without the trainer
+        self._sync_members: dict[str, list[Any]] = {}
+        for model, train_mfc in plan.trained.items():
+            train_group = plan.group_of(train_mfc)
+            reader_groups = {plan.group_of(r) for r in plan.sync_targets.get(model, [])}
+            members = list(self.workers[train_group])
+            remote = [w for g in reader_groups if g != train_group for w in self.workers[g]]
+            self._sync_members[model] = members + remote
+            if remote:
+                src = self.workers[train_group][0]
+                host = infos[all_workers.index(src)]["host"]
+                port = self._get([src.free_port.remote()], "sync port")[0]
+                world = 1 + len(remote)
+                self._get([w.init_sync_group.remote(model, host, port, i, world)
+                           for i, w in enumerate([src] + remote)], f"weight-sync group of '{model}'")
+        self._versions = {m: 0 for m in plan.trained}
+        a = cfg.actor_config
+        self.kl_ctrl = make_kl_controller(a.kl_ctrl, kl_coef=a.kl_loss_coef, target_kl=a.kl_target,
+                                          horizon=a.kl_horizon)
+        tokenizer = load_tokenizer(plan.model_paths["actor"])
+        d = cfg.data
+        dataset = load_prompt_dataset(d.dataset, prompt_key=d.prompt_key, answer_key=d.answer_key,
+                                      num_digits=d.num_digits, size=d.size, seed=t.seed)
+        self.loader = PromptLoader(dataset, tokenizer, cfg.rl_config.prompts_per_step, seed=t.seed,
+                                   shuffle=d.shuffle, max_prompt_length=d.max_prompt_length,
+                                   apply_chat_template=d.chat_template)
+
+    def _get(self, refs, what: str):
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+        try:
+            return ray.get(refs, timeout=STARTUP_TIMEOUT_S)
+        except GetTimeoutError:
+            raise TrainingError(f"{what}: no answer within {STARTUP_TIMEOUT_S:.0f} s (are the Ray resources "
+                                "free? see `ray status`)") from None
+        except RayTaskError as e:
+            raise TrainingError(f"{what}: {_cause(e)}") from None
+        except RayActorError as e:
+            raise TrainingError(f"{what}: a worker died: {_first_line(e)}") from None
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, step: int) -> None:
+        directory = checkpoint_dir(self.cfg.trainer.output_dir, step)
+        for model, train_mfc in self.plan.trained.items():
+            self._get([self.workers[self.plan.group_of(train_mfc)][0].save_checkpoint.remote(str(directory))],
+                      "saving a checkpoint")
+        save_driver_state(directory, {"step": step, "loader": self.loader.state_dict(),
+                                      "kl_coef": float(self.kl_ctrl.value), "versions": dict(self._versions),
+                                      "config": self.cfg})
+        mark_latest(self.cfg.trainer.output_dir, directory, step)
+
+    def _maybe_resume(self) -> int:
+        if not self.cfg.trainer.resume:
+            return 0
+        found = latest_checkpoint(self.cfg.trainer.output_dir)
+        if found is None:
+            print(f"trainer.resume=true but no checkpoint in {self.cfg.trainer.output_dir}/checkpoints; "
+                  "starting at step 0", file=sys.stderr)
+            return 0
+        directory, state = found
+        for model, train_mfc in self.plan.trained.items():
+            self._get([w.load_checkpoint.remote(str(directory))
+                       for w in self.workers[self.plan.group_of(train_mfc)]], "loading a checkpoint")
+        self.loader.load_state_dict(state["loader"])
+        self.kl_ctrl.value = state["kl_coef"]
+        self._versions = dict(state["versions"])
+        return int(state["step"])
+
+    def _progress(self, start: int):
+        if not self.cfg.trainer.progress:
+            return None
+        from tqdm import tqdm
+        return tqdm(total=self.cfg.trainer.total_steps, initial=start, desc="steps", dynamic_ncols=True,
+                    file=sys.stderr)
+
+    def shutdown(self) -> None:
+        import ray
+        for ws in self.workers.values():
+            for w in ws:
+                try:
+                    ray.kill(w)
+                except Exception:
+                    pass
+        self.workers = {}
+        if self.dock is not None:
+            try:
+                ray.kill(self.dock.actor)
+            except Exception:
+                pass
+            self.dock = None
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False
+
+
+def _cache_env() -> str:
+    from ..models import cache_dir
+    return str(cache_dir())
+
+
+def _cause(e: Exception) -> str:
+    """The original error of a failed Ray task, without Ray's wrapping."""
+    cause = getattr(e, "cause", None)
+    if cause is not None:
+        return f"{cause}" if "stage '" in str(cause) else f"{type(cause).__name__}: {cause}"
+    return _first_line(e)
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return text[-1] if text else type(e).__name__

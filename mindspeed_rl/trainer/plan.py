@@ -1,0 +1,214 @@
+"""From config to a checked plan: the dataflow graph, the worker groups and their resources.
+
+Everything here runs before any worker starts, so a bad config fails in a second with a message
+that names the key, the value and the fix. The plan is also what `trainer.dry_run=true` prints.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import networkx as nx
+
+from ..config import Config, ConfigError, GroupConfig, validate_config
+from ..dataflow import (MFCDef, algorithm_graph, dock_columns, dock_consumers, get_algorithm, same_step_readers,
+                        topological_order, trained_models, weight_sync_targets)
+from ..dataflow.mfc import InterfaceType
+
+
+@dataclass
+class GroupPlan:
+    name: str
+    mfcs: list[MFCDef]
+    resources: GroupConfig
+
+
+@dataclass
+class Plan:
+    graph: nx.DiGraph
+    order: list[MFCDef]
+    columns: list[str]
+    consumers: list[str]
+    dataset_keys: tuple[str, ...]
+    groups: dict[str, GroupPlan]
+    trained: dict[str, str]                       # model -> train MFC
+    sync_targets: dict[str, list[str]]            # model -> MFCs reading it
+    same_step_outputs: dict[str, list[str]]       # train MFC -> columns written by same-step readers
+    model_paths: dict[str, str]
+    rows_per_step: int
+    notes: list[str] = field(default_factory=list)
+
+    def group_of(self, mfc_name: str) -> str:
+        return next(g for g, p in self.groups.items() if any(m.name == mfc_name for m in p.mfcs))
+
+    def resource_totals(self) -> dict[str, float]:
+        tot = {"CPU": 0.0, "GPU": 0.0, "NPU": 0.0}
+        for p in self.groups.values():
+            tot["CPU"] += p.resources.num_cpus * p.resources.dp
+            tot["GPU"] += p.resources.num_gpus * p.resources.dp
+            tot["NPU"] += p.resources.num_npus * p.resources.dp
+        return tot
+
+
+def preset_groups(mode: str, mfcs: list[MFCDef], trained: dict[str, str]) -> dict[str, list[str]]:
+    """The worker groups a placement mode implies, derived from the MFCs' roles and types.
+
+    colocated: every MFC that runs a model shares one integrated worker; CPU functions
+    (reward, advantage) share a light one. disaggregated: generation alone, each model's other
+    calls together (the trainer serves its own log-probs), CPU functions together.
+    """
+    groups: dict[str, list[str]] = {}
+    for m in mfcs:
+        kind = InterfaceType(m.interface_type)
+        if kind is InterfaceType.COMPUTE:
+            g = "rule"
+        elif mode == "colocated":
+            g = "integrated"
+        elif kind is InterfaceType.GENERATE:
+            g = "rollout"
+        else:
+            g = m.model_name
+        groups.setdefault(g, []).append(m.name)
+    return groups
+
+
+def make_plan(cfg: Config, check_files: bool = True) -> Plan:
+    """Validate `cfg` and derive everything the trainer needs; raises ConfigError."""
+    validate_config(cfg)
+    rl = cfg.rl_config
+    try:
+        mfcs, dataset_keys = get_algorithm(rl.algorithm)
+        graph = algorithm_graph(rl.algorithm)
+    except ValueError as e:
+        raise ConfigError(f"rl_config.algorithm={rl.algorithm!r}: {e}") from None
+    order = topological_order(graph)
+    trained = trained_models(graph)
+    by_name = {m.name: m for m in order}
+
+    # worker groups: the mode's preset, then the config's groups (which may move MFCs or add resources)
+    assign = {}
+    if cfg.placement.mode != "custom":
+        for g, names in preset_groups(cfg.placement.mode, order, trained).items():
+            for n in names:
+                assign[n] = g
+    resources: dict[str, GroupConfig] = {}
+    for g, gc in cfg.placement.groups.items():
+        for n in gc.mfcs:
+            if n not in by_name:
+                raise ConfigError(f"placement.groups.{g}.mfcs: unknown MFC {n!r}; the {rl.algorithm} graph has "
+                                  f"{list(by_name)}")
+            assign[n] = g
+        resources[g] = gc
+    missing = [n for n in by_name if n not in assign]
+    if missing:
+        raise ConfigError(f"placement: MFCs {missing} are in no worker group; with placement.mode=custom list "
+                          f"every MFC under placement.groups.<name>.mfcs")
+    groups: dict[str, GroupPlan] = {}
+    for m in order:
+        g = assign[m.name]
+        if g not in groups:
+            res = dataclasses.replace(resources.get(g, GroupConfig()), mfcs=[])
+            groups[g] = GroupPlan(name=g, mfcs=[], resources=res)
+        groups[g].mfcs.append(m)
+        groups[g].resources.mfcs.append(m.name)
+    for g, gc in cfg.placement.groups.items():
+        if g not in groups and not gc.mfcs:
+            raise ConfigError(f"placement.groups.{g}: no such worker group in placement.mode="
+                              f"{cfg.placement.mode!r} (groups: {list(groups)}); give it mfcs: [...] to create it")
+
+    rows = rl.prompts_per_step * rl.n_samples_per_prompt
+    for g, p in groups.items():
+        dp = p.resources.dp
+        if dp > 1:
+            if any(InterfaceType(m.interface_type) is InterfaceType.TRAIN_STEP for m in p.mfcs):
+                a = cfg.actor_config
+                mini = a.mini_batch_size or rows
+                if mini % dp or (mini // dp) % min(a.micro_batch_size, mini // dp):
+                    raise ConfigError(f"placement.groups.{g}.dp={dp}: actor_config.mini_batch_size={mini} must "
+                                      f"split into {dp} equal shares of whole micro-batches "
+                                      f"(micro_batch_size={a.micro_batch_size}); DDP ranks step together")
+    model_paths = {"actor": cfg.actor_config.model_path,
+                   "ref": cfg.ref_config.model_path or cfg.actor_config.model_path}
+    for m in order:
+        if InterfaceType(m.interface_type) is not InterfaceType.COMPUTE and m.model_name not in model_paths:
+            raise ConfigError(f"MFC {m.name!r} runs model {m.model_name!r}, which has no model_path in the config "
+                              f"(known: {sorted(model_paths)})")
+    notes = []
+    if check_files:
+        from ..models import check_model_path
+        try:
+            check_model_path("actor_config.model_path", cfg.actor_config.model_path)
+            if cfg.ref_config.model_path:
+                check_model_path("ref_config.model_path", cfg.ref_config.model_path)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    else:
+        notes.append("dry run: model and data paths were not opened")
+    try:
+        from ..rewards import validate_reward_name
+        validate_reward_name(rl.reward_fn, import_module=check_files)
+    except ValueError as e:
+        raise ConfigError(f"rl_config.reward_fn: {e}") from None
+    if check_files:
+        _check_dataset(cfg)
+    if cfg.generate_config.backend != "hf":
+        notes.append(f"generate_config.backend={cfg.generate_config.backend}: planned, not implemented; "
+                     "a real run stops at worker setup")
+    if cfg.actor_config.backend != "torch":
+        notes.append(f"actor_config.backend={cfg.actor_config.backend}: planned, not implemented; "
+                     "a real run stops at worker setup")
+    same_step = {t: [k for r in same_step_readers(graph, t) for k in by_name[r].output_keys]
+                 for t in trained.values()}
+    return Plan(graph=graph, order=order, columns=dock_columns(graph), consumers=dock_consumers(graph),
+                dataset_keys=tuple(dataset_keys), groups=groups, trained=trained,
+                sync_targets=weight_sync_targets(graph), same_step_outputs=same_step, model_paths=model_paths,
+                rows_per_step=rows, notes=notes)
+
+
+def _check_dataset(cfg: Config) -> None:
+    from pathlib import Path
+    spec = cfg.data.dataset
+    if spec.startswith("builtin:"):
+        from ..data.synthetic import KINDS
+        if spec[len("builtin:"):] not in KINDS:
+            raise ConfigError(f"data.dataset={spec!r}: unknown built-in task; built-in tasks are "
+                              f"{['builtin:' + k for k in KINDS]}")
+        return
+    if not Path(spec).expanduser().is_file():
+        raise ConfigError(f"data.dataset={spec!r}: no such file; give a .jsonl/.parquet path (see "
+                          "cli/preprocess_data.py) or a built-in task such as builtin:copy")
+
+
+def check_cluster(plan: Plan, available: dict[str, float]) -> None:
+    """Fail fast, naming the groups and the numbers, when the plan does not fit the Ray cluster."""
+    need = plan.resource_totals()
+    for res, amount in need.items():
+        have = float(available.get(res, 0.0))
+        if amount > have + 1e-9:
+            detail = ", ".join(f"{g}: {getattr(p.resources, 'num_' + res.lower() + 's')} x dp {p.resources.dp}"
+                               for g, p in plan.groups.items()
+                               if getattr(p.resources, "num_" + res.lower() + "s") > 0)
+            raise ConfigError(f"placement needs {amount:g} {res} ({detail}) but the Ray cluster has {have:g}; "
+                              f"lower placement.groups.<name>.num_{res.lower()}s (fractions are fine), or give "
+                              f"Ray more (placement.ray_num_cpus)")
+
+
+def format_plan(plan: Plan) -> str:
+    rows = [("group", "MFCs", "role/type", "dp", "cpus", "gpus", "npus", "device")]
+    for g, p in plan.groups.items():
+        r = p.resources
+        rows.append((g, ", ".join(m.name for m in p.mfcs),
+                     ", ".join(sorted({f"{m.model_name}/{InterfaceType(m.interface_type).value}" for m in p.mfcs})),
+                     str(r.dp), f"{r.num_cpus:g}", f"{r.num_gpus:g}", f"{r.num_npus:g}", r.device))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    tot = plan.resource_totals()
+    lines.append(f"total: {tot['CPU']:g} CPU, {tot['GPU']:g} GPU, {tot['NPU']:g} NPU; "
+                 f"{plan.rows_per_step} rows per step")
+    lines.append("stage order (blocking mode): " + " -> ".join(m.name for m in plan.order))
+    for model, targets in plan.sync_targets.items():
+        lines.append(f"weight sync after each optimizer step of '{plan.trained[model]}': {model} -> {targets}")
+    lines.append("dock columns: " + ", ".join(plan.columns))
+    lines.extend(plan.notes)
+    return "\n".join(lines)

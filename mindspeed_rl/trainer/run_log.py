@@ -1,0 +1,71 @@
+"""What a user sees of a run: one console line per step, metrics.jsonl, the reward curve."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+CONSOLE_KEYS = (("reward/mean", "reward", ".3f"), ("actor/pg_loss", "pg_loss", "+.4f"), ("actor/kl", "kl", ".4f"),
+                ("actor/entropy", "entropy", ".3f"), ("response_length/mean", "resp_len", ".2f"),
+                ("timing/step", "step_s", ".2f"), ("throughput/tokens_per_s", "tok/s", ".0f"))
+
+
+class RunLog:
+    def __init__(self, output_dir: str, loggers: list[str], resume_step: int | None = None):
+        self.dir = Path(output_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.loggers = set(loggers)
+        self.path = self.dir / "metrics.jsonl"
+        self.history: list[dict] = []
+        if self.path.exists():
+            kept = []
+            for line in self.path.read_text().splitlines():
+                if line.strip():
+                    rec = json.loads(line)
+                    if resume_step is not None and rec.get("step", 0) < resume_step:
+                        kept.append(rec)
+            # a resumed run keeps the steps before its checkpoint; a fresh run starts a new file
+            self.history = kept
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+    def log(self, record: dict) -> str:
+        self.history.append(record)
+        if "jsonl" in self.loggers:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        return format_line(record)
+
+
+def format_line(rec: dict) -> str:
+    parts = [f"step {rec['step']:>4}"]
+    for key, label, fmt in CONSOLE_KEYS:
+        if key in rec:
+            parts.append(f"{label} {format(rec[key], fmt)}")
+    return " | ".join(parts)
+
+
+def plot_curve(history: list[dict], path: str | os.PathLike, title: str = "") -> str | None:
+    """reward/mean and actor/pg_loss per step as a PNG (None when matplotlib is missing)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    steps = [r["step"] for r in history]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    axes[0].plot(steps, [r.get("reward/mean", float("nan")) for r in history], color="tab:green")
+    axes[0].set_title("reward/mean")
+    axes[0].set_xlabel("step")
+    axes[0].set_ylim(0, 1.05)
+    axes[0].grid(alpha=0.3)
+    axes[1].plot(steps, [r.get("timing/step", float("nan")) for r in history], color="tab:blue")
+    axes[1].set_title("timing/step (s)")
+    axes[1].set_xlabel("step")
+    axes[1].grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
