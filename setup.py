@@ -22,11 +22,15 @@ setup(
         "transformers>=4.45",
         "safetensors>=0.4",
         "networkx>=3.2",
+        "matplotlib>=3.7",
+        "tqdm>=4.60",
     ],
+    package_data={"mindspeed_rl.models": ["tiny_qwen2/*.json"]},
     extras_require={
-        "vllm": ["vllm>=0.8"],  # CUDA only
-        "megatron": ["megatron-core>=0.12"],  # forward needs CUDA
+        "vllm": ["vllm>=0.8"],  # CUDA only; the vllm rollout backend is planned, not implemented
+        "megatron": ["megatron-core>=0.12"],  # forward needs CUDA; backend planned, not implemented
         "npu": ["torch-npu"],  # needs Ascend CANN
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"],
+        "parquet": ["pyarrow>=14"],
     },
 )

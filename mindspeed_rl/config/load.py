@@ -88,7 +88,11 @@ def _build(cls: type, data: Mapping[str, Any], path: str) -> Any:
 
 def config_from_dict(data: Mapping[str, Any] | Any) -> Config:
     """Build the typed config; the `hydra` section (Hydra's own settings) is ignored."""
-    data = dict(_plain(data) or {})
+    data = _plain(data) or {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"config: the top level must be a mapping of sections (trainer, actor_config, ...), "
+                          f"got {type(data).__name__}")
+    data = dict(data)
     data.pop("hydra", None)
     data.pop("defaults", None)
     known = [f.name for f in dataclasses.fields(Config)]

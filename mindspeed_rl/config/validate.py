@@ -37,30 +37,33 @@ def validate_config(cfg: Config) -> None:
     _positive(e, "trainer.stage_timeout_s", t.stage_timeout_s)
     for lg in t.logger:
         _one_of(e, "trainer.logger", lg, LOGGERS)
+    if t.seed < 0:
+        e.append(f"trainer.seed={t.seed}: must be >= 0 (numpy seeds are non-negative)")
     if rl.n_samples_per_prompt < 2:
         e.append(f"rl_config.n_samples_per_prompt={rl.n_samples_per_prompt}: GRPO compares responses within a "
                  "prompt's group, so it needs at least 2; set it to 2 or more (8 is common)")
     _positive(e, "rl_config.prompts_per_step", rl.prompts_per_step)
     _positive(e, "rl_config.max_weight_staleness", rl.max_weight_staleness, "0 = strictly on-policy", allow_zero=True)
     _positive(e, "rl_config.dock_micro_batch_size", rl.dock_micro_batch_size)
-    rows = rl.prompts_per_step * max(rl.n_samples_per_prompt, 1)
+    rows = rl.prompts_per_step * rl.n_samples_per_prompt
+    group_ok = rl.n_samples_per_prompt >= 2 and rl.prompts_per_step > 0  # else the divisibility checks mislead
     _positive(e, "actor_config.micro_batch_size", a.micro_batch_size)
     _positive(e, "actor_config.log_prob_micro_batch_size", a.log_prob_micro_batch_size)
     _positive(e, "ref_config.micro_batch_size", cfg.ref_config.micro_batch_size)
     _positive(e, "generate_config.micro_batch_size", g.micro_batch_size)
     if a.mini_batch_size is not None:
         _positive(e, "actor_config.mini_batch_size", a.mini_batch_size, "or null for one update per step")
-        if a.mini_batch_size > 0 and rows % a.mini_batch_size:
+        if group_ok and a.mini_batch_size > 0 and rows % a.mini_batch_size:
             e.append(f"actor_config.mini_batch_size={a.mini_batch_size} does not divide the {rows} rows of a step "
                      f"(rl_config.prompts_per_step={rl.prompts_per_step} x n_samples_per_prompt="
                      f"{rl.n_samples_per_prompt}); pick a divisor of {rows} so every optimizer step sees as many rows")
         if a.micro_batch_size > 0 and a.mini_batch_size > 0 and a.mini_batch_size % a.micro_batch_size:
             e.append(f"actor_config.micro_batch_size={a.micro_batch_size} does not divide actor_config."
                      f"mini_batch_size={a.mini_batch_size}; gradient accumulation needs whole micro-batches")
-    elif a.micro_batch_size > 0 and rows % a.micro_batch_size:
+    elif group_ok and a.micro_batch_size > 0 and rows % a.micro_batch_size:
         e.append(f"actor_config.micro_batch_size={a.micro_batch_size} does not divide the {rows} rows of a step; "
                  f"pick a divisor of {rows}")
-    if g.micro_batch_size > 0 and rl.n_samples_per_prompt > 0 and g.micro_batch_size % rl.n_samples_per_prompt:
+    if group_ok and g.micro_batch_size > 0 and g.micro_batch_size % rl.n_samples_per_prompt:
         e.append(f"generate_config.micro_batch_size={g.micro_batch_size} is not a multiple of "
                  f"rl_config.n_samples_per_prompt={rl.n_samples_per_prompt}; rollout takes whole prompt groups")
     _positive(e, "generate_config.max_new_tokens", g.max_new_tokens)
@@ -79,9 +82,23 @@ def validate_config(cfg: Config) -> None:
     _positive(e, "actor_config.kl_loss_coef", a.kl_loss_coef, allow_zero=True)
     if a.clip_ratio_c <= 1:
         e.append(f"actor_config.clip_ratio_c={a.clip_ratio_c}: the dual-clip bound must be > 1 (3.0 is usual)")
-    if len(a.betas) != 2:
-        e.append(f"actor_config.betas={a.betas}: AdamW needs two betas, e.g. [0.9, 0.999]")
+    if len(a.betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
+                                    for b in a.betas):
+        e.append(f"actor_config.betas={a.betas}: AdamW needs two betas, numbers in [0, 1), e.g. [0.9, 0.999]")
+    _positive(e, "actor_config.weight_decay", a.weight_decay, allow_zero=True)
+    for key, v in (("clip_ratio_low", a.clip_ratio_low), ("clip_ratio_high", a.clip_ratio_high)):
+        if not 0 < v < 1 and key == "clip_ratio_low":
+            e.append(f"actor_config.{key}={v}: must be in (0, 1); the ratio is clipped to [1 - low, 1 + high]")
+        elif v <= 0:
+            e.append(f"actor_config.{key}={v}: must be > 0; the ratio is clipped to [1 - low, 1 + high]")
+    if a.kl_ctrl == "adaptive":
+        _positive(e, "actor_config.kl_target", a.kl_target, "the adaptive controller steers the KL towards it")
+        _positive(e, "actor_config.kl_horizon", a.kl_horizon, "the adaptive controller's time constant in rows")
     _one_of(e, "placement.mode", cfg.placement.mode, PLACEMENT_MODES)
+    n_cpus = cfg.placement.ray_num_cpus
+    if n_cpus is not None and (n_cpus < 1 or float(n_cpus) != int(n_cpus)):
+        e.append(f"placement.ray_num_cpus={n_cpus}: Ray needs a whole number >= 1 (or null for all cores); "
+                 "fractions belong in placement.groups.<name>.num_cpus")
     _positive(e, "data.max_prompt_length", d.max_prompt_length)
     _positive(e, "data.num_digits", d.num_digits)
     _positive(e, "data.size", d.size)

@@ -215,7 +215,7 @@ class Trainer:
             if p.ray_address:
                 kwargs["address"] = p.ray_address
             elif p.ray_num_cpus is not None:
-                kwargs["num_cpus"] = p.ray_num_cpus
+                kwargs["num_cpus"] = int(p.ray_num_cpus)
             ray.init(**kwargs)
             self._started_ray = True
         check_cluster(self.plan, ray.available_resources())

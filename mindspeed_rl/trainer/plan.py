@@ -92,11 +92,16 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
             for n in names:
                 assign[n] = g
     resources: dict[str, GroupConfig] = {}
+    claimed: dict[str, str] = {}
     for g, gc in cfg.placement.groups.items():
         for n in gc.mfcs:
             if n not in by_name:
                 raise ConfigError(f"placement.groups.{g}.mfcs: unknown MFC {n!r}; the {rl.algorithm} graph has "
                                   f"{list(by_name)}")
+            if n in claimed:
+                raise ConfigError(f"placement.groups.{g}.mfcs: {n!r} is already in placement.groups.{claimed[n]}.mfcs;"
+                                  " list each MFC in one group")
+            claimed[n] = g
             assign[n] = g
         resources[g] = gc
     missing = [n for n in by_name if n not in assign]
@@ -123,10 +128,12 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
             if any(InterfaceType(m.interface_type) is InterfaceType.TRAIN_STEP for m in p.mfcs):
                 a = cfg.actor_config
                 mini = a.mini_batch_size or rows
+                what = (f"actor_config.mini_batch_size={mini}" if a.mini_batch_size else
+                        f"the step's {rows} rows (actor_config.mini_batch_size=null)")
                 if mini % dp or (mini // dp) % min(a.micro_batch_size, mini // dp):
-                    raise ConfigError(f"placement.groups.{g}.dp={dp}: actor_config.mini_batch_size={mini} must "
-                                      f"split into {dp} equal shares of whole micro-batches "
-                                      f"(micro_batch_size={a.micro_batch_size}); DDP ranks step together")
+                    raise ConfigError(f"placement.groups.{g}.dp={dp}: {what} must split into {dp} equal shares of "
+                                      f"whole micro-batches (micro_batch_size={a.micro_batch_size}); DDP ranks "
+                                      "step together")
     model_paths = {"actor": cfg.actor_config.model_path,
                    "ref": cfg.ref_config.model_path or cfg.actor_config.model_path}
     for m in order:
@@ -174,9 +181,14 @@ def _check_dataset(cfg: Config) -> None:
             raise ConfigError(f"data.dataset={spec!r}: unknown built-in task; built-in tasks are "
                               f"{['builtin:' + k for k in KINDS]}")
         return
+    from ..data.prompts import SUFFIXES
     if not Path(spec).expanduser().is_file():
-        raise ConfigError(f"data.dataset={spec!r}: no such file; give a .jsonl/.parquet path (see "
+        raise ConfigError(f"data.dataset={spec!r}: no such file; give a {'/'.join(SUFFIXES)} path (see "
                           "cli/preprocess_data.py) or a built-in task such as builtin:copy")
+    if Path(spec).suffix not in SUFFIXES:
+        raise ConfigError(f"data.dataset={spec!r}: unsupported file type {Path(spec).suffix!r}; give a "
+                          f"{'/'.join(SUFFIXES)} file (see cli/preprocess_data.py) or a built-in task such as "
+                          "builtin:copy")
 
 
 def check_cluster(plan: Plan, available: dict[str, float]) -> None:
@@ -188,9 +200,10 @@ def check_cluster(plan: Plan, available: dict[str, float]) -> None:
             detail = ", ".join(f"{g}: {getattr(p.resources, 'num_' + res.lower() + 's')} x dp {p.resources.dp}"
                                for g, p in plan.groups.items()
                                if getattr(p.resources, "num_" + res.lower() + "s") > 0)
+            more = ("give Ray more (placement.ray_num_cpus)" if res == "CPU" else
+                    f"add {res}s or nodes to the Ray cluster")
             raise ConfigError(f"placement needs {amount:g} {res} ({detail}) but the Ray cluster has {have:g}; "
-                              f"lower placement.groups.<name>.num_{res.lower()}s (fractions are fine), or give "
-                              f"Ray more (placement.ray_num_cpus)")
+                              f"lower placement.groups.<name>.num_{res.lower()}s (fractions are fine), or {more}")
 
 
 def format_plan(plan: Plan) -> str:

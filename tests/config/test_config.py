@@ -1,0 +1,379 @@
+"""Config loading, validation and planning: the default config works, and every bad input fails
+before anything starts with a message that names the key, the value and a fix."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from omegaconf import OmegaConf
+
+from mindspeed_rl.config import Config, ConfigError, config_from_dict, config_to_dict, validate_config
+from mindspeed_rl.trainer.plan import check_cluster, format_plan, make_plan
+
+from .helpers import DEFAULT_YAML, REPO, error_of, run_stage, with_overrides
+
+GRPO_MFCS = ["actor_rollout", "rule_reward", "ref_log_prob", "actor_log_prob", "compute_advantage", "actor_train"]
+
+
+# ---------------------------------------------------------------------------------------------- the default
+
+
+def test_default_yaml_loads_validates_and_plans():
+    cfg = config_from_dict(with_overrides({}))
+    validate_config(cfg)
+    plan = make_plan(cfg, check_files=True)
+    assert plan.rows_per_step == 16 * 8
+    assert [m.name for m in plan.order] == GRPO_MFCS
+    assert set(plan.groups) == {"integrated", "rule"}
+    assert "integrated" in format_plan(plan)
+
+
+def test_default_yaml_through_omegaconf_like_hydra():
+    """Hydra hands over a DictConfig that still has `defaults` and `hydra`; both are ignored."""
+    raw = OmegaConf.load(DEFAULT_YAML)
+    assert "defaults" in raw and "hydra" in raw
+    cfg = config_from_dict(raw)
+    assert cfg.trainer.total_steps == 200 and cfg.actor_config.lr == pytest.approx(1e-3)
+    assert isinstance(cfg.trainer.stage_timeout_s, float)  # `120` in the YAML, a float in the schema
+
+
+def test_empty_config_is_the_schema_defaults():
+    cfg = config_from_dict({})
+    assert config_to_dict(cfg) == dataclasses.asdict(Config())
+    make_plan(cfg, check_files=True)
+
+
+def test_hydra_overrides_compose_as_documented():
+    """docs/configs.md: grpo_tiny.yaml lists every key, so each is overridden plainly; a new
+    placement group (a mapping key the YAML does not list) needs `+`."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
+
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+        raw = compose("grpo_tiny", overrides=["rl_config.n_samples_per_prompt=4", "trainer.logger=[console]",
+                                              "actor_config.mini_batch_size=null", "actor_config.kl_ctrl=adaptive",
+                                              "+placement.groups.integrated.dp=2"])
+        cfg = config_from_dict(raw)
+        assert cfg.rl_config.n_samples_per_prompt == 4 and cfg.trainer.logger == ["console"]
+        assert cfg.actor_config.mini_batch_size is None and cfg.actor_config.kl_ctrl == "adaptive"
+        assert cfg.placement.groups["integrated"].dp == 2
+        make_plan(cfg, check_files=True)
+        with pytest.raises(ConfigCompositionException, match=r"\+trainer\.total_step=3"):
+            compose("grpo_tiny", overrides=["trainer.total_step=3"])
+
+
+def test_ints_widen_to_floats_and_whole_floats_narrow_to_ints():
+    cfg = config_from_dict(with_overrides({"actor_config.lr": 1, "trainer.total_steps": 3.0,
+                                           "placement.groups.integrated.num_cpus": 2}))
+    assert cfg.actor_config.lr == 1.0 and isinstance(cfg.actor_config.lr, float)
+    assert cfg.trainer.total_steps == 3 and isinstance(cfg.trainer.total_steps, int)
+    assert cfg.placement.groups["integrated"].num_cpus == 2.0
+
+
+# ------------------------------------------------------------------------------ placement modes (documented)
+
+
+def _groups(overrides):
+    plan = make_plan(config_from_dict(with_overrides(overrides)), check_files=False)
+    return {g: [m.name for m in p.mfcs] for g, p in plan.groups.items()}
+
+
+def test_colocated_mode_groups():
+    assert _groups({}) == {"integrated": ["actor_rollout", "ref_log_prob", "actor_log_prob", "actor_train"],
+                           "rule": ["rule_reward", "compute_advantage"]}
+
+
+def test_disaggregated_mode_groups():
+    assert _groups({"placement.mode": "disaggregated"}) == {
+        "rollout": ["actor_rollout"], "rule": ["rule_reward", "compute_advantage"],
+        "ref": ["ref_log_prob"], "actor": ["actor_log_prob", "actor_train"]}
+
+
+def test_custom_mode_groups_and_resources():
+    groups = {"gen": {"mfcs": ["actor_rollout"], "num_gpus": 1, "device": "cuda"},
+              "train": {"mfcs": ["ref_log_prob", "actor_log_prob", "actor_train"], "dp": 2},
+              "cpu": {"mfcs": ["rule_reward", "compute_advantage"]}}
+    plan = make_plan(config_from_dict(with_overrides({"placement.mode": "custom", "placement.groups": groups})),
+                     check_files=False)
+    assert {g: [m.name for m in p.mfcs] for g, p in plan.groups.items()} == {
+        "gen": ["actor_rollout"], "cpu": ["rule_reward", "compute_advantage"],
+        "train": ["ref_log_prob", "actor_log_prob", "actor_train"]}
+    assert plan.resource_totals() == {"CPU": 2.0, "GPU": 1.0, "NPU": 0.0}
+
+
+def test_group_entry_moves_an_mfc_in_a_preset_mode():
+    assert _groups({"placement.groups.gen.mfcs": ["actor_rollout"]}) == {
+        "gen": ["actor_rollout"], "rule": ["rule_reward", "compute_advantage"],
+        "integrated": ["ref_log_prob", "actor_log_prob", "actor_train"]}
+
+
+def test_dry_run_plan_does_not_open_model_or_dataset():
+    plan = make_plan(config_from_dict(with_overrides({"actor_config.model_path": "/nonexistent/model",
+                                                      "data.dataset": "/nonexistent/data.jsonl"})),
+                     check_files=False)
+    assert any("not opened" in n for n in plan.notes)
+
+
+# ------------------------------------------------------------------------------------------ error paths
+# (overrides, stage, substrings the message must contain: the key, the value, and the fix)
+
+LOAD_ERRORS = {
+    "unknown section": ({"trainr": {"total_steps": 3}},
+                        ["trainr", "unknown config section", "did you mean 'trainer'", "sections are ["]),
+    "unknown key": ({"trainer.total_step": 3},
+                    ["trainer.total_step", "unknown key", "did you mean 'total_steps'", "keys of trainer are ["]),
+    "unknown key, no close match": ({"rl_config.zzz": 3},
+                                    ["rl_config.zzz", "unknown key", "keys of rl_config are [", "'blocking'"]),
+    "unknown group key": ({"placement.groups.integrated.num_cpu": 1},
+                          ["placement.groups.integrated.num_cpu", "did you mean 'num_cpus'"]),
+    "int given a word": ({"trainer.total_steps": "ten"}, ["trainer.total_steps='ten'", "expected an integer"]),
+    "int given a fraction": ({"trainer.total_steps": 2.5}, ["trainer.total_steps=2.5", "expected an integer"]),
+    "int given null": ({"trainer.total_steps": None}, ["trainer.total_steps=None", "expected an integer"]),
+    "group int": ({"placement.groups.integrated.dp": "two"},
+                  ["placement.groups.integrated.dp='two'", "expected an integer"]),
+    "float given a word": ({"actor_config.lr": "fast"}, ["actor_config.lr='fast'", "expected a number"]),
+    "float given a bool": ({"actor_config.lr": True}, ["actor_config.lr=True", "expected a number"]),
+    "bool given a word": ({"rl_config.blocking": "yes"}, ["rl_config.blocking='yes'", "expected true or false"]),
+    "bool given an int": ({"rl_config.guarantee_order": 1},
+                          ["rl_config.guarantee_order=1", "expected true or false"]),
+    "str given an int": ({"actor_config.loss_agg_mode": 3}, ["actor_config.loss_agg_mode=3", "expected a string"]),
+    "optional str given an int": ({"ref_config.model_path": 3}, ["ref_config.model_path=3", "expected a string"]),
+    "list given a str": ({"trainer.logger": "console"},
+                         ["trainer.logger='console'", "expected a list, e.g. [a, b]"]),
+    "mapping given a list": ({"placement.groups": [1]}, ["placement.groups=[1]", "expected a mapping"]),
+    "section not a mapping": ({"trainer": 3}, ["trainer=3", "expected a mapping of keys for section 'trainer'"]),
+    "group not a mapping": ({"placement.groups.integrated": 3},
+                            ["placement.groups.integrated=3", "expected a mapping"]),
+}
+
+VALIDATE_ERRORS = {
+    "mini does not divide rows": ({"actor_config.mini_batch_size": 48},
+                                  ["actor_config.mini_batch_size=48", "does not divide the 128 rows",
+                                   "rl_config.prompts_per_step=16", "n_samples_per_prompt=8",
+                                   "pick a divisor of 128"]),
+    "micro does not divide mini": ({"actor_config.micro_batch_size": 24},
+                                   ["actor_config.micro_batch_size=24",
+                                    "does not divide actor_config.mini_batch_size=32", "whole micro-batches"]),
+    "micro larger than mini": ({"actor_config.micro_batch_size": 64},
+                               ["actor_config.micro_batch_size=64", "actor_config.mini_batch_size=32"]),
+    "micro does not divide rows (mini null)": ({"actor_config.micro_batch_size": 24,
+                                                "actor_config.mini_batch_size": None},
+                                               ["actor_config.micro_batch_size=24", "does not divide the 128 rows",
+                                                "pick a divisor of 128"]),
+    "generate micro vs group size": ({"generate_config.micro_batch_size": 60},
+                                     ["generate_config.micro_batch_size=60",
+                                      "not a multiple of rl_config.n_samples_per_prompt=8", "whole prompt groups"]),
+    "group of one": ({"rl_config.n_samples_per_prompt": 1},
+                     ["rl_config.n_samples_per_prompt=1", "at least 2", "set it to 2 or more"]),
+    "group of zero": ({"rl_config.n_samples_per_prompt": 0},
+                      ["rl_config.n_samples_per_prompt=0", "set it to 2 or more"]),
+    "negative steps": ({"trainer.total_steps": -1}, ["trainer.total_steps=-1: must be >= 0"]),
+    "negative save interval": ({"trainer.save_interval": -5},
+                               ["trainer.save_interval=-5: must be >= 0", "0 turns periodic checkpoints off"]),
+    "zero timeout": ({"trainer.stage_timeout_s": 0}, ["trainer.stage_timeout_s=0.0: must be > 0"]),
+    "zero prompts": ({"rl_config.prompts_per_step": 0}, ["rl_config.prompts_per_step=0: must be > 0"]),
+    "zero mini": ({"actor_config.mini_batch_size": 0},
+                  ["actor_config.mini_batch_size=0: must be > 0", "or null for one update per step"]),
+    "negative mini": ({"actor_config.mini_batch_size": -4}, ["actor_config.mini_batch_size=-4: must be > 0"]),
+    "zero micro": ({"actor_config.micro_batch_size": 0}, ["actor_config.micro_batch_size=0: must be > 0"]),
+    "zero log-prob micro": ({"actor_config.log_prob_micro_batch_size": 0},
+                            ["actor_config.log_prob_micro_batch_size=0: must be > 0"]),
+    "zero ref micro": ({"ref_config.micro_batch_size": 0}, ["ref_config.micro_batch_size=0: must be > 0"]),
+    "zero generate micro": ({"generate_config.micro_batch_size": 0},
+                            ["generate_config.micro_batch_size=0: must be > 0"]),
+    "zero dock micro": ({"rl_config.dock_micro_batch_size": 0}, ["rl_config.dock_micro_batch_size=0: must be > 0"]),
+    "negative staleness": ({"rl_config.max_weight_staleness": -1},
+                           ["rl_config.max_weight_staleness=-1: must be >= 0", "0 = strictly on-policy"]),
+    "negative lr": ({"actor_config.lr": -1e-3}, ["actor_config.lr=-0.001: must be > 0"]),
+    "zero grad clip": ({"actor_config.grad_clip": 0}, ["actor_config.grad_clip=0.0: must be > 0"]),
+    "negative kl coef": ({"actor_config.kl_loss_coef": -0.1}, ["actor_config.kl_loss_coef=-0.1: must be >= 0"]),
+    "zero new tokens": ({"generate_config.max_new_tokens": 0}, ["generate_config.max_new_tokens=0: must be > 0"]),
+    "negative temperature": ({"generate_config.temperature": -1},
+                             ["generate_config.temperature=-1.0: must be >= 0", "0 means greedy"]),
+    "top_p zero": ({"generate_config.top_p": 0}, ["generate_config.top_p=0.0: must be in (0, 1]"]),
+    "top_p above one": ({"generate_config.top_p": 1.5}, ["generate_config.top_p=1.5: must be in (0, 1]"]),
+    "negative top_k": ({"generate_config.top_k": -1}, ["generate_config.top_k=-1: must be >= 0", "0 turns it off"]),
+    "zero prompt length": ({"data.max_prompt_length": 0}, ["data.max_prompt_length=0: must be > 0"]),
+    "zero digits": ({"data.num_digits": 0}, ["data.num_digits=0: must be > 0"]),
+    "zero dataset size": ({"data.size": 0}, ["data.size=0: must be > 0"]),
+    "zero dp": ({"placement.groups.integrated.dp": 0}, ["placement.groups.integrated.dp=0: must be > 0"]),
+    "negative cpus": ({"placement.groups.rule.num_cpus": -1}, ["placement.groups.rule.num_cpus=-1.0: must be >= 0"]),
+    "negative gpus": ({"placement.groups.rule.num_gpus": -1}, ["placement.groups.rule.num_gpus=-1.0: must be >= 0"]),
+    "negative npus": ({"placement.groups.rule.num_npus": -1}, ["placement.groups.rule.num_npus=-1.0: must be >= 0"]),
+    "zero threads": ({"placement.groups.rule.torch_threads": 0},
+                     ["placement.groups.rule.torch_threads=0: must be > 0"]),
+    "dual clip bound": ({"actor_config.clip_ratio_c": 1.0},
+                        ["actor_config.clip_ratio_c=1.0", "must be > 1", "3.0 is usual"]),
+    "one beta": ({"actor_config.betas": [0.9]}, ["actor_config.betas=[0.9]", "two betas", "[0.9, 0.999]"]),
+    "bad loss_agg_mode": ({"actor_config.loss_agg_mode": "mean"},
+                          ["actor_config.loss_agg_mode='mean'",
+                           "must be one of ['token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum']"]),
+    "bad kl_loss_type": ({"actor_config.kl_loss_type": "k4"},
+                         ["actor_config.kl_loss_type='k4'", "must be one of [", "'k3'", "'low_var_kl'"]),
+    "bad kl_ctrl": ({"actor_config.kl_ctrl": "pid"},
+                    ["actor_config.kl_ctrl='pid'", "must be one of ['fixed', 'adaptive']"]),
+    "bad dtype": ({"actor_config.dtype": "int8"},
+                  ["actor_config.dtype='int8'", "must be one of ['float32', 'bfloat16', 'float16']"]),
+    "bad placement mode": ({"placement.mode": "spread"},
+                           ["placement.mode='spread'", "must be one of ['colocated', 'disaggregated', 'custom']"]),
+    "bad train backend": ({"actor_config.backend": "deepspeed"},
+                          ["actor_config.backend='deepspeed'", "must be one of ['torch', 'megatron']"]),
+    "bad rollout backend": ({"generate_config.backend": "sglang"},
+                            ["generate_config.backend='sglang'", "must be one of ['hf', 'vllm']"]),
+    "bad logger": ({"trainer.logger": ["console", "wandb"]},
+                   ["trainer.logger='wandb'", "must be one of ['console', 'jsonl']"]),
+    "bad device": ({"placement.groups.integrated.device": "tpu"},
+                   ["placement.groups.integrated.device='tpu'", "must be one of ['cpu', 'cuda', 'npu', 'auto']"]),
+}
+
+PLAN_ERRORS = {
+    "unknown algorithm": ({"rl_config.algorithm": "ppo"},
+                          ["rl_config.algorithm='ppo'", "unknown algorithm", "known algorithms: grpo"]),
+    "unknown reward": ({"rl_config.reward_fn": "nope"},
+                       ["rl_config.reward_fn", "'nope'", "built-in rewards are [", "'digits'",
+                        "dotted path", "my_pkg.my_module:my_fn"]),
+    "reward module missing": ({"rl_config.reward_fn": "no_such_pkg_xyz.rewards:fn"},
+                              ["rl_config.reward_fn", "'no_such_pkg_xyz.rewards:fn'",
+                               "cannot import module 'no_such_pkg_xyz.rewards'"]),
+    "model dir missing": ({"actor_config.model_path": "/nonexistent/model_dir"},
+                          ["actor_config.model_path='/nonexistent/model_dir'", "no config.json",
+                           "give a local checkpoint directory or 'builtin:tiny-qwen2'"]),
+    "ref model dir missing": ({"ref_config.model_path": "/nonexistent/ref_dir"},
+                              ["ref_config.model_path='/nonexistent/ref_dir'", "no config.json",
+                               "'builtin:tiny-qwen2'"]),
+    "unknown built-in model": ({"actor_config.model_path": "builtin:huge"},
+                               ["actor_config.model_path='builtin:huge'", "unknown built-in model 'huge'",
+                                "built-in models are ['builtin:tiny-qwen2']"]),
+    "empty model path": ({"actor_config.model_path": ""},
+                         ["actor_config.model_path is empty", "'builtin:tiny-qwen2'"]),
+    "unknown built-in dataset": ({"data.dataset": "builtin:multiply"},
+                                 ["data.dataset='builtin:multiply'", "unknown built-in task",
+                                  "['builtin:copy', 'builtin:reverse', 'builtin:sort', 'builtin:add']"]),
+    "dataset file missing": ({"data.dataset": "/nonexistent/train.jsonl"},
+                             ["data.dataset='/nonexistent/train.jsonl'", "no such file",
+                              ".jsonl/.json/.parquet path", "builtin:copy"]),
+    "group names an unknown MFC": ({"placement.groups.integrated.mfcs": ["actor_rolout"]},
+                                   ["placement.groups.integrated.mfcs", "unknown MFC 'actor_rolout'",
+                                    "the grpo graph has [", "'actor_rollout'"]),
+    "custom mode leaves MFCs out": ({"placement.mode": "custom",
+                                     "placement.groups": {"gen": {"mfcs": ["actor_rollout"]}}},
+                                    ["placement: MFCs [", "'actor_train'", "are in no worker group",
+                                     "placement.mode=custom", "placement.groups.<name>.mfcs"]),
+    "custom mode with no groups": ({"placement.mode": "custom"},
+                                   ["'actor_rollout'", "are in no worker group", "placement.groups.<name>.mfcs"]),
+    "group the mode does not create": ({"placement.groups.actor.dp": 2},
+                                       ["placement.groups.actor", "no such worker group in placement.mode="
+                                        "'colocated'", "['integrated', 'rule']", "give it mfcs: [...]"]),
+    "dp does not split the mini-batch": ({"placement.groups.integrated.dp": 3},
+                                         ["placement.groups.integrated.dp=3", "actor_config.mini_batch_size=32",
+                                          "3 equal shares of whole micro-batches", "micro_batch_size=32"]),
+    "dp share not whole micro-batches": ({"rl_config.prompts_per_step": 12, "actor_config.mini_batch_size": 96,
+                                          "placement.groups.integrated.dp": 2},
+                                         ["placement.groups.integrated.dp=2", "actor_config.mini_batch_size=96",
+                                          "2 equal shares of whole micro-batches", "micro_batch_size=32"]),
+    "dp of the trainer group, disaggregated": ({"placement.mode": "disaggregated",
+                                                "placement.groups.actor.dp": 5},
+                                               ["placement.groups.actor.dp=5", "5 equal shares"]),
+}
+
+
+def _check(msg: str, expected: list[str]) -> None:
+    for part in expected:
+        assert part in msg, f"{part!r} not in the message:\n{msg}"
+
+
+@pytest.mark.parametrize("case", list(LOAD_ERRORS), ids=list(LOAD_ERRORS))
+def test_load_errors(case):
+    overrides, expected = LOAD_ERRORS[case]
+    _check(error_of(overrides, "load"), expected)
+
+
+@pytest.mark.parametrize("case", list(VALIDATE_ERRORS), ids=list(VALIDATE_ERRORS))
+def test_validate_errors(case):
+    overrides, expected = VALIDATE_ERRORS[case]
+    run_stage(overrides, "load")  # the type is right: it is the value that is wrong
+    msg = error_of(overrides, "validate")
+    assert msg.startswith("invalid config:\n  - ")
+    _check(msg, expected)
+
+
+@pytest.mark.parametrize("case", list(PLAN_ERRORS), ids=list(PLAN_ERRORS))
+def test_plan_errors(case):
+    overrides, expected = PLAN_ERRORS[case]
+    run_stage(overrides, "validate")  # each value is fine on its own: only the plan can tell
+    _check(error_of(overrides, "plan"), expected)
+
+
+def test_model_dir_without_config_json(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    msg = error_of({"actor_config.model_path": str(tmp_path)}, "plan")
+    _check(msg, [f"actor_config.model_path={str(tmp_path)!r}", "no config.json", "'builtin:tiny-qwen2'"])
+
+
+def test_dataset_that_is_a_directory(tmp_path):
+    msg = error_of({"data.dataset": str(tmp_path)}, "plan")
+    _check(msg, [f"data.dataset={str(tmp_path)!r}", "no such file"])
+
+
+def test_existing_files_and_a_dotted_reward_pass_the_plan(tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text("{}")
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    (tmp_path / "cfg_test_reward_mod.py").write_text("def score(response, answer, prompt):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run_stage({"actor_config.model_path": str(tmp_path), "ref_config.model_path": str(tmp_path),
+               "data.dataset": str(data), "rl_config.reward_fn": "cfg_test_reward_mod:score"}, "plan")
+
+
+def test_several_problems_in_one_error():
+    msg = error_of({"rl_config.n_samples_per_prompt": 1, "actor_config.lr": -1.0,
+                    "actor_config.loss_agg_mode": "x", "generate_config.top_p": 2.0,
+                    "placement.groups.integrated.device": "tpu"}, "validate")
+    lines = msg.splitlines()
+    assert lines[0] == "invalid config:" and all(line.startswith("  - ") for line in lines[1:])
+    for key in ("rl_config.n_samples_per_prompt=1", "actor_config.lr=-1.0", "actor_config.loss_agg_mode='x'",
+                "generate_config.top_p=2.0", "placement.groups.integrated.device='tpu'"):
+        assert sum(key in line for line in lines) == 1, (key, msg)
+
+
+def test_validation_runs_before_the_plan_checks():
+    """make_plan reports value problems first, so a bad algorithm name does not hide them."""
+    msg = error_of({"rl_config.n_samples_per_prompt": 1, "rl_config.algorithm": "ppo"}, "plan")
+    assert "rl_config.n_samples_per_prompt=1" in msg
+
+
+# -------------------------------------------------------------------------------------------- the cluster
+
+
+def _plan(overrides):
+    return make_plan(config_from_dict(with_overrides(overrides)), check_files=False)
+
+
+def test_cluster_too_small_for_cpus():
+    plan = _plan({"placement.groups.integrated.num_cpus": 1.5})  # 1.5 + 0.5 (rule) = 2 CPUs
+    assert plan.resource_totals()["CPU"] == 2.0
+    with pytest.raises(ConfigError) as e:
+        check_cluster(plan, {"CPU": 1.0})
+    _check(str(e.value), ["placement needs 2 CPU", "integrated: 1.5 x dp 1", "rule: 0.5 x dp 1",
+                          "the Ray cluster has 1", "lower placement.groups.<name>.num_cpus"])
+    check_cluster(plan, {"CPU": 2.0})  # fits exactly
+
+
+def test_cluster_counts_dp_and_gpus():
+    plan = _plan({"placement.groups.integrated.num_gpus": 1, "placement.groups.integrated.dp": 2,
+                  "placement.groups.integrated.device": "cuda"})
+    with pytest.raises(ConfigError) as e:
+        check_cluster(plan, {"CPU": 8.0, "GPU": 1.0})
+    _check(str(e.value), ["placement needs 2 GPU", "integrated: 1.0 x dp 2", "the Ray cluster has 1",
+                          "num_gpus"])
+    check_cluster(plan, {"CPU": 8.0, "GPU": 2.0})
+
+
+def test_cluster_without_npus():
+    plan = _plan({"placement.groups.integrated.num_npus": 1, "placement.groups.integrated.device": "npu"})
+    with pytest.raises(ConfigError, match=r"placement needs 1 NPU .* but the Ray cluster has 0.*num_npus"):
+        check_cluster(plan, {"CPU": 8.0})
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)

@@ -1,0 +1,161 @@
+"""docs/configs.md and the schema cannot drift: every field has a row with its type and default,
+no row documents a key that does not exist, and the documented names and messages are real."""
+from __future__ import annotations
+
+import dataclasses
+import re
+import typing
+
+import pytest
+import yaml
+
+from mindspeed_rl.config import (ActorConfig, Config, DataConfig, GenerateConfig, GroupConfig, PlacementConfig,
+                                 RefConfig, RLConfig, TrainerConfig)
+from mindspeed_rl.config import validate as V
+
+from .helpers import DOCS, error_of
+
+SECTIONS = {"trainer": TrainerConfig, "actor_config": ActorConfig, "ref_config": RefConfig,
+            "generate_config": GenerateConfig, "rl_config": RLConfig, "data": DataConfig,
+            "placement": PlacementConfig, "placement.groups.<name>": GroupConfig}
+
+# Keys that scripts rely on: documented as stable, never renamed.
+STABLE = {"trainer.total_steps", "trainer.output_dir", "trainer.seed", "trainer.save_interval", "trainer.resume",
+          "trainer.dry_run", "rl_config.blocking", "rl_config.guarantee_order", "rl_config.n_samples_per_prompt"}
+
+TYPE_NAMES = {int: "int", float: "float", bool: "bool", str: "str", list: "list", dict: "mapping"}
+
+TEXT = DOCS.read_text()
+
+
+def _tables(text: str) -> dict[str, dict[str, list[str]]]:
+    """{section: {key: [key, type, default, description]}} from the `### `section`` tables."""
+    tables: dict[str, dict[str, list[str]]] = {}
+    current = None
+    for line in text.splitlines():
+        heading = re.match(r"^#{2,4} `([^`]+)`\s*$", line)
+        if heading:
+            current = heading.group(1)
+            tables[current] = {}
+            continue
+        if line.startswith("#"):
+            current = None
+            continue
+        if current and line.startswith("| `"):
+            cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
+            tables[current][cells[0].strip("`")] = cells
+    return tables
+
+
+TABLES = _tables(TEXT)
+
+
+def _fields():
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            yield section, f, hints[f.name]
+
+
+def _default(f: dataclasses.Field):
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def _doc_value(cell: str):
+    m = re.fullmatch(r"`(.*)`", cell)
+    assert m, f"default cell {cell!r} is not one `value`"
+    value = yaml.safe_load(m.group(1))
+    if isinstance(value, str):  # PyYAML reads 1e-6 as a string; Hydra/OmegaConf read it as a float
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
+
+
+def _type_name(tp) -> str:
+    if typing.get_origin(tp) is typing.Union:
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        return f"{TYPE_NAMES[inner[0]]} or null"
+    return TYPE_NAMES[tp]
+
+
+def test_every_section_has_a_table():
+    assert [f.name for f in dataclasses.fields(Config)] == list(SECTIONS)[:-1]
+    for section in SECTIONS:
+        assert TABLES.get(section), f"docs/configs.md has no table under a heading `{section}`"
+
+
+@pytest.mark.parametrize("section,field,tp", list(_fields()), ids=[f"{s}.{f.name}" for s, f, _ in _fields()])
+def test_every_field_is_documented_with_type_and_default(section, field, tp):
+    row = TABLES[section].get(field.name)
+    assert row is not None, f"{section}.{field.name} is missing from docs/configs.md"
+    assert len(row) == 4, row
+    _, doc_type, doc_default, description = row
+    expected_type = _type_name(tp)
+    assert doc_type == expected_type or doc_type.startswith(expected_type + "["), \
+        f"{section}.{field.name}: docs say type {doc_type!r}, the schema has {expected_type!r}"
+    value, default = _doc_value(doc_default), _default(field)
+    assert value == default, \
+        f"{section}.{field.name}: docs say default {doc_default}, the schema has {default!r}"
+    if isinstance(default, bool):
+        assert isinstance(value, bool)
+    assert len(description) > 20, f"{section}.{field.name}: say what it does"
+
+
+def test_no_documented_key_is_missing_from_the_schema():
+    for section, cls in SECTIONS.items():
+        names = {f.name for f in dataclasses.fields(cls)}
+        stale = set(TABLES[section]) - names
+        assert not stale, f"docs/configs.md documents {section} keys that do not exist: {sorted(stale)}"
+
+
+def test_stable_keys_are_marked_and_listed():
+    marked = {f"{s}.{k}" for s, rows in TABLES.items() for k, row in rows.items()
+              if re.match(r"\*\*stable\.?\*\*", row[3])}
+    assert marked == STABLE
+    listed = TEXT.split("## Stable keys", 1)[1].split("\n## ", 1)[0]
+    for key in STABLE:
+        assert f"`{key}`" in listed
+
+
+def test_allowed_values_are_documented():
+    from mindspeed_rl.data.synthetic import KINDS
+    from mindspeed_rl.dataflow import get_algorithm
+    from mindspeed_rl.models.checkpoint import BUILTIN_MODELS
+    from mindspeed_rl.rewards.registry import BUILTIN_REWARDS
+
+    names = [*V.AGG_MODES, *V.KL_TYPES, *V.PLACEMENT_MODES, *V.LOGGERS, *V.TRAIN_BACKENDS, *V.ROLLOUT_BACKENDS,
+             *V.DTYPES, "fixed", "adaptive", "cpu", "cuda", "npu", "auto", *BUILTIN_REWARDS,
+             *(f"builtin:{k}" for k in KINDS), *(f"builtin:{m}" for m in BUILTIN_MODELS),
+             *(m.name for m in get_algorithm("grpo")[0])]
+    missing = [n for n in names if f"`{n}`" not in TEXT]
+    assert not missing, f"docs/configs.md does not name {missing}"
+
+
+def test_documented_error_examples_are_real(tmp_path):
+    """The example messages in docs/configs.md are what the code prints."""
+    from mindspeed_rl.config import config_from_dict
+    from mindspeed_rl.trainer.plan import check_cluster, make_plan
+
+    from .helpers import with_overrides
+
+    cases = [({"rl_config.blocking": "yes"}, "load"),
+             ({"generate_config.micro_batch_size": 60}, "validate"),
+             ({"actor_config.loss_agg_mode": "mean"}, "validate"),
+             ({"placement.groups.integrated.dp": 3}, "plan"),
+             ({"placement.mode": "custom", "placement.groups": {"gen": {"mfcs": ["actor_rollout"]}}}, "plan"),
+             ({"actor_config.model_path": "/nonexistent/dir"}, "plan"),
+             ({"data.dataset": "builtin:multiply"}, "plan")]
+    for overrides, stage in cases:
+        msg = error_of(overrides, stage)
+        line = msg.splitlines()[-1].removeprefix("  - ")
+        assert line in TEXT, f"docs/configs.md should quote the real message:\n{line}"
+    plan = make_plan(config_from_dict(with_overrides({"placement.groups.integrated.num_cpus": 1.5})),
+                     check_files=False)
+    try:
+        check_cluster(plan, {"CPU": 1.0})
+    except ValueError as e:
+        assert str(e) in TEXT
+    else:
+        raise AssertionError("check_cluster accepted a plan needing 2 CPUs on 1")
