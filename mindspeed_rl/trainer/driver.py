@@ -178,7 +178,7 @@ class Trainer:
         rec["reward/max_fraction"] = sums.get("reward_max_count", 0.0) / rows
         gen_rows = max(sums.get("rows", 0.0), 1.0)
         rec["response_length/mean"] = sums.get("response_length_sum", 0.0) / gen_rows
-        rec["response_length/max"] = sums.get("response_length_max", 0.0)
+        rec["response_length/max"] = max((r["metrics"].get("response_length_max", 0.0) for r in reports), default=0.0)
         mb = max(sums.get("micro_batches", 0.0), 1.0)
         for k in ("pg_loss", "kl", "entropy", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"):
             if k in sums:

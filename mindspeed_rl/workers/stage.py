@@ -65,8 +65,9 @@ def run_stage_loop(dock, *, stage: str, rank: int, step: int, input_keys, count:
         if out is not None:
             if out.columns:
                 dock.put_experience(out.columns, rows, wait=False)
-            for k, v in out.metrics.items():
-                rep.metrics[k] = rep.metrics.get(k, 0.0) + float(v)
+            for k, v in out.metrics.items():  # sums, except maxima
+                rep.metrics[k] = (max(rep.metrics.get(k, 0.0), float(v)) if k.endswith("_max")
+                                  else rep.metrics.get(k, 0.0) + float(v))
         rep.put_s += time.perf_counter() - t2
         rep.rows += len(rows)
         rep.micro_batches += 1
