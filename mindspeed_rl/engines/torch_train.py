@@ -8,6 +8,7 @@ loss is built by the worker's interface from `mindspeed_rl.algorithms`.
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -73,7 +74,7 @@ class TorchTrainEngine:
         return logp, (entropy_from_logits(logits) if with_entropy else None)
 
     @torch.no_grad()
-    def log_probs(self, prompts, responses, micro_batch_size: int) -> list[torch.Tensor]:
+    def log_probs(self, prompts, responses, micro_batch_size: int, with_entropy: bool = False) -> list[torch.Tensor]:
         """Inference: per-token log-probs, one 1-D tensor per row, micro-batch by micro-batch."""
         out: list[torch.Tensor] = []
         for i in range(0, len(prompts), micro_batch_size):
@@ -89,6 +90,8 @@ class TorchTrainEngine:
         return self.model.no_sync()
 
     def optimizer_step(self) -> dict[str, float]:
+        if self.optimizer is None:
+            raise RuntimeError("optimizer_step on an inference-only engine (built without OptimConfig)")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.optim_config.grad_clip)
         if torch.isfinite(grad_norm):
             self.optimizer.step()
@@ -107,4 +110,5 @@ class TorchTrainEngine:
         self.module.load_state_dict(state["model"])
         self.version = int(state["version"])
         if self.optimizer is not None and state.get("optimizer") is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
+            # a copy: torch keeps the given moment tensors, so two engines would share them
+            self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))

@@ -31,6 +31,10 @@ def flatten(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) ->
 
 
 def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    need = sum(t.numel() for t in tensors)
+    if flat.numel() != need:
+        raise ValueError(f"weight sync: received {flat.numel()} values for parameters that hold {need}; "
+                         "the rollout model's architecture differs from the trained model's")
     offset = 0
     for t in tensors:
         n = t.numel()

@@ -99,14 +99,24 @@ def load_tokenizer(path: str):
 
     # the built-in char tokenizer is a plain fast tokenizer; AutoTokenizer would pick Qwen2's
     # class from config.json, whose normalizer drops characters the char vocabulary maps to <unk>
-    cls = PreTrainedTokenizerFast if is_builtin(path) else AutoTokenizer
-    tok = cls.from_pretrained(str(resolve_model_path(path)))
+    directory = resolve_model_path(path)
+    cls = PreTrainedTokenizerFast if is_builtin(path) or _is_word_level(directory) else AutoTokenizer
+    tok = cls.from_pretrained(str(directory))
     tok.padding_side = "left"
     return tok
 
 
+def _is_word_level(directory: Path) -> bool:
+    """A char/word-level tokenizer.json (ours) must not be loaded as the model type's BPE class."""
+    f = Path(directory) / "tokenizer.json"
+    try:
+        return json.loads(f.read_text()).get("model", {}).get("type") == "WordLevel"
+    except (OSError, ValueError):
+        return False
+
+
 def load_causal_lm(path: str, dtype: str = "float32"):
-    """Load a causal LM for CPU/GPU use; attention is 'eager' on CPU tiny models (fastest there)."""
+    """Load a causal LM (transformers' default attention, SDPA: measured faster than eager here)."""
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -1,0 +1,153 @@
+"""Code that runs in worker processes of the multi-process engine tests.
+
+Processes come from a `forkserver` that imports this module (torch, transformers, the engines)
+once; each worker is then a cheap fork of it instead of a fresh interpreter paying those imports
+again. A worker writes what its function returned, or its traceback, to a file the test reads.
+"""
+from __future__ import annotations
+
+import importlib
+import multiprocessing
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.parallel  # noqa: F401  (imported once by the fork server, as is the model code below)
+
+from mindspeed_rl.engines import HFRolloutEngine, OptimConfig, TorchTrainEngine
+from mindspeed_rl.engines.weight_sync import broadcast_flat, checksum, flatten, stateless_group, unflatten_into
+
+from ._common import PAD, tiny_qwen2, token_mean_nll
+
+HOST = "127.0.0.1"
+importlib.import_module("transformers.models.qwen2.modeling_qwen2")  # lazy in transformers: load it here
+
+
+def context():
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
+
+
+def start_forkserver() -> None:
+    """Start the fork server now so its imports overlap with the tests that run before the
+    multi-process ones (idempotent)."""
+    from multiprocessing import forkserver
+
+    context()
+    forkserver.ensure_running()
+
+
+def _entry(fn, args, out: str) -> None:
+    torch.set_num_threads(1)
+    try:
+        result = {"ok": True, "value": fn(*args)}
+    except BaseException:  # noqa: BLE001 - reported to the test, whatever it is
+        result = {"ok": False, "error": traceback.format_exc()}
+    torch.save(result, out)
+
+
+def run_procs(jobs, tmp_path: Path, timeout_s: float = 120.0) -> list:
+    """Run `jobs` (a list of (fn, args)) in parallel worker processes; their return values, in order.
+
+    Fails (and kills what is left) if any worker raised, died or outlived `timeout_s`."""
+    ctx = context()
+    outs = [tmp_path / f"worker{i}.pt" for i in range(len(jobs))]
+    procs = [ctx.Process(target=_entry, args=(fn, tuple(args), str(out)), daemon=True)
+             for (fn, args), out in zip(jobs, outs)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [i for i, p in enumerate(procs) if p.is_alive()]
+        if hung:
+            raise AssertionError(f"workers {hung} still running after {timeout_s}s")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    results, errors = [], []
+    for i, (p, out) in enumerate(zip(procs, outs)):
+        if not out.is_file():
+            errors.append(f"worker {i} exited with code {p.exitcode} and no result")
+            continue
+        r = torch.load(out, weights_only=False)
+        if not r["ok"]:
+            errors.append(f"worker {i} raised:\n{r['error']}")
+        results.append(r.get("value"))
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return results
+
+
+# ---------------------------------------------------------------------------- weight sync
+
+def broadcast_weights(rank: int, world: int, port: int) -> dict:
+    """Rank 0 (a train engine, seed 0) sends its flat parameters; the others (rollout engines built
+    with other seeds) receive them into their own parameters."""
+    model = tiny_qwen2(seed=rank)
+    if rank == 0:
+        tensors = TorchTrainEngine(model, PAD, OptimConfig()).parameters()
+    else:
+        tensors = [t for _, t in HFRolloutEngine(model, PAD).named_parameters_for_sync()]
+    before = checksum(tensors)
+    group = stateless_group(HOST, port, rank, world, timeout_s=60)
+    flat = flatten(tensors) if rank == 0 else torch.empty(sum(t.numel() for t in tensors))
+    broadcast_flat(group, flat, src=0)
+    if rank != 0:
+        unflatten_into(flat, tensors)
+    return {"before": before, "after": checksum(tensors)}
+
+
+def join_group(rank: int, world: int, port: int, timeout_s: float) -> dict:
+    """Try to form a group some members of which never come; report how it ended and when."""
+    t0 = time.monotonic()
+    try:
+        stateless_group(HOST, port, rank, world, timeout_s=timeout_s)
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        return {"raised": type(e).__name__, "is_runtime_error": isinstance(e, RuntimeError),
+                "message": str(e)[:2000], "elapsed": time.monotonic() - t0}
+    return {"raised": None, "elapsed": time.monotonic() - t0}
+
+
+# ---------------------------------------------------------------------------- DDP
+
+def as_process_group(group):
+    """A c10d `ProcessGroup` around a `stateless_group`'s gloo backend (what vLLM's
+    `init_gloo_process_group` does): DDP takes only a `ProcessGroup`, and `stateless_group(...).pg`
+    is the bare `ProcessGroupGloo` backend, which DDP rejects (see test_stateless_pg_works_with_ddp)."""
+    import torch.distributed as dist
+
+    pg = dist.ProcessGroup(group.store, group.rank, group.world_size)
+    gloo = dist.ProcessGroup.BackendType.GLOO
+    pg._set_default_backend(gloo)
+    group.pg._set_sequence_number_for_group()
+    pg._register_backend(torch.device("cpu"), gloo, group.pg)
+    return pg
+
+
+def ddp_construct_with_stateless_pg(rank: int, world: int, port: int) -> str:
+    group = stateless_group(HOST, port, rank, world, timeout_s=60)
+    engine = TorchTrainEngine(tiny_qwen2(seed=rank), PAD, OptimConfig(), process_group=group.pg)
+    return type(engine.model).__name__
+
+def ddp_train(rank: int, world: int, port: int, rows: tuple, micro_batch_size: int, optim: OptimConfig) -> dict:
+    """One update of a DDP TorchTrainEngine on this rank's rows, accumulated over micro-batches.
+
+    Rank r starts from a model with seed r: DDP must broadcast rank 0's weights at construction."""
+    prompts, responses = rows
+    group = stateless_group(HOST, port, rank, world, timeout_s=60)
+    engine = TorchTrainEngine(tiny_qwen2(seed=rank), PAD, optim, process_group=as_process_group(group))
+    starts = list(range(0, len(prompts), micro_batch_size))
+    for i, s in enumerate(starts):
+        with engine.no_sync(sync=i == len(starts) - 1):
+            loss = token_mean_nll(engine, prompts[s:s + micro_batch_size], responses[s:s + micro_batch_size])
+            (loss / len(starts)).backward()
+    grads = torch.cat([p.grad.detach().reshape(-1).clone() for p in engine.module.parameters()])
+    stats = engine.optimizer_step()
+    return {"grads": grads, "params": flatten(engine.parameters()).clone(), "grad_norm": stats["grad_norm"],
+            "version": engine.version, "checksum": checksum(engine.parameters())}

@@ -1,0 +1,150 @@
+"""TorchTrainEngine: log-probs against a direct forward, gradient accumulation, the optimizer step
+and checkpoint state."""
+import copy
+import io
+
+import pytest
+import torch
+
+from mindspeed_rl.engines import OptimConfig, TorchTrainEngine
+
+from ._common import PAD, flat_grads, flat_params, random_rows, tiny_qwen2, token_mean_nll
+
+PROMPT_LENS = [3, 1, 6, 2, 4]
+RESP_LENS = [5, 2, 1, 7, 3]
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return random_rows(5, PROMPT_LENS, seed=1), random_rows(5, RESP_LENS, seed=2)
+
+
+@torch.no_grad()
+def direct_log_probs(model, prompt, response, temperature=1.0):
+    """log_softmax of one unpadded full forward over prompt + response, gathered at the response."""
+    seq = torch.cat([prompt, response])[None]
+    logits = model(input_ids=seq, use_cache=False).logits[0].float() / temperature
+    p = prompt.numel()
+    pred = torch.log_softmax(logits[p - 1:p - 1 + response.numel()], dim=-1)
+    return pred.gather(-1, response[:, None]).squeeze(-1), logits[p - 1:p - 1 + response.numel()]
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 2, 5])
+def test_log_probs_equal_a_direct_forward(rows, micro_batch_size):
+    prompts, responses = rows
+    engine = TorchTrainEngine(tiny_qwen2(seed=0, initializer_range=0.1), PAD)  # inference engine
+    got = engine.log_probs(prompts, responses, micro_batch_size)
+    assert [g.shape[0] for g in got] == RESP_LENS
+    for p, r, g in zip(prompts, responses, got):
+        want, _ = direct_log_probs(engine.module, p, r)
+        torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-5)
+    assert not any(p.requires_grad for p in engine.module.parameters())
+
+
+def test_temperature_divides_logits_and_entropy(rows):
+    prompts, responses = rows
+    t = 0.7
+    engine = TorchTrainEngine(tiny_qwen2(seed=0, initializer_range=0.1), PAD, temperature=t)
+    got = engine.log_probs(prompts, responses, micro_batch_size=5)
+    b = engine.batch(prompts, responses)
+    with torch.no_grad():
+        logp, ent = engine.forward(b, with_entropy=True)
+    for i, (p, r, g) in enumerate(zip(prompts, responses, got)):
+        want, logits = direct_log_probs(engine.module, p, r, temperature=t)
+        torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logp[i, :r.numel()], want, rtol=1e-5, atol=1e-5)
+        prob = torch.softmax(logits, -1)
+        torch.testing.assert_close(ent[i, :r.numel()], -(prob * prob.log()).sum(-1), rtol=1e-4, atol=1e-5)
+
+
+def test_gradient_accumulation_equals_one_batch():
+    """Two half-batches with loss / 2 each give the gradient of the whole batch's token mean
+    (equal token counts per half), whatever the padding of each micro-batch."""
+    prompts = random_rows(4, [2, 6, 3, 1], seed=5)
+    responses = random_rows(4, [4, 2, 1, 5], seed=6)  # halves hold 6 tokens each
+    whole = TorchTrainEngine(tiny_qwen2(seed=0), PAD, OptimConfig())
+    token_mean_nll(whole, prompts, responses).backward()
+    acc = TorchTrainEngine(tiny_qwen2(seed=0), PAD, OptimConfig())
+    for s in (0, 2):
+        with acc.no_sync(sync=s == 2):  # a no-op without DDP
+            (token_mean_nll(acc, prompts[s:s + 2], responses[s:s + 2]) / 2).backward()
+    torch.testing.assert_close(flat_grads(acc.module), flat_grads(whole.module), rtol=1e-4, atol=1e-7)
+
+
+def test_optimizer_step_clips_reports_pre_clip_norm_and_bumps_version(rows):
+    prompts, responses = rows
+    clip = 1e-3
+    engine = TorchTrainEngine(tiny_qwen2(seed=0), PAD, OptimConfig(lr=1e-2, grad_clip=clip))
+    assert engine.version == 0 and engine.module.training
+    before = flat_params(engine.module)
+    token_mean_nll(engine, prompts, responses).backward()
+    grads = flat_grads(engine.module)
+    norm = float(grads.norm())
+    assert norm > 10 * clip  # clipping does happen
+    stats = engine.optimizer_step()
+    assert engine.version == 1
+    assert stats["grad_norm"] == pytest.approx(norm, rel=1e-5)  # reported before clipping
+    assert all(p.grad is None for p in engine.module.parameters())  # zeroed
+    # Adam's first moment after one step is (1 - beta1) * the gradient it was given: the clipped one
+    b1 = engine.optimizer.defaults["betas"][0]
+    m = torch.cat([engine.optimizer.state[p]["exp_avg"].reshape(-1) for p in engine.module.parameters()])
+    torch.testing.assert_close(m / (1 - b1), grads * (clip / norm), rtol=1e-4, atol=1e-9)
+    assert not torch.equal(flat_params(engine.module), before)
+
+
+def test_non_finite_gradient_skips_the_update_but_counts_the_step(rows):
+    prompts, responses = rows
+    engine = TorchTrainEngine(tiny_qwen2(seed=0), PAD, OptimConfig())
+    before = flat_params(engine.module)
+    token_mean_nll(engine, prompts, responses).backward()
+    next(engine.module.parameters()).grad.view(-1)[0] = float("nan")
+    stats = engine.optimizer_step()
+    assert not torch.isfinite(torch.tensor(stats["grad_norm"]))
+    assert torch.equal(flat_params(engine.module), before)
+    assert engine.version == 1
+    assert all(p.grad is None for p in engine.module.parameters())
+
+
+def _train_step(engine, prompts, responses):
+    token_mean_nll(engine, prompts, responses).backward()
+    return engine.optimizer_step()
+
+
+def _round_trip_then_train_both(rows, transfer):
+    prompts, responses = rows
+    optim = OptimConfig(lr=1e-2, weight_decay=0.1)
+    a = TorchTrainEngine(tiny_qwen2(seed=0), PAD, optim)
+    for _ in range(2):
+        _train_step(a, prompts, responses)
+    b = TorchTrainEngine(tiny_qwen2(seed=9), PAD, optim)  # another init, fresh optimizer
+    b.load_state_dict(transfer(a.state_dict()))
+    assert b.version == a.version == 2
+    assert torch.equal(flat_params(b.module), flat_params(a.module))
+    for _ in range(2):  # both continue identically: moments and step counts were restored too
+        sa, sb = _train_step(a, prompts, responses), _train_step(b, prompts, responses)
+        assert sa == sb
+        assert torch.equal(flat_params(b.module), flat_params(a.module))
+    assert a.version == b.version == 4
+
+
+def _through_torch_save(state):
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+@pytest.mark.parametrize("transfer", [_through_torch_save, copy.deepcopy], ids=["torch_save", "deepcopy"])
+def test_state_dict_round_trip_restores_exactly(rows, transfer):
+    _round_trip_then_train_both(rows, transfer)
+
+
+def test_state_dict_round_trip_in_memory_without_copy(rows):
+    _round_trip_then_train_both(rows, lambda state: state)
+
+
+def test_inference_engine_has_no_optimizer(rows):
+    engine = TorchTrainEngine(tiny_qwen2(seed=0), PAD)
+    assert engine.optimizer is None and not engine.module.training
+    assert engine.state_dict()["optimizer"] is None
+    assert len(engine.parameters()) == len(list(engine.module.parameters()))
