@@ -86,11 +86,10 @@ def validate_config(cfg: Config) -> None:
                                     for b in a.betas):
         e.append(f"actor_config.betas={a.betas}: AdamW needs two betas, numbers in [0, 1), e.g. [0.9, 0.999]")
     _positive(e, "actor_config.weight_decay", a.weight_decay, allow_zero=True)
-    for key, v in (("clip_ratio_low", a.clip_ratio_low), ("clip_ratio_high", a.clip_ratio_high)):
-        if not 0 < v < 1 and key == "clip_ratio_low":
-            e.append(f"actor_config.{key}={v}: must be in (0, 1); the ratio is clipped to [1 - low, 1 + high]")
-        elif v <= 0:
-            e.append(f"actor_config.{key}={v}: must be > 0; the ratio is clipped to [1 - low, 1 + high]")
+    if not 0 < a.clip_ratio_low < 1:
+        e.append(f"actor_config.clip_ratio_low={a.clip_ratio_low}: must be in (0, 1); the ratio is clipped to "
+                 "[1 - low, 1 + high]")
+    _positive(e, "actor_config.clip_ratio_high", a.clip_ratio_high, "the ratio is clipped to [1 - low, 1 + high]")
     if a.kl_ctrl == "adaptive":
         _positive(e, "actor_config.kl_target", a.kl_target, "the adaptive controller steers the KL towards it")
         _positive(e, "actor_config.kl_horizon", a.kl_horizon, "the adaptive controller's time constant in rows")

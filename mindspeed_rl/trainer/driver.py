@@ -239,9 +239,8 @@ class Trainer:
         env = {"MINDSPEED_RL_CACHE": _cache_env()}
         for name, gp in plan.groups.items():
             r = gp.resources
-            opts: dict[str, Any] = {"num_cpus": r.num_cpus, "max_concurrency": len(gp.mfcs) + 4,
-                                    "name": None}
-            opts.pop("name")
+            # threaded: colocated stages run at once; +4 for sync, checkpoint and ping calls beside them
+            opts: dict[str, Any] = {"num_cpus": r.num_cpus, "max_concurrency": len(gp.mfcs) + 4}
             if r.num_gpus:
                 opts["num_gpus"] = r.num_gpus
             if r.num_npus:

@@ -50,7 +50,7 @@ class Plan:
         return tot
 
 
-def preset_groups(mode: str, mfcs: list[MFCDef], trained: dict[str, str]) -> dict[str, list[str]]:
+def preset_groups(mode: str, mfcs: list[MFCDef]) -> dict[str, list[str]]:
     """The worker groups a placement mode implies, derived from the MFCs' roles and types.
 
     colocated: every MFC that runs a model shares one integrated worker; CPU functions
@@ -88,7 +88,7 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
     # worker groups: the mode's preset, then the config's groups (which may move MFCs or add resources)
     assign = {}
     if cfg.placement.mode != "custom":
-        for g, names in preset_groups(cfg.placement.mode, order, trained).items():
+        for g, names in preset_groups(cfg.placement.mode, order).items():
             for n in names:
                 assign[n] = g
     resources: dict[str, GroupConfig] = {}

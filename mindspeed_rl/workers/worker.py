@@ -224,7 +224,7 @@ class Worker:
                                       agg=a.loss_agg_mode, use_kl_loss=a.use_kl_loss, kl_type=a.kl_loss_type,
                                       entropy_coeff=a.entropy_coeff)
         rep = StageReport(stage=mfc.name, rank=self.spec.rank, step=step)
-        waited = [False]
+        waited = False
         for start in range(0, per_rank, mini):
             done_before = rep.rows
 
@@ -240,9 +240,9 @@ class Worker:
                            max_rows=min(per_rank, start + mini))
             if rep.rows == done_before:
                 break
-            if not waited[0]:  # the step's readers of these weights must be done before they change
+            if not waited:  # the step's readers of these weights must be done before they change
                 self._wait_columns(mfc.name, self.spec.same_step_outputs.get(mfc.name, []), step)
-                waited[0] = True
+                waited = True
             t0 = time.perf_counter()
             C.merge_metrics(rep.metrics, engine.optimizer_step())
             rep.metrics["updates"] = rep.metrics.get("updates", 0.0) + 1
