@@ -33,7 +33,7 @@ def test_default_yaml_through_omegaconf_like_hydra():
     raw = OmegaConf.load(DEFAULT_YAML)
     assert "defaults" in raw and "hydra" in raw
     cfg = config_from_dict(raw)
-    assert cfg.trainer.total_steps == 300 and cfg.actor_config.lr == pytest.approx(1e-3)
+    assert cfg.trainer.total_steps == 300 and cfg.actor_config.lr == pytest.approx(4e-4)
     assert isinstance(cfg.trainer.stage_timeout_s, float)  # `120` in the YAML, a float in the schema
 
 
