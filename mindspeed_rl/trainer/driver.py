@@ -346,6 +346,7 @@ class Trainer:
         self.workers = {}
         if self.dock is not None:
             try:
+                self.dock.close()  # its shared memory outlives the actor otherwise
                 ray.kill(self.dock.actor)
             except Exception:
                 pass

@@ -2,11 +2,13 @@
 
 It is an async actor: every call runs on one event loop, so the dock needs no lock contention,
 and a blocking get awaits a put without holding a thread, so one stalled consumer never stalls
-the others. Data comes in two forms (see `docs/transfer_dock.md` for the measurements behind it):
+the others. Data comes in three forms (see `docs/transfer_dock.md` for the measurements behind it):
 - inline: the rows travel in the call (`ColumnBlock`) and the actor keeps them;
-- by reference: the producer `ray.put`s its block and the actor keeps only the `ObjectRef`, so the
-  bytes go from the producer's object store straight to the consumer, once.
-Workers use it through `TransferDockClient`, which picks the form by size.
+- in shared memory (same node): the producer copies its block into a segment it owns and the actor
+  keeps only a descriptor (`ShmBlock`, see `shm.py`), so the bytes go producer -> consumer once;
+- by reference (across nodes): the producer `ray.put`s its block and the actor keeps only the
+  `ObjectRef`.
+Workers use it through `TransferDockClient`, which picks the form by size and by node.
 """
 from __future__ import annotations
 
@@ -19,8 +21,12 @@ from typing import Any, Sequence
 import numpy as np
 import ray
 
+from . import shm
 from .codec import ColumnBlock, pack, unpack
 from .dock import TransferDock
+from .errors import DockValueError
+from .metrics import RayMetricsExport
+from .shm import ShmBlock
 
 
 @dataclass
@@ -46,15 +52,15 @@ class Cell:
 
     __slots__ = ("source", "pos", "numel", "nbytes")
 
-    def __init__(self, source: ColumnBlock | RefBlock, pos: int, numel: int, nbytes: int):
+    def __init__(self, source: ColumnBlock | RefBlock | ShmBlock, pos: int, numel: int, nbytes: int):
         self.source, self.pos, self.numel, self.nbytes = source, pos, numel, nbytes
 
     def __len__(self) -> int:
         return self.numel
 
 
-def _cells(block: ColumnBlock | RefBlock) -> list[Cell]:
-    if isinstance(block, RefBlock):
+def _cells(block: ColumnBlock | RefBlock | ShmBlock) -> list[Cell]:
+    if isinstance(block, (RefBlock, ShmBlock)):
         return [Cell(block, i, int(n), int(n) * block.itemsize) for i, n in enumerate(block.numel.tolist())]
     itemsize = block.flat.itemsize
     return [Cell(block, i, block.row_numel(i), block.row_numel(i) * itemsize) for i in range(len(block))]
@@ -63,7 +69,8 @@ def _cells(block: ColumnBlock | RefBlock) -> list[Cell]:
 def reply_parts(cells: Sequence[Cell], refs: list) -> list[tuple[list[int], Any, list[int] | None]]:
     """Group a column's cells by source: (output positions, inline block or ref slot, source positions).
 
-    Referenced blocks are appended to `refs` (once each) and named by their slot in it.
+    Referenced blocks are appended to `refs` (once each) and named by their slot in it; a
+    shared-memory block travels as its descriptor.
     """
     groups: dict[int, tuple[Any, list[int], list[int]]] = {}
     for out_pos, cell in enumerate(cells):
@@ -78,6 +85,8 @@ def reply_parts(cells: Sequence[Cell], refs: list) -> list[tuple[list[int], Any,
                 slot = len(refs)
                 refs.append(source.ref)
             parts.append((out_pos, (slot, source.column), src_pos))
+        elif isinstance(source, ShmBlock):
+            parts.append((out_pos, source, src_pos))
         else:
             parts.append((out_pos, source.take(src_pos), None))
     return parts
@@ -87,8 +96,16 @@ class TransferDockActor:
     """Ray actor around one `TransferDock` (create it with `create_transfer_dock`)."""
 
     def __init__(self, columns: Sequence[str], consumers: Sequence[str], prompts_num: int,
-                 n_samples_per_prompt: int = 1, **dock_kwargs: Any) -> None:
+                 n_samples_per_prompt: int = 1, shm_tag: str | None = None, metrics_interval_s: float = 1.0,
+                 **dock_kwargs: Any) -> None:
         self._dock = TransferDock(columns, consumers, prompts_num, n_samples_per_prompt, **dock_kwargs)
+        # the counters go to ray.util.metrics on a timer (0: never), not per call: see RayMetricsExport
+        self._metrics_interval_s = float(metrics_interval_s)
+        self._export: RayMetricsExport | None = None
+        self._export_task: asyncio.Task | None = None
+        self._export_error: str | None = None
+        # the same-node data plane's generation counter, bumped by clear() (see shm.py)
+        self._generation = shm.Generation(shm_tag) if shm_tag else None
         self._puts = 0  # bumped by every put and clear; blocked gets wait for it to change
         self._changed: asyncio.Condition | None = None
 
@@ -105,16 +122,51 @@ class TransferDockActor:
     async def noop(self) -> None:
         """An empty call: the floor any dock call is measured against."""
 
+    def _start_export(self) -> None:
+        """Start the metrics timer on the actor's event loop (at the first put or layout call)."""
+        if self._export_task is None and self._metrics_interval_s > 0:
+            self._export_task = asyncio.get_running_loop().create_task(self._export_loop())
+
+    async def _export_loop(self) -> None:
+        try:
+            self._export = RayMetricsExport()
+        except Exception as e:  # no ray.util.metrics here: the dock works on, without export
+            self._export_error = f"{type(e).__name__}: {e}"
+            return
+        while True:
+            try:
+                self._export.update(self._dock.get_metrics())
+            except Exception as e:  # keep the dock serving; the status call reports it
+                self._export_error = f"{type(e).__name__}: {e}"
+            await asyncio.sleep(self._metrics_interval_s)
+
+    async def metrics_export_status(self) -> dict:
+        """What the metrics timer last handed to `ray.util.metrics` (get_metrics keys -> values)."""
+        e = self._export
+        return {"interval_s": self._metrics_interval_s, "running": self._export_task is not None
+                and not self._export_task.done(), "updates": e.updates if e else 0,
+                "sent": dict(e.sent) if e else {}, "error": self._export_error}
+
     # put and get take one pickled blob and answer one: each extra argument or reply object costs
     # Ray ~0.1-0.2 ms of serialization, as much as the dock's own work (docs/transfer_dock.md).
     async def put(self, blob: bytes, refs: list | None = None) -> None:
-        blocks, indexes, overwrite, producer = pickle.loads(blob)
-        for block in blocks.values():
+        blocks, indexes, overwrite, producer, *worker = pickle.loads(blob)  # worker: a label, may be absent
+        if self._export_task is None:
+            self._start_export()
+        for column, block in blocks.items():
             if isinstance(block, RefBlock):
                 block.ref = refs[block.ref]
+            elif isinstance(block, ShmBlock) and (self._generation is None
+                                                  or block.generation != self._generation.value):
+                now = "no shared memory" if self._generation is None else f"generation {self._generation.value}"
+                raise DockValueError(
+                    f"put_experience: column '{column}' (rows {indexes[:8]}{'...' if len(indexes) > 8 else ''}) was "
+                    f"written to shared memory in generation {block.generation}, but the dock has {now}: the "
+                    "dock was cleared after the rows were made, so their bytes may be reused; put a step's rows "
+                    "before clear() ends it")
         kinds = {c: b.kind for c, b in blocks.items()}
         self._dock.put_cells({c: _cells(b) for c, b in blocks.items()}, indexes, overwrite=overwrite,
-                             producer=producer, kinds=kinds)
+                             producer=producer, kinds=kinds, worker=worker[0] if worker else None)
         await self._notify()
 
     async def get(self, blob: bytes):
@@ -126,7 +178,8 @@ class TransferDockActor:
         return (reply, refs) if refs else reply
 
     async def _get(self, consumer: str, columns: Sequence[str], count: int, indexes: Sequence[int] | None = None,
-                   get_n_samples: bool = False, blocking: bool = False, timeout: float | None = None):
+                   get_n_samples: bool = False, blocking: bool = False, timeout: float | None = None,
+                   worker: str | None = None):
         dock = self._dock
         columns, idx = dock.checked_get(consumer, columns, count, indexes, get_n_samples, timeout)
         t_start = time.time()
@@ -140,7 +193,7 @@ class TransferDockActor:
             left = deadline - time.time()
             if left <= 0:
                 with dock._cond:
-                    dock.finish_get(consumer, columns, count, idx, None, t_start, timed_out=True)
+                    dock.finish_get(consumer, columns, count, idx, None, t_start, timed_out=True, worker=worker)
             cond = self._condition()
             async with cond:
                 try:
@@ -148,14 +201,29 @@ class TransferDockActor:
                 except asyncio.TimeoutError:
                     pass
         with dock._cond:
-            return dock.finish_get(consumer, columns, count, idx, got, t_start)
+            return dock.finish_get(consumer, columns, count, idx, got, t_start, worker=worker)
 
     async def all_consumed(self, consumer: str) -> bool:
         return self._dock.all_consumed(consumer)
 
     async def clear(self) -> None:
         self._dock.clear()
+        if self._generation is not None:
+            self._generation.bump()  # producers reuse their segments from offset 0
         await self._notify()
+
+    async def shm_info(self) -> dict | None:
+        """Where producers find the generation counter, or None without shared memory."""
+        if self._generation is None:
+            return None
+        return {"tag": self._generation.tag, "gen_path": self._generation.path,
+                "node_id": ray.get_runtime_context().get_node_id()}
+
+    async def close(self) -> None:
+        """Remove this dock's shared-memory files (the segments of every producer)."""
+        if self._generation is not None:
+            self._generation.close()
+            self._generation = None  # later shared-memory puts are refused, not leaked
 
     async def get_consumer_status(self) -> dict:
         return self._dock.get_consumer_status()
@@ -170,6 +238,7 @@ class TransferDockActor:
         return self._dock.get_event_log(since)
 
     async def layout(self) -> dict:
+        self._start_export()
         d = self._dock
         return {"columns": d.columns, "consumers": d.consumers, "prompts_num": d.prompts_num,
                 "n_samples_per_prompt": d.n_samples_per_prompt, "capacity": d.capacity,
@@ -184,6 +253,8 @@ class TransferDockActor:
                 src = cell.source
                 if isinstance(src, RefBlock) and id(src) not in fetched:
                     fetched[id(src)] = (await src.ref)[src.column]
+                elif isinstance(src, ShmBlock) and id(src) not in fetched:
+                    fetched[id(src)] = shm.reader().block(src)
             for r, cell in list(cells.items()):
                 block = fetched.get(id(cell.source), cell.source)
                 cells[r] = unpack(block.take([cell.pos]))[0]

@@ -1,38 +1,52 @@
 """`TransferDockClient`: the dock's methods, for workers in other processes.
 
 The client validates rows where they are made (a bad put fails in the caller, not in the actor),
-packs each column into one flat buffer, and sends it inline when small or as an object-store
-reference when large (`inline_bytes`), so big tensors are copied into the store once by the
-producer and read zero-copy by the consumer. Every call has a timeout: a dead or stuck dock
-raises instead of hanging a worker.
+packs each column into one flat buffer, and sends it inline when small. A large column
+(`inline_bytes`) is copied once by the producer, into shared memory when the producer is on the
+dock's node (`shm.py`) or into Ray's object store otherwise, and read zero-copy by the consumer;
+the dock sees only its descriptor. Every call has a timeout: a dead or stuck dock raises instead
+of hanging a worker.
 """
 from __future__ import annotations
 
+import os
 import pickle
 import threading
+import uuid
+import warnings
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 import ray
 
+from . import shm
 from .actor import RefBlock, remote_actor_class
 from .codec import ColumnBlock, pack, unpack
+from .shm import ShmBlock
 from .dock import checked_rows
 from .errors import DockError, DockValueError
 
 # Columns whose packed size is at least this go by reference. Chosen by benchmarks/dock_throughput.py
 # (see docs/transfer_dock.md): below it, the extra ray.put costs more than copying through the actor.
 DEFAULT_INLINE_BYTES = 256 * 1024
+DATA_PLANES = ("auto", "shm", "ray")
 # Slack on top of a blocking get's own timeout before the client gives up on the actor itself.
 CALL_SLACK_S = 30.0
 
 
 class TransferDockClient:
-    """Picklable handle to a dock actor; pass it to workers."""
+    """Picklable handle to a dock actor; pass it to workers.
+
+    `worker` labels this process's puts and gets in the dock's event log (e.g. "actor/0"), so a
+    timeline can draw one lane per stage and worker; set it on the copy a worker received.
+    """
 
     def __init__(self, actor: Any, default_timeout: float, inline_bytes: int = DEFAULT_INLINE_BYTES,
-                 call_timeout: float = 300.0, max_pending_puts: int = 8) -> None:
+                 call_timeout: float = 300.0, max_pending_puts: int = 8, shm_info: dict | None = None,
+                 worker: str | None = None) -> None:
         self.actor = actor
+        self.worker = worker
+        self.shm_info = shm_info  # None: large columns go by Ray object reference
         self.default_timeout = default_timeout
         self.inline_bytes = inline_bytes
         self.call_timeout = call_timeout
@@ -46,6 +60,17 @@ class TransferDockClient:
         if pending is None:
             pending = self._local.pending = []
         return pending
+
+    @property
+    def data_plane(self) -> str:
+        return "shm" if self.shm_info else "ray"
+
+    def _arena(self):
+        """This process's shared-memory arena for the dock, or None off the dock's node."""
+        info = self.shm_info
+        if info is None or _this_node_id() != info["node_id"]:
+            return None
+        return shm.arena_for(info["tag"], info["gen_path"], info["node_id"])
 
     def __getstate__(self) -> dict:  # a copy sent to another process starts with nothing pending
         return {k: v for k, v in self.__dict__.items() if k != "_local"}
@@ -69,7 +94,11 @@ class TransferDockClient:
 
     def _check_pending(self, wait_all: bool = False) -> None:
         """Raise the error of an earlier `wait=False` put, if one failed; keep at most
-        `max_pending_puts` in flight."""
+        `max_pending_puts` in flight. Answers are looked at only once half that many are
+        pending (or all, for `wait_all`): each look is a `ray.wait` that costs ~0.3 ms, as much as
+        sending the put."""
+        if not wait_all and len(self._pending) < max(1, self.max_pending_puts // 2):
+            return
         while self._pending:
             must = wait_all or len(self._pending) > self.max_pending_puts
             done, _ = ray.wait(self._pending[:1], timeout=self.call_timeout if must else 0)
@@ -91,25 +120,34 @@ class TransferDockClient:
 
         `wait=False` sends the put without waiting for the dock's answer (one round trip less
         per micro-batch; in order with this client's later calls). An error the dock finds (a cell
-        written twice) is then raised by this client's next call or `flush()`; the bad put itself
-        changes nothing in the dock. Call `flush()` before telling another process the rows are in.
+        written twice) is then raised by a later call of this client (once `max_pending_puts // 2`
+        puts are pending) or by `flush()`; the bad put itself changes nothing in the dock. Call
+        `flush()` before telling another process the rows are in.
         """
         if not isinstance(data, Mapping) or not data:
             raise DockValueError(f"put_experience: data must be a non-empty dict column -> values, got {type(data).__name__}")
-        blocks: dict[str, ColumnBlock | RefBlock] = {}
+        blocks: dict[str, ColumnBlock | RefBlock | ShmBlock] = {}
         large: dict[str, ColumnBlock] = {}
+        arena = None
         for column, values in data.items():
             block = pack(checked_rows(column, values))
-            if block.nbytes >= self.inline_bytes:
-                large[column] = block
-                blocks[column] = RefBlock(0, column, np.diff(block.offsets), block.flat.itemsize, block.kind)
-            else:
+            if block.nbytes < self.inline_bytes:
                 blocks[column] = block
+                continue
+            arena = arena or self._arena()
+            if arena is not None:
+                try:
+                    blocks[column] = arena.write(block)
+                    continue
+                except OSError as e:  # /dev/shm full: this column goes through Ray's store instead
+                    _warn_once(f"TransferDock: shared memory unavailable ({e}); large columns go as Ray objects")
+            large[column] = block
+            blocks[column] = RefBlock(0, column, np.diff(block.offsets), block.flat.itemsize, block.kind)
         # One object for all large columns: every ref passed through the dock costs Ray a
         # borrower registration (~1 ms), so a put pays it once, not once per column.
         refs = [ray.put(large)] if large else []
         idx = indexes.tolist() if hasattr(indexes, "tolist") else list(indexes)
-        blob = pickle.dumps((blocks, idx, overwrite, producer), protocol=pickle.HIGHEST_PROTOCOL)
+        blob = pickle.dumps((blocks, idx, overwrite, producer, self.worker), protocol=pickle.HIGHEST_PROTOCOL)
         ref = self.actor.put.remote(blob, refs) if refs else self.actor.put.remote(blob)
         if wait:
             self._call(ref)
@@ -129,7 +167,7 @@ class TransferDockClient:
             indexes = indexes.tolist()
         columns = [columns] if isinstance(columns, str) else list(columns)
         wait = (self.default_timeout if timeout is None else timeout) if blocking else 0.0
-        blob = pickle.dumps((consumer, columns, count, indexes, get_n_samples, blocking, timeout),
+        blob = pickle.dumps((consumer, columns, count, indexes, get_n_samples, blocking, timeout, self.worker),
                             protocol=pickle.HIGHEST_PROTOCOL)
         reply = self._call(self.actor.get.remote(blob), timeout=self.call_timeout + wait + CALL_SLACK_S)
         reply, refs = (reply, []) if isinstance(reply, bytes) else reply
@@ -154,6 +192,10 @@ class TransferDockClient:
     def get_event_log(self, since: int = 0) -> list[dict]:
         return self._call(self.actor.get_event_log.remote(since))
 
+    def metrics_export_status(self) -> dict:
+        """What the dock last handed to `ray.util.metrics` (see `metrics.RayMetricsExport`)."""
+        return self._call(self.actor.metrics_export_status.remote())
+
     def state_dict(self) -> dict:
         return self._call(self.actor.state_dict.remote())
 
@@ -166,38 +208,99 @@ class TransferDockClient:
     def noop(self) -> None:
         self._call(self.actor.noop.remote())
 
+    def close(self) -> None:
+        """Free the dock's shared memory (call before killing the actor; the actor stays usable
+        for data that went inline or by reference). If the actor is already dead, a client on its
+        node removes the files itself; otherwise the next dock made on that node does."""
+        if self.shm_info is None:
+            return
+        try:
+            self._unwrap(ray.get, self.actor.close.remote(), timeout=10.0)
+        except (ray.exceptions.RayError, TimeoutError):
+            if _this_node_id() == self.shm_info["node_id"]:
+                shm.remove_dock_files(self.shm_info["tag"])
+
+
+_node_id: str | None = None
+_warned: set[str] = set()
+
+
+def _this_node_id() -> str:
+    global _node_id
+    if _node_id is None:
+        _node_id = ray.get_runtime_context().get_node_id()
+    return _node_id
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
 
 def assemble(parts_by_column: dict[str, list], n_rows: int, refs: list, copy: bool = True) -> dict[str, list]:
     """Rebuild each column's rows, in the order handed out, from inline blocks and referenced ones."""
     fetched = ray.get(refs) if refs else []
     out: dict[str, list] = {}
     for column, parts in parts_by_column.items():
-        if len(parts) == 1 and parts[0][0] == list(range(n_rows)):  # the common case: one source, in order
-            out_pos, source, src_pos = parts[0]
-            block = source if src_pos is None else fetched[source[0]][source[1]].take(src_pos)
-            out[column] = unpack(block, copy)
+        if len(parts) == 1 and parts[0][0] == list(range(n_rows)):  # the common case: one source
+            out[column] = _source_rows(parts[0][1], parts[0][2], fetched, copy)
             continue
         rows: list = [None] * n_rows
         for out_pos, source, src_pos in parts:
-            block = source if src_pos is None else fetched[source[0]][source[1]].take(src_pos)
-            for p, value in zip(out_pos, unpack(block, copy)):
+            for p, value in zip(out_pos, _source_rows(source, src_pos, fetched, copy)):
                 rows[p] = value
         out[column] = rows
     return out
 
 
+def _source_rows(source, src_pos, fetched: list, copy: bool) -> list:
+    """Rows `src_pos` of one source, in that order, copied at most once."""
+    if src_pos is None:  # inline: the reply carries exactly these rows
+        return unpack(source, copy)
+    block = shm.reader().block(source) if isinstance(source, ShmBlock) else fetched[source[0]][source[1]]
+    if list(src_pos) == list(range(len(block))):
+        return unpack(block, copy)
+    if copy:  # take() gathers the rows into one new private buffer: that is the copy
+        return unpack(block.take(src_pos), copy=False)
+    views = unpack(block, copy=False)  # zero-copy: pick the row views, whatever their order
+    return [views[p] for p in src_pos]
+
+
 def create_transfer_dock(columns: Sequence[str], consumers: Sequence[str], prompts_num: int,
                          n_samples_per_prompt: int = 1, *, name: str | None = None, num_cpus: float = 0.0,
-                         inline_bytes: int = DEFAULT_INLINE_BYTES, **dock_kwargs: Any) -> TransferDockClient:
+                         inline_bytes: int = DEFAULT_INLINE_BYTES, data_plane: str = "auto",
+                         **dock_kwargs: Any) -> TransferDockClient:
     """Start a dock actor (Ray must be initialised) and return a client for it.
 
     `num_cpus` defaults to 0: the dock moves metadata and waits, it does not compute, and on a
     2-core machine a whole CPU for it would starve the workers.
+
+    `data_plane` says how columns of `inline_bytes` or more travel: `"shm"` through shared memory
+    on the dock's node (producers elsewhere fall back to Ray objects), `"ray"` as Ray object
+    references, `"auto"` (default) shared memory when the Ray cluster is one node and `/dev/shm`
+    is writable. Call `client.close()` when done, to free the shared memory.
+
+    `metrics_interval_s` (default 1.0; 0: off), among `dock_kwargs`, is how often the actor hands
+    its counters to `ray.util.metrics` for Prometheus (see `metrics.RayMetricsExport`).
     """
+    if data_plane not in DATA_PLANES:
+        raise DockValueError(f"create_transfer_dock: data_plane={data_plane!r}; use one of {', '.join(DATA_PLANES)}")
+    use_shm = shm.available() and (data_plane == "shm" or (
+        data_plane == "auto" and sum(1 for n in ray.nodes() if n.get("Alive")) == 1))
+    if data_plane == "shm" and not use_shm:
+        raise DockValueError(f"create_transfer_dock: data_plane='shm' needs a writable {shm.SHM_DIR}; "
+                             "use data_plane='ray' (or 'auto') on this machine")
+    tag = None
+    if use_shm:
+        shm.remove_stale_files()
+        tag = f"{os.getpid()}x{uuid.uuid4().hex[:10]}"
     cls = remote_actor_class(num_cpus)
     options = {"name": name} if name else {}
-    actor = cls.options(**options).remote(columns, consumers, prompts_num, n_samples_per_prompt, **dock_kwargs)
+    actor = cls.options(**options).remote(columns, consumers, prompts_num, n_samples_per_prompt,
+                                          shm_tag=tag, **dock_kwargs)
     client = TransferDockClient(actor, default_timeout=float(dock_kwargs.get("default_timeout", 600.0)),
                                 inline_bytes=inline_bytes)
     client.layout()  # fail here, with the dock's own error, if its arguments are bad
+    client.shm_info = client._call(actor.shm_info.remote())
     return client

@@ -140,15 +140,17 @@ class TransferDock:
         *,
         overwrite: bool = False,
         producer: str | None = None,
+        worker: str | None = None,
     ) -> None:
         """Write `data[column][i]` into row `indexes[i]`. All or nothing: a bad put changes nothing.
 
         Each value is a 1-D tensor or array (one row); a 2-D tensor or array stands for its rows.
-        Writing a cell twice is an error unless `overwrite=True`.
+        Writing a cell twice is an error unless `overwrite=True`. `producer` (the stage) and
+        `worker` (which process of it) only label the put in the event log.
         """
         rows = {c: checked_rows(c, v) for c, v in self._checked_data(data).items()}
         kinds = {c: row_kind(v[0]) for c, v in rows.items() if len(v)}
-        self.put_cells(rows, indexes, overwrite=overwrite, producer=producer, kinds=kinds)
+        self.put_cells(rows, indexes, overwrite=overwrite, producer=producer, kinds=kinds, worker=worker)
 
     def put_cells(
         self,
@@ -158,6 +160,7 @@ class TransferDock:
         overwrite: bool = False,
         producer: str | None = None,
         kinds: Mapping[str, str] | None = None,
+        worker: str | None = None,
     ) -> None:
         """`put_experience` without the value-type check, for wrappers whose cells are not tensors
         (the Ray actor stores references). A cell needs `len()` (tokens) and `nbytes`. `kinds`
@@ -196,7 +199,8 @@ class TransferDock:
                 self._written_count[column] += fresh
             self._kind.update(kinds or {})
             self._refresh_ready(set(data), idx)
-            self.metrics.on_put(producer or "+".join(data), self.step, {c: len(idx) for c in data}, nbytes, t)
+            self.metrics.on_put(producer or "+".join(data), self.step, {c: len(idx) for c in data}, nbytes, t,
+                                worker)
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ get
@@ -209,13 +213,15 @@ class TransferDock:
         get_n_samples: bool = False,
         blocking: bool = False,
         timeout: float | None = None,
+        worker: str | None = None,
     ) -> tuple[dict[str, list], list[int]]:
         """Take up to `count` ready rows for `consumer`; see the module doc and `docs/transfer_dock.md`.
 
         Returns `({column: [row values]}, row_indexes)`, or `({}, [])` when nothing can be handed
         out now (or `consumer` has taken every row of this step). With `blocking=True` it waits
         for a put, at most `timeout` seconds (the dock's `default_timeout` if None), then raises
-        `DockTimeoutError` describing what is ready and what is missing.
+        `DockTimeoutError` describing what is ready and what is missing. `worker` only labels the
+        get in the event log (which process of the consumer asked).
         """
         columns, idx = self.checked_get(consumer, columns, count, indexes, get_n_samples, timeout)
         t_start = time.time()
@@ -224,10 +230,11 @@ class TransferDock:
             while True:
                 got = self.try_take(consumer, columns, count, idx, get_n_samples, raise_missing=not blocking)
                 if got is not None or not blocking:
-                    return self.finish_get(consumer, columns, count, idx, got, t_start)
+                    return self.finish_get(consumer, columns, count, idx, got, t_start, worker=worker)
                 left = deadline - time.time()
                 if left <= 0:
-                    return self.finish_get(consumer, columns, count, idx, None, t_start, timed_out=True)
+                    return self.finish_get(consumer, columns, count, idx, None, t_start, timed_out=True,
+                                           worker=worker)
                 self._cond.wait(left)
 
     def checked_get(self, consumer, columns, count, indexes, get_n_samples,
@@ -239,15 +246,16 @@ class TransferDock:
         columns = self._checked_request(consumer, columns, count, indexes, get_n_samples)
         return columns, (None if indexes is None else self._checked_indexes("get_experience", indexes))
 
-    def finish_get(self, consumer, columns, count, idx, got, t_start: float, timed_out: bool = False):
+    def finish_get(self, consumer, columns, count, idx, got, t_start: float, timed_out: bool = False,
+                   worker: str | None = None):
         """Record a get in the metrics and event log; raise the timeout error if it timed out."""
         t_end = time.time()
         if timed_out:
-            self.metrics.on_get(consumer, self.step, 0, 0, t_end - t_start, t_start, t_end)
+            self.metrics.on_get(consumer, self.step, 0, 0, t_end - t_start, t_start, t_end, worker)
             raise DockTimeoutError(self.describe_wait(consumer, columns, count, idx, t_end - t_start))
         data, rows = got if got is not None else ({}, [])
         nbytes = sum(cell_nbytes(v) for values in data.values() for v in values)
-        self.metrics.on_get(consumer, self.step, len(rows), nbytes, t_end - t_start, t_start, t_end)
+        self.metrics.on_get(consumer, self.step, len(rows), nbytes, t_end - t_start, t_start, t_end, worker)
         return data, rows
 
     def try_take(
@@ -345,7 +353,7 @@ class TransferDock:
             return out
 
     def get_event_log(self, since: int = 0) -> list[dict]:
-        """Events (put/get with times, stage, step, rows, bytes) with sequence number > `since`."""
+        """Events (put/get with times, stage, worker, step, rows, bytes) with sequence number > `since`."""
         with self._cond:
             return self.metrics.events_since(since)
 

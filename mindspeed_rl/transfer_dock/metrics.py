@@ -3,7 +3,9 @@
 The numbers answer "where does the step's time go?": per consumer how many rows it took, in how
 many calls, how many of those found nothing, and how long it waited; per column how many rows were
 written; bytes in and out. The event log (one entry per put or get) is what a dashboard draws as a
-timeline of the stages. It is bounded, so a long run does not grow the dock's memory.
+timeline of the stages, one lane per stage and worker. It is bounded, so a long run does not grow
+the dock's memory. `RayMetricsExport` hands the same counters to `ray.util.metrics`, so they reach
+Prometheus/Grafana through Ray's metrics agent.
 """
 from __future__ import annotations
 
@@ -43,21 +45,24 @@ class DockMetrics:
         for c in columns:
             self.rows_written[c] += 0
 
-    def log(self, op: str, stage: str, step: int, rows: int, nbytes: int, t_start: float, t_end: float) -> None:
+    def log(self, op: str, stage: str, step: int, rows: int, nbytes: int, t_start: float, t_end: float,
+            worker: str | None = None) -> None:
         self._seq += 1
         self.events.append(
-            {"seq": self._seq, "op": op, "stage": stage, "step": step, "rows": rows, "bytes": nbytes,
-             "t_start": t_start, "t_end": t_end}
+            {"seq": self._seq, "op": op, "stage": stage, "worker": worker, "step": step, "rows": rows,
+             "bytes": nbytes, "t_start": t_start, "t_end": t_end}
         )
 
-    def on_put(self, producer: str, step: int, rows_per_column: dict[str, int], nbytes: int, t: float) -> None:
+    def on_put(self, producer: str, step: int, rows_per_column: dict[str, int], nbytes: int, t: float,
+               worker: str | None = None) -> None:
         self.puts += 1
         self.bytes_in += nbytes
         for column, n in rows_per_column.items():
             self.rows_written[column] += n
-        self.log("put", producer, step, max(rows_per_column.values(), default=0), nbytes, t, t)
+        self.log("put", producer, step, max(rows_per_column.values(), default=0), nbytes, t, t, worker)
 
-    def on_get(self, consumer: str, step: int, rows: int, nbytes: int, wait_s: float, t_start: float, t_end: float) -> None:
+    def on_get(self, consumer: str, step: int, rows: int, nbytes: int, wait_s: float, t_start: float, t_end: float,
+               worker: str | None = None) -> None:
         c = self.consumers[consumer]
         c.calls += 1
         c.wait_s += wait_s
@@ -66,7 +71,7 @@ class DockMetrics:
             return
         c.rows_taken += rows
         self.bytes_out += nbytes
-        self.log("get", consumer, step, rows, nbytes, t_start, t_end)
+        self.log("get", consumer, step, rows, nbytes, t_start, t_end, worker)
 
     def as_dict(self) -> dict[str, float]:
         out: dict[str, float] = {
@@ -87,3 +92,65 @@ class DockMetrics:
 
     def events_since(self, seq: int = 0) -> list[dict]:
         return [e for e in self.events if e["seq"] > seq]
+
+
+# get_metrics() key -> (Ray metric name, kind, tag key); per-consumer and per-column keys by their last part.
+RAY_METRICS = {
+    "rows_taken": ("transfer_dock_rows_taken", "counter", "consumer", "rows handed to a consumer"),
+    "calls": ("transfer_dock_get_calls", "counter", "consumer", "get calls of a consumer"),
+    "empty_calls": ("transfer_dock_empty_gets", "counter", "consumer", "get calls that returned no rows"),
+    "wait_s": ("transfer_dock_wait_seconds", "counter", "consumer", "seconds a consumer's gets waited"),
+    "step_rows_taken": ("transfer_dock_step_rows_taken", "gauge", "consumer", "rows a consumer took this step"),
+    "rows_written": ("transfer_dock_rows_written", "counter", "column", "rows written to a column"),
+    "step_rows_written": ("transfer_dock_step_rows_written", "gauge", "column", "rows written to a column this step"),
+    "bytes_in": ("transfer_dock_bytes_in", "counter", None, "bytes put into the dock"),
+    "bytes_out": ("transfer_dock_bytes_out", "counter", None, "bytes handed out by the dock"),
+    "puts": ("transfer_dock_puts", "counter", None, "put calls"),
+    "rows_examined": ("transfer_dock_rows_examined", "counter", None, "rows the samplers looked at"),
+    "step": ("transfer_dock_step", "gauge", None, "steps cleared since the dock was made"),
+}
+
+
+class RayMetricsExport:
+    """The dock's counters as `ray.util.metrics` Counters and Gauges, tagged by consumer or column.
+
+    `update(dock.get_metrics())` sends what changed since the last update: a counter is
+    incremented by the difference, a gauge set. The actor calls it on a timer (every
+    `metrics_interval_s`), never per put or get, so the dock's calls cost nothing more. Ray's metrics
+    agent (installed with `ray[default]`) exports them for Prometheus as `ray_<name>` (counters with
+    a `_total` suffix); under a minimal Ray install they are recorded but not exported.
+    """
+
+    def __init__(self) -> None:
+        from ray.util import metrics as ray_metrics
+        self._metrics = {}
+        for key, (name, kind, tag, doc) in RAY_METRICS.items():
+            cls = ray_metrics.Counter if kind == "counter" else ray_metrics.Gauge
+            self._metrics[key] = cls(name, description=doc, tag_keys=(tag,) if tag else ())
+        self.sent: dict[str, float] = {}  # get_metrics key -> value last handed to Ray
+        self.updates = 0
+
+    def update(self, values: dict[str, float]) -> int:
+        """Hand the changed values to Ray; returns how many changed."""
+        changed = 0
+        for key, value in values.items():
+            last = self.sent.get(key)
+            if last == value:
+                continue
+            head, _, rest = key.partition("/")
+            name, leaf = rest.rpartition("/")[::2] if head in ("consumer", "column") else (None, key)
+            spec = RAY_METRICS.get(leaf)
+            if spec is None or spec[2] != (head if name is not None else None):
+                continue  # uptime_s and anything new: not exported
+            metric = self._metrics[leaf]
+            tags = {spec[2]: name} if name is not None else None
+            if spec[1] == "counter":
+                delta = value - (last or 0.0)
+                if delta > 0:
+                    metric.inc(delta, tags=tags)
+            else:
+                metric.set(value, tags=tags)
+            self.sent[key] = value
+            changed += 1
+        self.updates += 1
+        return changed

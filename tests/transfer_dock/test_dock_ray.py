@@ -1,8 +1,9 @@
 """The dock as a Ray actor, used through `create_transfer_dock` / `TransferDockClient`.
 
-Every test runs twice: with all data inline through the actor (`inline_bytes=1<<40`) and with all
-data by object reference (`inline_bytes=0`). Every test uses the shared `ray_session` and kills
-the actors it starts.
+Every test runs three times, once per data path: all data inline through the actor
+(`inline_bytes=1<<40`), all data through shared memory (`inline_bytes=0, data_plane="shm"`), and
+all data by Ray object reference (`inline_bytes=0, data_plane="ray"`). Every test uses the shared
+`ray_session` and closes and kills the docks it starts.
 """
 from __future__ import annotations
 
@@ -22,13 +23,14 @@ from mindspeed_rl.transfer_dock import (DockError, DockIndexError, DockKeyError,
 
 pytestmark = pytest.mark.ray
 
-INLINE = 1 << 40
-BY_REF = 0
+PATHS = {"inline": {"inline_bytes": 1 << 40, "data_plane": "ray"},
+         "shm": {"inline_bytes": 0, "data_plane": "shm"},
+         "by-ref": {"inline_bytes": 0, "data_plane": "ray"}}
 
 
-@pytest.fixture(params=[INLINE, BY_REF], ids=["inline", "by-ref"])
-def inline_bytes(request):
-    return request.param
+@pytest.fixture(params=list(PATHS))
+def data_path(request):
+    return PATHS[request.param]
 
 
 @pytest.fixture
@@ -37,13 +39,18 @@ def actors(ray_session):
     started: list = []
     yield started
     for a in started:
+        if isinstance(a, TransferDockClient):
+            try:
+                a.close()
+            except Exception:  # a test may have killed it already
+                pass
         ray_session.kill(a.actor if isinstance(a, TransferDockClient) else a, no_restart=True)
 
 
 @pytest.fixture
-def make_dock(ray_session, actors, inline_bytes):
+def make_dock(ray_session, actors, data_path):
     def make(columns, consumers, prompts_num, n=1, **kwargs):
-        client = create_transfer_dock(columns, consumers, prompts_num, n, inline_bytes=inline_bytes, **kwargs)
+        client = create_transfer_dock(columns, consumers, prompts_num, n, **{**data_path, **kwargs})
         actors.append(client)
         return client
     return make
