@@ -24,8 +24,9 @@ setup(
         "networkx>=3.2",
         "matplotlib>=3.7",
         "tqdm>=4.60",
+        "tensorboard>=2.14",
     ],
-    package_data={"mindspeed_rl.models": ["tiny_qwen2/*.json"]},
+    package_data={"mindspeed_rl.models": ["tiny_qwen2/*.json"], "mindspeed_rl.dashboard": ["static/*"]},
     extras_require={
         "vllm": ["vllm>=0.8"],  # CUDA only; the vllm rollout backend is planned, not implemented
         "megatron": ["megatron-core>=0.12"],  # forward needs CUDA; backend planned, not implemented

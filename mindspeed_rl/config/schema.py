@@ -18,10 +18,13 @@ class TrainerConfig:
     save_interval: int = 0               # checkpoint every N steps (0: only at the end when > 0 steps ran)
     resume: bool = False                 # continue from the newest checkpoint in output_dir
     dry_run: bool = False                # validate, print graph and placement plan, start nothing
-    logger: list = field(default_factory=lambda: ["console", "jsonl"])  # console, jsonl
+    logger: list = field(default_factory=lambda: ["console", "jsonl"])  # console, jsonl, tensorboard
     progress: bool = True                # per-step progress bar with per-stage consumption
     stage_timeout_s: float = 120.0       # a stage waiting longer than this for its inputs fails the run
     plot: bool = True                    # write curve.png (reward and loss per step) at the end
+    dashboard: bool = True               # serve the live dashboard on 127.0.0.1 while training
+    dashboard_port: int = 0              # its port; 0: any free port (the URL is printed at start)
+    report: bool = True                  # write report.html (+ dashboard.json) in output_dir, also on a crash
 
 
 @dataclass

@@ -5,13 +5,15 @@ graph and the Ray cluster) run in `mindspeed_rl.trainer.plan`, still before any 
 """
 from __future__ import annotations
 
+import importlib.util
+
 from .load import ConfigError
 from .schema import Config
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 KL_TYPES = ("k1", "k2", "k3", "kl", "mse", "low_var_kl", "abs")
 PLACEMENT_MODES = ("colocated", "disaggregated", "custom")
-LOGGERS = ("console", "jsonl")
+LOGGERS = ("console", "jsonl", "tensorboard")
 TRAIN_BACKENDS = ("torch", "megatron")
 ROLLOUT_BACKENDS = ("hf", "vllm")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -28,6 +30,14 @@ def _one_of(errors: list, key: str, value, allowed) -> None:
         errors.append(f"{key}={value!r}: must be one of {list(allowed)}")
 
 
+def installed(module: str) -> bool:
+    """Can `module` be imported here (without importing it)?"""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing, or an import blocked by sys.modules
+        return False
+
+
 def validate_config(cfg: Config) -> None:
     """Raise one ConfigError listing every problem found (so a user fixes them in one go)."""
     e: list[str] = []
@@ -37,6 +47,12 @@ def validate_config(cfg: Config) -> None:
     _positive(e, "trainer.stage_timeout_s", t.stage_timeout_s)
     for lg in t.logger:
         _one_of(e, "trainer.logger", lg, LOGGERS)
+    if "tensorboard" in t.logger and not installed("tensorboard"):
+        e.append("trainer.logger=[..., tensorboard]: the tensorboard package is not installed; "
+                 "`pip install tensorboard` (it is in requirements.txt), or drop tensorboard from trainer.logger")
+    if not 0 <= t.dashboard_port <= 65535:
+        e.append(f"trainer.dashboard_port={t.dashboard_port}: must be a TCP port in [0, 65535]; "
+                 "0 picks a free one (printed at start)")
     if t.seed < 0:
         e.append(f"trainer.seed={t.seed}: must be >= 0 (numpy seeds are non-negative)")
     if rl.n_samples_per_prompt < 2:

@@ -8,9 +8,12 @@
 `false` starts all of them at once and each takes micro-batches as soon as its inputs are ready.
 Every wait is bounded: a stage that makes no progress for `trainer.stage_timeout_s`, a worker that
 dies, or a failed stage stops the run within seconds, naming the stage and the cause.
+While it runs, a dashboard on 127.0.0.1 shows each stage's consumption and a timeline of the
+micro-batches; at the end (also after a crash) `report.html` keeps the same views (docs/dashboard.md).
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
@@ -23,6 +26,7 @@ from .run_log import RunLog, plot_curve
 
 STARTUP_TIMEOUT_S = 300.0
 POLL_S = 0.25
+SAVE_EVERY_S = 2.0  # dashboard.json in output_dir: rewritten at most this often while the run goes
 
 
 class TrainingError(RuntimeError):
@@ -36,6 +40,9 @@ class Trainer:
         self.workers: dict[str, list[Any]] = {}
         self.dock = None
         self._started_ray = False
+        self.dashboard = None  # DashboardState while a run with trainer.dashboard or trainer.report goes
+        self.dashboard_server = None
+        self.log: RunLog | None = None
 
     # ------------------------------------------------------------------ the run
     def run(self) -> list[dict]:
@@ -43,16 +50,26 @@ class Trainer:
         if cfg.trainer.dry_run:
             print(self.describe())
             return []
-        self._start_ray()
+        self._start_dashboard()  # first: a port in use fails before anything starts
+        error: BaseException | None = None
         try:
+            self._start_ray()
             self._start()
             start_step = self._maybe_resume()
             self.log = RunLog(cfg.trainer.output_dir, cfg.trainer.logger, resume_step=start_step)
+            if self.dashboard is not None:
+                for record in self.log.history:  # a resumed run's earlier steps
+                    self.dashboard.add_record(record)
+                self.dashboard.attach(self.dock, start_step)
             self._sync_weights()
             bar = self._progress(start_step)
             for step in range(start_step, cfg.trainer.total_steps):
                 record = self.train_step(step, bar)
                 line = self.log.log(record)
+                if self.dashboard is not None:
+                    self.dashboard.add_record(record)
+                    if cfg.trainer.report:
+                        self.dashboard.save(cfg.trainer.output_dir, every_s=SAVE_EVERY_S)  # for cli/dashboard.py
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix_str(f"reward {record['reward/mean']:.3f}", refresh=False)
@@ -67,17 +84,25 @@ class Trainer:
                 plot_curve(self.log.history, self.log.dir / "curve.png", title=f"{cfg.rl_config.algorithm} "
                            f"({'blocking' if cfg.rl_config.blocking else 'non-blocking'})")
             return self.log.history
+        except BaseException as e:
+            error = e
+            raise
         finally:
+            self._finish_dashboard(error)  # before shutdown: the dock still answers for the last view
+            if self.log is not None:
+                self.log.close()
             self.shutdown()
 
     def train_step(self, step: int, bar=None) -> dict:
         cfg, plan = self.cfg, self.plan
         t0 = time.perf_counter()
+        if self.dashboard is not None:
+            self.dashboard.begin_step(step)
         batch = self.loader.next_batch()
         n = cfg.rl_config.n_samples_per_prompt
         import torch
         rows = {k: [torch.from_numpy(v) for v in batch[k] for _ in range(n)] for k in plan.dataset_keys}
-        self.dock.put_experience(rows, list(range(plan.rows_per_step)))
+        self.dock.put_experience(rows, list(range(plan.rows_per_step)), producer="dataset")
         version = self.policy_version
         kl_coef = float(self.kl_ctrl.value)
         reports = self._run_stages(step, version, kl_coef, bar)
@@ -87,6 +112,9 @@ class Trainer:
             if versions:
                 self._versions[model] = int(max(versions))
         sync = self._sync_weights()
+        if self.dashboard is not None:  # the step's final consumption and events, before clear() resets them
+            self.dashboard.end_step(step, [{"stage": r["stage"], "worker": f"{plan.group_of(r['stage'])}/{r['rank']}",
+                                            "t_start": r["t_start"], "t_end": r["t_end"]} for r in reports])
         self.dock.clear()
         record = self._metrics(step, reports, time.perf_counter() - t0, t_stages - t0, sync)
         if record.get("actor/kl") is not None:
@@ -201,6 +229,60 @@ class Trainer:
         rec["throughput/tokens_per_s"] = tokens / step_s if step_s > 0 else 0.0
         return rec
 
+    # ------------------------------------------------------------------ dashboard and report
+    def _start_dashboard(self) -> None:
+        t = self.cfg.trainer
+        if not (t.dashboard or t.report):
+            return
+        from ..dashboard import DashboardServer, DashboardState
+        self.dashboard = DashboardState(self._dashboard_info())
+        if t.dashboard:
+            server = DashboardServer(self.dashboard.snapshot, port=t.dashboard_port)
+            try:
+                url = server.start()
+            except OSError as e:
+                self.dashboard = None
+                raise TrainingError(f"trainer.dashboard_port={t.dashboard_port}: cannot serve the dashboard on "
+                                    f"127.0.0.1:{t.dashboard_port} ({e.strerror or e}); pick a free port, 0 for any "
+                                    "free one, or trainer.dashboard=false") from None
+            self.dashboard_server = server
+            print(f"dashboard: {url}", file=sys.stderr, flush=True)
+
+    def _dashboard_info(self) -> dict:
+        cfg, plan = self.cfg, self.plan
+        lanes = [{"stage": "dataset", "worker": "driver"}]
+        for m in plan.order:
+            group = plan.group_of(m.name)
+            lanes += [{"stage": m.name, "worker": f"{group}/{rank}"} for rank in range(plan.groups[group].resources.dp)]
+        producers = {c: m.name for m in plan.order for c in m.output_keys}
+        return {"title": os.path.basename(os.path.normpath(cfg.trainer.output_dir)),
+                "output_dir": os.path.abspath(cfg.trainer.output_dir), "algorithm": cfg.rl_config.algorithm,
+                "blocking": cfg.rl_config.blocking, "placement": cfg.placement.mode,
+                "prompts_per_step": cfg.rl_config.prompts_per_step,
+                "n_samples_per_prompt": cfg.rl_config.n_samples_per_prompt, "rows_per_step": plan.rows_per_step,
+                "total_steps": cfg.trainer.total_steps, "stages": [m.name for m in plan.order],
+                "consumers": list(plan.consumers), "columns": list(plan.columns), "producers": producers,
+                "lanes": lanes}
+
+    def _finish_dashboard(self, error: BaseException | None) -> None:
+        """The last view of the run (also after a crash): report.html and dashboard.json; stop the server."""
+        state, t = self.dashboard, self.cfg.trainer
+        if state is None:
+            return
+        try:
+            state.finish(error)
+            if t.report:
+                from ..dashboard import write_report
+                state.save(t.output_dir)
+                path = write_report(state.snapshot(), t.output_dir)
+                print(f"report: {path}", file=sys.stderr, flush=True)
+        except Exception as e:  # the report must never hide the run's own error
+            print(f"writing the report failed: {type(e).__name__}: {e}", file=sys.stderr)
+        finally:
+            if self.dashboard_server is not None:
+                self.dashboard_server.stop()
+                self.dashboard_server = None
+
     # ------------------------------------------------------------------ start-up and shutdown
     def describe(self) -> str:
         from ..dataflow import describe
@@ -236,6 +318,7 @@ class Trainer:
                                          cfg.rl_config.n_samples_per_prompt,
                                          guarantee_order=cfg.rl_config.guarantee_order,
                                          default_timeout=t.stage_timeout_s)
+        self.dock.worker = "driver"  # its puts' lane in the dock's event log (workers label theirs)
         env = {"MINDSPEED_RL_CACHE": _cache_env()}
         for name, gp in plan.groups.items():
             r = gp.resources

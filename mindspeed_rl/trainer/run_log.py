@@ -1,7 +1,8 @@
-"""What a user sees of a run: one console line per step, metrics.jsonl, the reward curve."""
+"""What a user sees of a run: one console line per step, metrics.jsonl, TensorBoard, the reward curve."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -27,13 +28,29 @@ class RunLog:
             # a resumed run keeps the steps before its checkpoint; a fresh run starts a new file
             self.history = kept
             self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self.tensorboard = None
+        if "tensorboard" in self.loggers:  # imported only when asked for: it takes seconds
+            from torch.utils.tensorboard import SummaryWriter
+            # a resumed run drops the events it logged after its checkpoint, as metrics.jsonl does
+            self.tensorboard = SummaryWriter(str(self.dir / "tensorboard"), purge_step=resume_step or None)
 
     def log(self, record: dict) -> str:
         self.history.append(record)
         if "jsonl" in self.loggers:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+        if self.tensorboard is not None:
+            for key, value in record.items():  # every number but the step itself (checksums are strings)
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) \
+                        and math.isfinite(value):
+                    self.tensorboard.add_scalar(key, value, global_step=record["step"])
+            self.tensorboard.flush()
         return format_line(record)
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
 
 
 def format_line(rec: dict) -> str:

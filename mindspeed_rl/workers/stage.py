@@ -64,7 +64,7 @@ def run_stage_loop(dock, *, stage: str, rank: int, step: int, input_keys, count:
         rep.compute_s += t2 - t1
         if out is not None:
             if out.columns:
-                dock.put_experience(out.columns, rows, wait=False)
+                dock.put_experience(out.columns, rows, producer=stage, wait=False)
             for k, v in out.metrics.items():  # sums, except maxima
                 rep.metrics[k] = (max(rep.metrics.get(k, 0.0), float(v)) if k.endswith("_max")
                                   else rep.metrics.get(k, 0.0) + float(v))

@@ -47,6 +47,7 @@ class Worker:
         self.cfg = spec.config
         for k, v in spec.env.items():
             os.environ[k] = str(v)
+        spec.dock.worker = f"{spec.group}/{spec.rank}"  # this process's lane in the dock's event log
         torch.set_num_threads(spec.torch_threads)
         self.train: dict[str, Any] = {}     # model -> TorchTrainEngine (with optimizer)
         self.infer: dict[str, Any] = {}     # model -> TorchTrainEngine (no optimizer)

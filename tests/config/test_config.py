@@ -3,6 +3,7 @@ before anything starts with a message that names the key, the value and a fix.""
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import pytest
 from omegaconf import OmegaConf
@@ -221,7 +222,10 @@ VALIDATE_ERRORS = {
     "bad rollout backend": ({"generate_config.backend": "sglang"},
                             ["generate_config.backend='sglang'", "must be one of ['hf', 'vllm']"]),
     "bad logger": ({"trainer.logger": ["console", "wandb"]},
-                   ["trainer.logger='wandb'", "must be one of ['console', 'jsonl']"]),
+                   ["trainer.logger='wandb'", "must be one of ['console', 'jsonl', 'tensorboard']"]),
+    "dashboard port out of range": ({"trainer.dashboard_port": 70000},
+                                    ["trainer.dashboard_port=70000", "a TCP port in [0, 65535]",
+                                     "0 picks a free one"]),
     "bad device": ({"placement.groups.integrated.device": "tpu"},
                    ["placement.groups.integrated.device='tpu'", "must be one of ['cpu', 'cuda', 'npu', 'auto']"]),
 }
@@ -323,6 +327,16 @@ def test_existing_files_and_a_dotted_reward_pass_the_plan(tmp_path, monkeypatch)
     monkeypatch.syspath_prepend(str(tmp_path))
     run_stage({"actor_config.model_path": str(tmp_path), "ref_config.model_path": str(tmp_path),
                "data.dataset": str(data), "rl_config.reward_fn": "cfg_test_reward_mod:score"}, "plan")
+
+
+def test_tensorboard_logger_without_the_package(monkeypatch):
+    """`import tensorboard` fails as it would without the package: the config names the fix."""
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    _check(error_of({"trainer.logger": ["console", "tensorboard"]}, "validate"),
+           ["trainer.logger=[..., tensorboard]", "the tensorboard package is not installed",
+            "`pip install tensorboard`", "drop tensorboard from trainer.logger"])
+    monkeypatch.undo()
+    run_stage({"trainer.logger": ["console", "tensorboard"]}, "validate")  # installed here: accepted
 
 
 def test_several_problems_in_one_error():

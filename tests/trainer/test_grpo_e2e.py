@@ -106,6 +106,11 @@ def test_worker_crash_stops_the_run_and_keeps_the_checkpoint(ray_session, tmp_pa
     latest = json.loads((tmp_path / "crash" / "checkpoints" / "latest.json").read_text())
     assert latest["step"] == 1
     assert (tmp_path / "crash" / "checkpoints" / latest["path"] / "actor.pt").is_file()
+    # the run report is written on a crash too, showing where the failed step stood
+    snapshot = json.loads((tmp_path / "crash" / "dashboard.json").read_text())
+    assert snapshot["status"] == "failed" and "rule_reward" in snapshot["error"] and snapshot["step"] == 1
+    assert snapshot["consumers"]["actor_train"]["taken"] == 0 and snapshot["consumers"]["actor_rollout"]["taken"] == 128
+    assert (tmp_path / "crash" / "report.html").stat().st_size > 10_000
 
 
 def test_stuck_stage_times_out_with_the_stage_named(ray_session, tmp_path):
