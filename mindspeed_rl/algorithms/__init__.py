@@ -1,8 +1,24 @@
-"""GRPO / PPO math as small pure torch functions, following verl's ``core_algos.py`` conventions.
+"""GRPO / PPO / ReMax math as small pure torch functions, following verl's ``core_algos.py`` conventions.
 
 Per-token tensors are ``[batch, response_len]`` with a response mask (1 = real token, 0 = padding).
+
+* ``functional``: masked reductions and whitening, log-probs / entropy from logits, and
+  ``outcome_token_rewards`` (one score per response, placed on its last token).
+* ``grpo``: group-relative advantages (no critic).
+* ``ppo``: GAE advantages and returns, and the clipped value loss for the critic.
+* ``remax``: reward-to-go minus the greedy response's reward (no critic).
+* ``losses``: loss aggregation and the clipped policy loss shared by all of them.
+* ``kl``: KL penalty estimators and coefficient controllers.
 """
-from .functional import entropy_from_logits, log_probs_from_logits, masked_mean, masked_sum
+from .functional import (
+    entropy_from_logits,
+    log_probs_from_logits,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+    outcome_token_rewards,
+)
 from .grpo import broadcast_to_tokens, grpo_advantages
 from .kl import (
     KL_CONTROLLER_KINDS,
@@ -13,6 +29,8 @@ from .kl import (
     make_kl_controller,
 )
 from .losses import AGG_MODES, agg_loss, policy_loss
+from .ppo import gae_advantages, value_loss
+from .remax import remax_advantages
 
 __all__ = [
     "AGG_MODES",
@@ -23,11 +41,17 @@ __all__ = [
     "agg_loss",
     "broadcast_to_tokens",
     "entropy_from_logits",
+    "gae_advantages",
     "grpo_advantages",
     "kl_penalty",
     "log_probs_from_logits",
     "make_kl_controller",
     "masked_mean",
     "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "outcome_token_rewards",
     "policy_loss",
+    "remax_advantages",
+    "value_loss",
 ]

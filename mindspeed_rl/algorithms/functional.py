@@ -1,4 +1,5 @@
-"""Small tensor helpers shared by the RL losses: masked reductions and per-token quantities from logits.
+"""Small tensor helpers shared by the RL losses: masked reductions and whitening, per-token quantities
+from logits, and outcome scores placed on the response's last token.
 
 Conventions (same as verl's ``verl/utils/torch_functional.py``):
 
@@ -79,3 +80,99 @@ def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.T
         )
     log_probs = torch.log_softmax(logits, dim=-1)
     return log_probs.gather(dim=-1, index=labels.long().unsqueeze(-1)).squeeze(-1)
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of ``values`` over the selected positions (a scalar), verl's ``masked_var``.
+
+    ``mean = masked_mean(values)``, then ``masked_mean((values - mean)**2)``; with ``unbiased`` that
+    biased estimate is multiplied by ``count / (count - 1)`` (Bessel's correction, ``count`` = the
+    mask's sum), as ``torch.var`` defaults to. Advantages are whitened with it, and the batch of
+    tokens is a sample, hence the unbiased default.
+
+    The centred values are zeroed outside the mask with ``torch.where`` *before* squaring: a NaN or
+    inf in a padding slot then reaches neither the result nor, through ``(nan - mean)**2``'s
+    backward, the gradient of the real positions.
+
+        masked_var([[1., 2., nan], [3., 4., inf]], [[1, 1, 0], [1, 1, 0]])
+          mean 2.5, squared deviations 2.25 + 0.25 + 0.25 + 2.25 = 5 -> 5 / (4 - 1) = 1.6666667
+
+    Raises:
+        ValueError: ``unbiased`` and fewer than 2 selected positions (mask sum < 2): the correction
+            ``count / (count - 1)`` divides by zero for one token and means nothing for none. verl
+            raises here too; one real token has no spread to normalise by.
+    """
+    keep = mask != 0
+    mean = masked_mean(values, mask)
+    centred = torch.where(keep, values - mean, torch.zeros_like(values))
+    variance = masked_mean(centred.square(), mask)
+    if unbiased:
+        count = mask.to(values.dtype).sum()
+        if count.item() < 2:
+            raise ValueError(
+                f"masked_var(unbiased=True) needs at least 2 masked positions, got a mask sum of "
+                f"{count.item():g}: the unbiased variance multiplies by count / (count - 1), which is "
+                "undefined for fewer than 2 values. Pass unbiased=False, or a batch with more real tokens."
+            )
+        variance = variance * (count / (count - 1))
+    return variance
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """Normalise ``values`` to zero mean and unit variance over the mask, verl's ``masked_whiten``.
+
+    ``(values - mean) * rsqrt(var + 1e-8)`` with the masked mean and the masked *unbiased* variance.
+    PPO whitens its GAE advantages this way: their scale drifts with the reward scale and the
+    critic's error, and a unit-scale advantage keeps the clipped policy loss (and so the useful
+    learning rate) comparable from step to step. The ``1e-8`` keeps an all-equal batch at 0
+    instead of 0/0. With ``shift_mean=False`` the mean is added back: only the scale is normalised.
+
+    Positions outside the mask come back as exactly 0 (verl leaves them transformed): the mean and
+    variance never see them, and zeroing them with ``torch.where`` means a NaN/inf in padding can
+    neither stay in the output nor, through the backward of ``(nan - mean) * rstd``, reach the
+    gradient of the real positions. Padding then pushes no gradient, as in ``broadcast_to_tokens``.
+
+    Raises:
+        ValueError: fewer than 2 selected positions (see ``masked_var``).
+    """
+    keep = mask != 0
+    mean = masked_mean(values, mask)
+    var = masked_var(values, mask, unbiased=True)
+    centred = torch.where(keep, values - mean, torch.zeros_like(values))
+    whitened = centred * torch.rsqrt(var + MASKED_MEAN_EPS)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(keep, whitened, torch.zeros_like(whitened))
+
+
+def outcome_token_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Turn one scalar score per response into token rewards: ``[batch], [batch, len] -> [batch, len]``.
+
+    The score sits on the *last* real token of each row (the highest index the mask selects) and
+    every other position gets 0; a row whose mask is all zero gets nothing.
+
+    Why the last token: an outcome reward (a verifier's pass/fail, a reward model's score) judges
+    the finished response, so it is earned by the action that completes it, the final token. Every
+    earlier token is credited through the return: with no discount the reward-to-go of each real
+    token is exactly the score (ReMax), and GAE carries it backwards through the critic's values
+    (PPO). Per-token terms such as a KL penalty can be added on top. It is also where verl's reward
+    managers write the score (``reward_tensor[i, valid_response_length - 1]``); taking the highest
+    selected index rather than ``mask.sum() - 1`` gives the same place for right-padded rows and
+    stays correct if the mask has gaps.
+
+        outcome_token_rewards([1., -0.5], [[1, 1, 0], [1, 1, 1]]) = [[0, 1, 0], [0, 0, -0.5]]
+    """
+    if scores.dim() != 1 or mask.dim() != 2 or scores.shape[0] != mask.shape[0]:
+        raise ValueError(
+            f"expected scores [batch] (one scalar per response) and mask [batch, len] with equal batch, "
+            f"got {tuple(scores.shape)} and {tuple(mask.shape)}"
+        )
+    if not scores.is_floating_point():
+        scores = scores.float()
+    if mask.shape[-1] == 0:  # empty responses: nothing to place the score on
+        return torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device)
+    keep = mask != 0
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand(mask.shape)
+    last = torch.where(keep, positions, torch.full_like(positions, -1)).max(dim=-1).values
+    is_last = positions == last.unsqueeze(-1)  # never true for an all-zero row (last = -1)
+    return torch.where(is_last, scores.unsqueeze(-1), torch.zeros((), dtype=scores.dtype, device=scores.device))

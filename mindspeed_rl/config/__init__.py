@@ -1,8 +1,8 @@
 """Typed config sections, strict loading from YAML/Hydra, and validation with clear errors."""
 from .load import ConfigError, config_from_dict, config_to_dict
-from .schema import (ActorConfig, Config, DataConfig, GenerateConfig, GroupConfig, PlacementConfig, RefConfig,
+from .schema import (ActorConfig, Config, CriticConfig, DataConfig, GenerateConfig, GroupConfig, PlacementConfig, RefConfig,
                      RLConfig, TrainerConfig)
 from .validate import validate_config
 
-__all__ = ["ActorConfig", "Config", "ConfigError", "DataConfig", "GenerateConfig", "GroupConfig", "PlacementConfig",
+__all__ = ["ActorConfig", "Config", "ConfigError", "CriticConfig", "DataConfig", "GenerateConfig", "GroupConfig", "PlacementConfig",
            "RLConfig", "RefConfig", "TrainerConfig", "config_from_dict", "config_to_dict", "validate_config"]

@@ -25,6 +25,8 @@ class TrainerConfig:
     dashboard: bool = True               # serve the live dashboard on 127.0.0.1 while training
     dashboard_port: int = 0              # its port; 0: any free port (the URL is printed at start)
     report: bool = True                  # write report.html (+ dashboard.json) in output_dir, also on a crash
+    # stage -> seconds per row: stages sleep instead of computing, no models (workers/simulate.py); {}: off
+    simulate_cost_s_per_row: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -59,6 +61,20 @@ class RefConfig:
 
 
 @dataclass
+class CriticConfig:
+    """The value model of algorithms with a critic (PPO); unused by GRPO and ReMax."""
+    model_path: Optional[str] = None     # null: the actor's initial checkpoint, with a fresh value head
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    micro_batch_size: int = 32           # rows per forward/backward of the critic update
+    mini_batch_size: Optional[int] = 32  # rows per critic optimizer step; null: one step per RL step
+    cliprange_value: float = 0.5         # new values stay within +-this of the old ones in the loss
+    loss_agg_mode: str = "token-mean"
+    infer_micro_batch_size: int = 64     # rows per forward of critic_values
+
+
+@dataclass
 class GenerateConfig:
     backend: str = "hf"                  # hf (transformers, KV cache); vllm: planned, not implemented
     max_new_tokens: int = 4
@@ -81,6 +97,8 @@ class RLConfig:
     norm_adv_by_std: bool = True
     max_weight_staleness: int = 0        # rollout may use weights at most this many versions old
     dock_micro_batch_size: int = 32      # rows per get for stages that set none (reward, advantage)
+    gamma: float = 1.0                   # PPO's GAE discount
+    lam: float = 1.0                     # PPO's GAE lambda
 
 
 @dataclass
@@ -120,6 +138,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     actor_config: ActorConfig = field(default_factory=ActorConfig)
     ref_config: RefConfig = field(default_factory=RefConfig)
+    critic_config: CriticConfig = field(default_factory=CriticConfig)
     generate_config: GenerateConfig = field(default_factory=GenerateConfig)
     rl_config: RLConfig = field(default_factory=RLConfig)
     data: DataConfig = field(default_factory=DataConfig)

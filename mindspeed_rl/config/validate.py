@@ -55,14 +55,14 @@ def validate_config(cfg: Config) -> None:
                  "0 picks a free one (printed at start)")
     if t.seed < 0:
         e.append(f"trainer.seed={t.seed}: must be >= 0 (numpy seeds are non-negative)")
-    if rl.n_samples_per_prompt < 2:
-        e.append(f"rl_config.n_samples_per_prompt={rl.n_samples_per_prompt}: GRPO compares responses within a "
-                 "prompt's group, so it needs at least 2; set it to 2 or more (8 is common)")
+    if rl.n_samples_per_prompt < 1:  # >= 2 for algorithms that compare a prompt's responses: see the plan
+        e.append(f"rl_config.n_samples_per_prompt={rl.n_samples_per_prompt}: must be >= 1 (GRPO needs 2 or more: "
+                 "set it to 2 or more, 8 is common)")
     _positive(e, "rl_config.prompts_per_step", rl.prompts_per_step)
     _positive(e, "rl_config.max_weight_staleness", rl.max_weight_staleness, "0 = strictly on-policy", allow_zero=True)
     _positive(e, "rl_config.dock_micro_batch_size", rl.dock_micro_batch_size)
     rows = rl.prompts_per_step * rl.n_samples_per_prompt
-    group_ok = rl.n_samples_per_prompt >= 2 and rl.prompts_per_step > 0  # else the divisibility checks mislead
+    group_ok = rl.n_samples_per_prompt >= 1 and rl.prompts_per_step > 0  # else the divisibility checks mislead
     _positive(e, "actor_config.micro_batch_size", a.micro_batch_size)
     _positive(e, "actor_config.log_prob_micro_batch_size", a.log_prob_micro_batch_size)
     _positive(e, "ref_config.micro_batch_size", cfg.ref_config.micro_batch_size)
@@ -109,6 +109,25 @@ def validate_config(cfg: Config) -> None:
     if a.kl_ctrl == "adaptive":
         _positive(e, "actor_config.kl_target", a.kl_target, "the adaptive controller steers the KL towards it")
         _positive(e, "actor_config.kl_horizon", a.kl_horizon, "the adaptive controller's time constant in rows")
+    c = cfg.critic_config
+    _positive(e, "critic_config.lr", c.lr)
+    _positive(e, "critic_config.grad_clip", c.grad_clip)
+    _positive(e, "critic_config.weight_decay", c.weight_decay, allow_zero=True)
+    _positive(e, "critic_config.micro_batch_size", c.micro_batch_size)
+    _positive(e, "critic_config.infer_micro_batch_size", c.infer_micro_batch_size)
+    _positive(e, "critic_config.cliprange_value", c.cliprange_value)
+    _one_of(e, "critic_config.loss_agg_mode", c.loss_agg_mode, AGG_MODES)
+    if c.mini_batch_size is not None:
+        _positive(e, "critic_config.mini_batch_size", c.mini_batch_size, "or null for one update per step")
+        if group_ok and c.mini_batch_size > 0 and rows % c.mini_batch_size:
+            e.append(f"critic_config.mini_batch_size={c.mini_batch_size} does not divide the {rows} rows of a step; "
+                     f"pick a divisor of {rows}")
+        if c.micro_batch_size > 0 and c.mini_batch_size > 0 and c.mini_batch_size % c.micro_batch_size:
+            e.append(f"critic_config.micro_batch_size={c.micro_batch_size} does not divide critic_config."
+                     f"mini_batch_size={c.mini_batch_size}; gradient accumulation needs whole micro-batches")
+    for key, value in (("rl_config.gamma", rl.gamma), ("rl_config.lam", rl.lam)):
+        if not 0 <= value <= 1:
+            e.append(f"{key}={value}: must be in [0, 1] (1.0 is verl's default for outcome rewards)")
     _one_of(e, "placement.mode", cfg.placement.mode, PLACEMENT_MODES)
     n_cpus = cfg.placement.ray_num_cpus
     if n_cpus is not None and (n_cpus < 1 or float(n_cpus) != int(n_cpus)):

@@ -6,7 +6,7 @@ dock columns it reads and which it writes, and where it runs. An algorithm is a 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 
@@ -81,6 +81,17 @@ class MFCDef:
     get_n_samples:  True when the MFC must receive whole prompt groups (all n samples of a prompt),
                     e.g. GRPO's group-normalized advantage.
     micro_batch_size: rows per pull from the dock; None means the trainer's default.
+    fn:             the compute function that runs the MFC, by name (``mindspeed_rl.workers.compute.FUNCTIONS``:
+                    ``"generate"``, ``"log_probs"``, ``"values"``, ``"rule_reward"``, ``"gae_advantage"``,
+                    ``"policy_train"``, ...). None means the interface type's default (generate: ``generate``,
+                    inference: ``log_probs``, train_step: ``policy_train``); a compute MFC must name one.
+    input_key_remap:  dock column -> the function's argument name, for a column named otherwise than the
+                    function expects (ReaLHF's name), e.g. ``{"greedy_responses": "responses"}``.
+    output_key_remap: the function's output name -> dock column, e.g. ``{"log_prob": "ref_log_prob"}``.
+
+    Why name functions instead of dispatching on the role: the same function serves several MFCs
+    (``log_probs`` gives both ``old_log_prob`` and ``ref_log_prob``; ``rule_reward`` scores sampled
+    and greedy responses), so a new algorithm is a new list of MFCs and no new worker code.
     """
 
     name: str
@@ -92,6 +103,9 @@ class MFCDef:
     dp_size: int = 1
     get_n_samples: bool = False
     micro_batch_size: int | None = None
+    fn: str | None = None
+    input_key_remap: dict = field(default_factory=dict, hash=False)
+    output_key_remap: dict = field(default_factory=dict, hash=False)
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name.strip():
@@ -124,6 +138,34 @@ class MFCDef:
         if mbs is not None and (isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1):
             raise ValueError(f"MFC {name!r}: micro_batch_size={mbs!r} must be an integer >= 1, or None "
                              f"for the trainer's default")
+
+        if self.fn is not None and (not isinstance(self.fn, str) or not self.fn.strip()):
+            raise ValueError(f"MFC {name!r}: fn={self.fn!r} is empty; name a compute function such as "
+                             f"'rule_reward', or None for the interface type's default")
+        for which, remap, keys in (("input_key_remap", self.input_key_remap, inputs),
+                                   ("output_key_remap", self.output_key_remap, outputs)):
+            if not isinstance(remap, dict):
+                raise ValueError(f"MFC {name!r}: {which}={remap!r} must be a dict of names")
+            bad = [k for k, v in remap.items() if not (isinstance(k, str) and isinstance(v, str) and k and v)]
+            if bad:
+                raise ValueError(f"MFC {name!r}: {which} has non-string or empty names {bad!r}")
+            column_side = remap.keys() if which == "input_key_remap" else remap.values()
+            stray = [c for c in column_side if c not in keys]
+            if stray:
+                side = "input_keys" if which == "input_key_remap" else "output_keys"
+                raise ValueError(f"MFC {name!r}: {which} names column(s) {', '.join(map(repr, stray))} that are "
+                                 f"not in its {side} {keys!r}; remap only columns the MFC "
+                                 f"{'reads' if side == 'input_keys' else 'writes'}")
+        object.__setattr__(self, "input_key_remap", dict(self.input_key_remap))
+        object.__setattr__(self, "output_key_remap", dict(self.output_key_remap))
+
+    def arg_name(self, column: str) -> str:
+        """The compute function's name for the dock column `column` this MFC reads."""
+        return self.input_key_remap.get(column, column)
+
+    def column_of(self, output: str) -> str:
+        """The dock column the compute function's output `output` goes to."""
+        return self.output_key_remap.get(output, output)
 
     @property
     def is_trainable(self) -> bool:

@@ -1,6 +1,6 @@
 """Algorithms by name: name -> (function returning its MFCs, its dataset keys).
 
-A new algorithm (ppo, remax, ...) is one module with its MFC list and one entry here.
+A new algorithm is one module with its MFC list and one entry here.
 """
 from __future__ import annotations
 
@@ -12,9 +12,15 @@ from .graph import build_graph
 from .grpo import DATASET_KEYS as GRPO_DATASET_KEYS
 from .grpo import grpo_mfcs
 from .mfc import MFCDef
+from .ppo import DATASET_KEYS as PPO_DATASET_KEYS
+from .ppo import ppo_mfcs
+from .remax import DATASET_KEYS as REMAX_DATASET_KEYS
+from .remax import remax_mfcs
 
 ALGORITHMS: dict[str, tuple[Callable[[], list[MFCDef]], tuple[str, ...]]] = {
     "grpo": (grpo_mfcs, GRPO_DATASET_KEYS),
+    "ppo": (ppo_mfcs, PPO_DATASET_KEYS),
+    "remax": (remax_mfcs, REMAX_DATASET_KEYS),
 }
 
 

@@ -36,6 +36,18 @@ def response_logits(model: torch.nn.Module, batch: SequenceBatch, temperature: f
     return logits / temperature if temperature not in (0, 1.0) else logits
 
 
+def response_values(model: torch.nn.Module, batch: SequenceBatch) -> torch.Tensor:
+    """A critic's value of each response token's state: positions P-1 .. P+R-2, as the logits above.
+
+    V_t is read where the model has seen the prompt and the response up to token t-1, the state in
+    which token t is chosen (verl's `values[:, -response_length - 1:-1]`).
+    """
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                position_ids=batch.position_ids, use_cache=False)
+    p, r = batch.prompt_width, batch.responses.shape[1]
+    return out.logits[:, p - 1:p + r - 1, 0].float()
+
+
 class TorchTrainEngine:
     def __init__(self, model: torch.nn.Module, pad_token_id: int, optim: OptimConfig | None = None,
                  temperature: float = 1.0, device: torch.device | str = "cpu", process_group=None):
@@ -81,6 +93,19 @@ class TorchTrainEngine:
             b = self.batch(prompts[i:i + micro_batch_size], responses[i:i + micro_batch_size])
             logits = response_logits(self.module, b, self.temperature)
             out.extend(r.cpu() for r in unpad_rows(log_probs_from_logits(logits, b.responses), b.response_mask))
+        return out
+
+    def value_forward(self, batch: SequenceBatch) -> torch.Tensor:
+        """A critic's per-token values [B, R], with grad when training."""
+        return response_values(self.model, batch)
+
+    @torch.no_grad()
+    def values(self, prompts, responses, micro_batch_size: int) -> list[torch.Tensor]:
+        """Inference of a critic: per-token values, one 1-D tensor per row."""
+        out: list[torch.Tensor] = []
+        for i in range(0, len(prompts), micro_batch_size):
+            b = self.batch(prompts[i:i + micro_batch_size], responses[i:i + micro_batch_size])
+            out.extend(r.cpu() for r in unpad_rows(response_values(self.module, b), b.response_mask))
         return out
 
     def no_sync(self, sync: bool):

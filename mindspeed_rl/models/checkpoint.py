@@ -123,3 +123,19 @@ def load_causal_lm(path: str, dtype: str = "float32"):
     model = AutoModelForCausalLM.from_pretrained(str(resolve_model_path(path)),
                                                  dtype=getattr(torch, dtype))
     return model
+
+
+def load_value_model(path: str, dtype: str = "float32"):
+    """A critic: the checkpoint's backbone with a fresh one-output token head (verl's choice).
+
+    `AutoModelForTokenClassification` with one label gives a value for every position; the head is
+    new (initialized from the torch seed, near zero), the backbone is the policy's. Dropout in the
+    head is turned off, as verl does: a noisy value target only slows the critic down.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    directory = str(resolve_model_path(path))
+    config = AutoConfig.from_pretrained(directory, num_labels=1)
+    config.classifier_dropout = 0.0
+    return AutoModelForTokenClassification.from_pretrained(directory, config=config, dtype=getattr(torch, dtype))

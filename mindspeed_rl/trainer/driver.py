@@ -193,27 +193,47 @@ class Trainer:
 
     # ------------------------------------------------------------------ metrics
     def _metrics(self, step: int, reports: list[dict], step_s: float, stages_s: float, sync: dict) -> dict:
+        """One record per step. Metric sums are kept per stage, because several stages run the same
+        function (ReMax scores greedy and sampled responses with one reward function)."""
+        plan = self.plan
         by_stage: dict[str, list[dict]] = {}
         for r in reports:
             by_stage.setdefault(r["stage"], []).append(r)
-        sums: dict[str, float] = {}
-        for r in reports:
-            for k, v in r["metrics"].items():
-                sums[k] = sums.get(k, 0.0) + v
+
+        def sums(stage: str | None) -> dict[str, float]:
+            out: dict[str, float] = {}
+            for r in by_stage.get(stage, []):
+                for k, v in r["metrics"].items():
+                    out[k] = max(out.get(k, 0.0), v) if k.endswith("_max") else out.get(k, 0.0) + v
+            return out
+
+        producer = {c: m.name for m in plan.order for c in m.output_keys}
         rec: dict[str, Any] = {"step": step}
-        rows = max(sums.get("reward_rows", 0.0), 1.0)
-        rec["reward/mean"] = sums.get("reward_sum", 0.0) / rows
-        rec["reward/max_fraction"] = sums.get("reward_max_count", 0.0) / rows
-        gen_rows = max(sums.get("rows", 0.0), 1.0)
-        rec["response_length/mean"] = sums.get("response_length_sum", 0.0) / gen_rows
-        rec["response_length/max"] = max((r["metrics"].get("response_length_max", 0.0) for r in reports), default=0.0)
-        mb = max(sums.get("micro_batches", 0.0), 1.0)
-        for k in ("pg_loss", "kl", "entropy", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"):
-            if k in sums:
-                rec[f"actor/{k}"] = sums[k] / mb
-        if "updates" in sums:
-            rec["actor/grad_norm"] = sums.get("grad_norm", 0.0) / sums["updates"]
-            rec["actor/updates"] = sums["updates"]
+        reward = sums(producer.get("rm_scores"))
+        rows = max(reward.get("reward_rows", 0.0), 1.0)
+        rec["reward/mean"] = reward.get("reward_sum", 0.0) / rows
+        rec["reward/max_fraction"] = reward.get("reward_max_count", 0.0) / rows
+        for m in plan.order:  # other reward columns (ReMax's greedy baseline): reward/<column>_mean
+            if m.name != producer.get("rm_scores") and "reward_sum" in sums(m.name):
+                s_ = sums(m.name)
+                rec[f"reward/{m.output_keys[0]}_mean"] = s_["reward_sum"] / max(s_.get("reward_rows", 0.0), 1.0)
+        gen = sums(producer.get("responses"))
+        gen_rows = max(gen.get("rows", 0.0), 1.0)
+        rec["response_length/mean"] = gen.get("response_length_sum", 0.0) / gen_rows
+        rec["response_length/max"] = gen.get("response_length_max", 0.0)
+        for stage in ("values", "returns"):
+            s_ = sums(producer.get(stage))
+            if s_.get(f"{stage}_tokens"):
+                rec[f"critic/{stage}_mean"] = s_[f"{stage}_sum"] / s_[f"{stage}_tokens"]
+        for model, train_mfc in plan.trained.items():  # actor/pg_loss, critic/vf_loss, ...
+            s_ = sums(train_mfc)
+            mb = max(s_.get("micro_batches", 0.0), 1.0)
+            for k, v in s_.items():
+                if k not in ("micro_batches", "updates", "grad_norm", "version"):
+                    rec[f"{model}/{k}"] = v / mb
+            if "updates" in s_:
+                rec[f"{model}/grad_norm"] = s_.get("grad_norm", 0.0) / s_["updates"]
+                rec[f"{model}/updates"] = s_["updates"]
         rec["actor/kl_coef"] = float(self.kl_ctrl.value)
         rec["weight_version"] = self.policy_version
         rec["timing/step"] = step_s
@@ -225,7 +245,7 @@ class Trainer:
         for model, s in sync.items():
             rec[f"weight_sync/{model}_checksum"] = s["checksum"]
             rec[f"weight_sync/{model}_readers"] = s["readers"]
-        tokens = sums.get("prompt_length_sum", 0.0) + sums.get("response_length_sum", 0.0)
+        tokens = gen.get("prompt_length_sum", 0.0) + gen.get("response_length_sum", 0.0)
         rec["throughput/tokens_per_s"] = tokens / step_s if step_s > 0 else 0.0
         return rec
 

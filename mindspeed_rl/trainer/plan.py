@@ -84,6 +84,18 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
     order = topological_order(graph)
     trained = trained_models(graph)
     by_name = {m.name: m for m in order}
+    from ..workers.compute import check_mfc
+    functions = {}
+    for m in order:
+        try:
+            functions[m.name] = check_mfc(m)
+        except ValueError as e:
+            raise ConfigError(f"rl_config.algorithm={rl.algorithm!r}: {e}") from None
+    grouped = [m.name for m in order if m.get_n_samples]
+    if grouped and rl.n_samples_per_prompt < 2:
+        raise ConfigError(f"rl_config.n_samples_per_prompt={rl.n_samples_per_prompt}: {rl.algorithm} compares the "
+                          f"responses within a prompt's group (MFCs {grouped}), so it needs at least 2; set it to 2 "
+                          "or more (8 is common)")
 
     # worker groups: the mode's preset, then the config's groups (which may move MFCs or add resources)
     assign = {}
@@ -125,17 +137,21 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
     for g, p in groups.items():
         dp = p.resources.dp
         if dp > 1:
-            if any(InterfaceType(m.interface_type) is InterfaceType.TRAIN_STEP for m in p.mfcs):
-                a = cfg.actor_config
+            for m in p.mfcs:
+                if InterfaceType(m.interface_type) is not InterfaceType.TRAIN_STEP:
+                    continue
+                section = "critic_config" if functions[m.name].engine == "value" else "actor_config"
+                a = getattr(cfg, section)
                 mini = a.mini_batch_size or rows
-                what = (f"actor_config.mini_batch_size={mini}" if a.mini_batch_size else
-                        f"the step's {rows} rows (actor_config.mini_batch_size=null)")
+                what = (f"{section}.mini_batch_size={mini}" if a.mini_batch_size else
+                        f"the step's {rows} rows ({section}.mini_batch_size=null)")
                 if mini % dp or (mini // dp) % min(a.micro_batch_size, mini // dp):
                     raise ConfigError(f"placement.groups.{g}.dp={dp}: {what} must split into {dp} equal shares of "
                                       f"whole micro-batches (micro_batch_size={a.micro_batch_size}); DDP ranks "
                                       "step together")
     model_paths = {"actor": cfg.actor_config.model_path,
-                   "ref": cfg.ref_config.model_path or cfg.actor_config.model_path}
+                   "ref": cfg.ref_config.model_path or cfg.actor_config.model_path,
+                   "critic": cfg.critic_config.model_path or cfg.actor_config.model_path}
     for m in order:
         if InterfaceType(m.interface_type) is not InterfaceType.COMPUTE and m.model_name not in model_paths:
             raise ConfigError(f"MFC {m.name!r} runs model {m.model_name!r}, which has no model_path in the config "
@@ -147,6 +163,8 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
             check_model_path("actor_config.model_path", cfg.actor_config.model_path)
             if cfg.ref_config.model_path:
                 check_model_path("ref_config.model_path", cfg.ref_config.model_path)
+            if cfg.critic_config.model_path and "critic" in {m.model_name for m in order}:
+                check_model_path("critic_config.model_path", cfg.critic_config.model_path)
         except ValueError as e:
             raise ConfigError(str(e)) from None
     else:

@@ -1,8 +1,12 @@
-"""What each kind of MFC computes on a micro-batch of rows: pure functions of (rows, engines).
+"""What each MFC computes on a micro-batch of rows: functions of (rows, engines), by name.
 
-The worker's loop (`stage.py`) is the same for every MFC; only the function differs. A function
-gets the micro-batch as `{column: [row tensors]}` plus the row indexes, and returns the output
-columns as `{column: [row tensors]}` (one per row) and a dict of metric sums.
+The worker's loop (`stage.py`) is the same for every MFC; only the function differs. An MFC names
+its function (`MFCDef.fn`, or its interface type's default); `FUNCTIONS` says what each one reads,
+what it can write and which engine it needs, so the plan checks an algorithm's MFCs before any
+worker starts. A function gets the micro-batch as `{name: [row tensors]}` (dock columns renamed by
+the MFC's `input_key_remap`) plus the row indexes, and returns its outputs as `{name: [row
+tensors]}` (renamed by `output_key_remap`; outputs the MFC does not list are dropped) and a dict
+of metric sums.
 """
 from __future__ import annotations
 
@@ -12,7 +16,84 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from ..algorithms import agg_loss, broadcast_to_tokens, grpo_advantages, kl_penalty, policy_loss
+from ..algorithms import (agg_loss, broadcast_to_tokens, gae_advantages, grpo_advantages, kl_penalty,
+                          outcome_token_rewards, policy_loss, remax_advantages, value_loss)
+from ..dataflow.mfc import InterfaceType, MFCDef
+
+
+@dataclass(frozen=True)
+class ComputeFn:
+    """What a compute function reads and writes, for the plan's checks and the docs."""
+    name: str
+    interface: InterfaceType
+    inputs: tuple[str, ...]           # names it must get
+    outputs: tuple[str, ...]          # names it can write (an MFC writes a subset)
+    optional: tuple[str, ...] = ()    # names it uses when present
+    engine: str = ""                  # "rollout", "policy", "value" or "" (none)
+    doc: str = ""
+
+
+FUNCTIONS: dict[str, ComputeFn] = {f.name: f for f in (
+    ComputeFn("generate", InterfaceType.GENERATE, ("prompts",), ("responses", "response_length", "weight_version"),
+              engine="rollout", doc="sample one response per row with generate_config"),
+    ComputeFn("generate_greedy", InterfaceType.GENERATE, ("prompts",),
+              ("responses", "response_length", "weight_version"), engine="rollout",
+              doc="the greedy (argmax) response per row: ReMax's baseline"),
+    ComputeFn("log_probs", InterfaceType.INFERENCE, ("prompts", "responses"), ("log_prob",), engine="policy",
+              doc="per-token log-probs of the responses"),
+    ComputeFn("values", InterfaceType.INFERENCE, ("prompts", "responses"), ("values",), engine="value",
+              doc="a critic's per-token values of the responses"),
+    ComputeFn("rule_reward", InterfaceType.COMPUTE, ("prompts", "responses", "labels"), ("rm_scores",),
+              doc="rl_config.reward_fn on the decoded response and answer"),
+    ComputeFn("grpo_advantage", InterfaceType.COMPUTE, ("rm_scores",), ("advantages",),
+              doc="reward normalized within each prompt's group (needs get_n_samples)"),
+    ComputeFn("gae_advantage", InterfaceType.COMPUTE, ("rm_scores", "values"), ("advantages", "returns"),
+              doc="GAE over the outcome reward on the last token, whitened over the micro-batch"),
+    ComputeFn("remax_advantage", InterfaceType.COMPUTE, ("rm_scores", "reward_baselines", "response_length"),
+              ("advantages", "returns"), doc="reward-to-go minus the greedy response's reward"),
+    ComputeFn("policy_train", InterfaceType.TRAIN_STEP, ("prompts", "responses", "old_log_prob", "advantages"), (),
+              optional=("ref_log_prob",), engine="policy", doc="clipped policy loss (+ KL to the reference)"),
+    ComputeFn("value_train", InterfaceType.TRAIN_STEP, ("prompts", "responses", "values", "returns"), (),
+              engine="value", doc="clipped value loss"),
+)}
+
+DEFAULT_FN = {InterfaceType.GENERATE: "generate", InterfaceType.INFERENCE: "log_probs",
+              InterfaceType.TRAIN_STEP: "policy_train"}
+
+
+def fn_name(mfc: MFCDef) -> str | None:
+    """The compute function an MFC runs: its own `fn`, else its interface type's default."""
+    return mfc.fn or DEFAULT_FN.get(InterfaceType(mfc.interface_type))
+
+
+def check_mfc(mfc: MFCDef) -> ComputeFn:
+    """The MFC's function, after checking it exists, fits the interface and gets its inputs.
+
+    Raises ValueError naming the MFC, the function and the names that do not match.
+    """
+    name = fn_name(mfc)
+    kind = InterfaceType(mfc.interface_type)
+    if name is None:
+        raise ValueError(f"MFC {mfc.name!r} is a compute MFC without fn=...; name its function, one of "
+                         f"{sorted(n for n, f in FUNCTIONS.items() if f.interface is kind)}")
+    f = FUNCTIONS.get(name)
+    if f is None:
+        raise ValueError(f"MFC {mfc.name!r}: fn={name!r} is not a known compute function; known: {sorted(FUNCTIONS)}")
+    if f.interface is not kind:
+        raise ValueError(f"MFC {mfc.name!r}: fn={name!r} is a {f.interface.value} function but the MFC is "
+                         f"{kind.value}; use one of {sorted(n for n, g in FUNCTIONS.items() if g.interface is kind)}")
+    got = {mfc.arg_name(k) for k in mfc.input_keys}
+    missing = [k for k in f.inputs if k not in got]
+    if missing:
+        raise ValueError(f"MFC {mfc.name!r}: fn={name!r} needs {list(f.inputs)} but the MFC's input_keys "
+                         f"{list(mfc.input_keys)} (after input_key_remap) lack {missing}; add them or remap a column "
+                         f"onto them with input_key_remap")
+    inverse = {v: k for k, v in mfc.output_key_remap.items()}
+    unknown = [k for k in mfc.output_keys if inverse.get(k, k) not in f.outputs]
+    if unknown:
+        raise ValueError(f"MFC {mfc.name!r}: fn={name!r} writes {list(f.outputs) or 'nothing'}, not "
+                         f"{unknown}; map one of its outputs onto the column with output_key_remap")
+    return f
 
 
 @dataclass
@@ -46,9 +127,15 @@ def generate(batch: dict, rows: list[int], *, engine, params, seed: int, step: i
                    "response_length_max": float(max(lengths) if lengths else 0)})
 
 
-def log_probs(batch: dict, rows: list[int], *, engine, output_key: str, micro_batch_size: int) -> Output:
+def log_probs(batch: dict, rows: list[int], *, engine, micro_batch_size: int) -> Output:
     lp = engine.log_probs(batch["prompts"], batch["responses"], micro_batch_size)
-    return Output({output_key: lp}, {})
+    return Output({"log_prob": lp}, {})
+
+
+def values(batch: dict, rows: list[int], *, engine, micro_batch_size: int) -> Output:
+    v = engine.values(batch["prompts"], batch["responses"], micro_batch_size)
+    n = sum(int(r.numel()) for r in v)
+    return Output({"values": v}, {"values_sum": float(sum(float(r.sum()) for r in v)), "values_tokens": float(n)})
 
 
 def rule_reward(batch: dict, rows: list[int], *, reward_fn: Callable, tokenizer, decode_label: Callable) -> Output:
@@ -72,6 +159,43 @@ def grpo_advantage(batch: dict, rows: list[int], *, n_samples_per_prompt: int, e
     return Output({"advantages": scalar_rows(adv)}, {})
 
 
+def _token_matrix(rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rows -> ([B, width] values, [B, width] mask)."""
+    width = max(1, max(int(r.numel()) for r in rows))
+    mask = torch.zeros((len(rows), width), dtype=torch.float32)
+    for i, r in enumerate(rows):
+        mask[i, :int(r.numel())] = 1.0
+    return _rows_to_matrix(rows, width), mask
+
+
+def gae_advantage(batch: dict, rows: list[int], *, gamma: float, lam: float) -> Output:
+    """GAE with the outcome reward on each response's last token; lengths come from the values rows."""
+    v, mask = _token_matrix(batch["values"])
+    rewards = outcome_token_rewards(as_scalars(batch["rm_scores"]), mask)
+    adv, ret = gae_advantages(rewards, v, mask, gamma, lam)
+    n = int(mask.sum())
+    return Output({"advantages": unpad(adv, mask), "returns": unpad(ret, mask)},
+                  {"returns_sum": float((ret * mask).sum()), "returns_tokens": float(n)})
+
+
+def remax_advantage(batch: dict, rows: list[int]) -> Output:
+    """Reward-to-go of the sampled response minus the greedy response's reward, per token."""
+    lengths = [int(torch.as_tensor(x).reshape(-1)[0]) for x in batch["response_length"]]
+    width = max(1, max(lengths))
+    mask = torch.zeros((len(rows), width), dtype=torch.float32)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1.0
+    baselines = as_scalars(batch["reward_baselines"])
+    adv, ret = remax_advantages(outcome_token_rewards(as_scalars(batch["rm_scores"]), mask), baselines, mask)
+    return Output({"advantages": unpad(adv, mask), "returns": unpad(ret, mask)},
+                  {})
+
+
+def unpad(values: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
+    lengths = mask.sum(-1).long().tolist()
+    return [values[i, :n].clone() for i, n in enumerate(lengths)]
+
+
 @dataclass
 class PolicyLossConfig:
     clip_low: float
@@ -90,7 +214,7 @@ def policy_train_micro_batch(batch: dict, *, engine, loss_cfg: PolicyLossConfig,
     mask = b.response_mask
     width = mask.shape[1]
     old = _rows_to_matrix(batch["old_log_prob"], width) * mask
-    adv = broadcast_to_tokens(as_scalars(batch["advantages"]).to(mask.device), mask)
+    adv = advantage_matrix(batch["advantages"], mask)
     with engine.no_sync(sync):
         logp, entropy = engine.forward(b, with_entropy=True)
         pg_loss, pg_metrics = policy_loss(logp, old.to(logp.device), adv, mask, clip_low=loss_cfg.clip_low,
@@ -109,6 +233,36 @@ def policy_train_micro_batch(batch: dict, *, engine, loss_cfg: PolicyLossConfig,
     return {"pg_loss": float(pg_loss.detach()), "kl": kl_value, "entropy": float(ent.detach()),
             "pg_clipfrac": pg_metrics["pg_clipfrac"], "ppo_kl": pg_metrics["ppo_kl"],
             "pg_clipfrac_lower": pg_metrics["pg_clipfrac_lower"], "micro_batches": 1.0}
+
+
+def advantage_matrix(rows: Sequence[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+    """[B, R] advantages: a one-value row (GRPO's per-response advantage) is broadcast over its
+    tokens, a longer row (GAE, ReMax: one per token) is laid out along them."""
+    if all(int(r.numel()) == 1 for r in rows):
+        return broadcast_to_tokens(as_scalars(rows).to(mask.device), mask)
+    return _rows_to_matrix(rows, mask.shape[1]).to(mask.device) * mask
+
+
+@dataclass
+class ValueLossConfig:
+    clip_value: float
+    agg: str
+
+
+def value_train_micro_batch(batch: dict, *, engine, loss_cfg: ValueLossConfig, loss_scale: float,
+                            sync: bool) -> dict[str, float]:
+    """Forward + backward of one micro-batch of the critic's clipped value loss (no optimizer step)."""
+    b = engine.batch(batch["prompts"], batch["responses"])
+    mask = b.response_mask
+    width = mask.shape[1]
+    old = _rows_to_matrix(batch["values"], width).to(mask.device)
+    returns = _rows_to_matrix(batch["returns"], width).to(mask.device)
+    with engine.no_sync(sync):
+        pred = engine.value_forward(b)
+        loss, m = value_loss(pred, returns, old, mask, loss_cfg.clip_value, loss_cfg.agg)
+        (loss * loss_scale).backward()
+    return {"vf_loss": float(loss.detach()), "vf_clipfrac": float(m["vf_clipfrac"]),
+            "vpred_mean": float(m["vpred_mean"]), "micro_batches": 1.0}
 
 
 def _rows_to_matrix(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:

@@ -92,7 +92,7 @@ class Worker:
         self._decode_label = decode_label  # imported here so a broken install fails at setup, not mid-step
         from ..device import resolve_device
         from ..engines import HFRolloutEngine, OptimConfig, TorchTrainEngine
-        from ..models import load_causal_lm, load_tokenizer
+        from ..models import load_causal_lm, load_tokenizer, load_value_model
 
         hf_logging.disable_progress_bar()
         hf_logging.set_verbosity_error()
@@ -101,27 +101,33 @@ class Worker:
         a, g = self.cfg.actor_config, self.cfg.generate_config
         self.tokenizer = load_tokenizer(self.spec.model_paths["actor"])
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        fns = {m.name: C.check_mfc(m) for m in self.spec.mfcs}
+
+        def load(model: str, f: C.ComputeFn):
+            loader = load_value_model if f.engine == "value" else load_causal_lm
+            return loader(self.spec.model_paths[model], a.dtype)
+
         for m in self.spec.mfcs:
-            kind, model = InterfaceType(m.interface_type), m.model_name
-            if kind is InterfaceType.TRAIN_STEP and a.backend != "torch":
+            f, model = fns[m.name], m.model_name
+            if f.interface is InterfaceType.TRAIN_STEP and a.backend != "torch":
                 raise StageError(f"stage '{m.name}': actor_config.backend={a.backend!r} is not implemented yet; "
                                  "use torch")
-            if kind is InterfaceType.TRAIN_STEP and model not in self.train:
-                opt = OptimConfig(lr=a.lr, weight_decay=a.weight_decay, betas=tuple(a.betas), grad_clip=a.grad_clip)
-                self.train[model] = TorchTrainEngine(load_causal_lm(self.spec.model_paths[model], a.dtype), pad, opt,
-                                                     temperature=g.temperature or 1.0, device=device,
-                                                     process_group=self.ddp_group)
+            if f.interface is InterfaceType.TRAIN_STEP and model not in self.train:
+                o = self._train_config(f)
+                opt = OptimConfig(lr=o.lr, weight_decay=o.weight_decay, betas=tuple(a.betas), grad_clip=o.grad_clip)
+                self.train[model] = TorchTrainEngine(load(model, f), pad, opt, temperature=g.temperature or 1.0,
+                                                     device=device, process_group=self.ddp_group)
         for m in self.spec.mfcs:
-            kind, model = InterfaceType(m.interface_type), m.model_name
-            if kind is InterfaceType.GENERATE and model not in self.rollout:
+            f, model = fns[m.name], m.model_name
+            if f.engine == "rollout" and model not in self.rollout:
                 if g.backend != "hf":
                     raise StageError(f"stage '{m.name}': generate_config.backend={g.backend!r} is not implemented "
                                      "yet; use hf")
                 self.rollout[model] = HFRolloutEngine(load_causal_lm(self.spec.model_paths[model], a.dtype), pad, device)
-            elif kind is InterfaceType.INFERENCE and model not in self.train and model not in self.infer:
-                self.infer[model] = TorchTrainEngine(load_causal_lm(self.spec.model_paths[model], a.dtype), pad, None,
-                                                     temperature=g.temperature or 1.0, device=device)
-            elif kind is InterfaceType.COMPUTE and m.model_name == "reward" and self.reward_fn is None:
+            elif f.interface is InterfaceType.INFERENCE and model not in self.train and model not in self.infer:
+                self.infer[model] = TorchTrainEngine(load(model, f), pad, None, temperature=g.temperature or 1.0,
+                                                     device=device)
+            elif f.name == "rule_reward" and self.reward_fn is None:
                 from ..rewards import get_reward_fn
                 self.reward_fn = get_reward_fn(self.cfg.rl_config.reward_fn)
         self._stop_ids = tuple(self._stop_token_ids())
@@ -170,13 +176,19 @@ class Worker:
                              f"{where.lineno})") from e
         return rep.as_dict()
 
+    def _train_config(self, f: C.ComputeFn):
+        """The config section of a trained model: critic_config for a value model, else actor_config."""
+        return self.cfg.critic_config if f.engine == "value" else self.cfg.actor_config
+
     def _count(self, mfc: MFCDef) -> int:
         if mfc.micro_batch_size:
             return mfc.micro_batch_size
-        kind = InterfaceType(mfc.interface_type)
-        if kind is InterfaceType.GENERATE:
+        f = C.FUNCTIONS[C.fn_name(mfc)]
+        if f.interface is InterfaceType.GENERATE:
             return self.cfg.generate_config.micro_batch_size
-        if kind is InterfaceType.INFERENCE:
+        if f.interface is InterfaceType.INFERENCE:
+            if f.engine == "value":
+                return self.cfg.critic_config.infer_micro_batch_size
             return (self.cfg.ref_config.micro_batch_size if mfc.model_name not in self.spec.trained_models
                     else self.cfg.actor_config.log_prob_micro_batch_size)
         n = self.cfg.rl_config.n_samples_per_prompt
@@ -184,46 +196,72 @@ class Worker:
         return max(n, count - count % n) if mfc.get_n_samples else count
 
     def _compute_fn(self, mfc: MFCDef, kind: InterfaceType, step: int, policy_version: int):
+        """The MFC's function on a micro-batch, with the MFC's key remaps applied on both sides."""
+        fn = self._function(mfc, C.fn_name(mfc), step, policy_version)
+
+        def run(batch, rows):
+            out = fn({mfc.arg_name(k): v for k, v in batch.items()}, rows)
+            columns = {mfc.column_of(k): v for k, v in out.columns.items()}
+            out.columns = {k: v for k, v in columns.items() if k in mfc.output_keys}
+            return out
+        return run
+
+    def _function(self, mfc: MFCDef, name: str, step: int, policy_version: int):
         cfg = self.cfg
-        if kind is InterfaceType.GENERATE:
+        rl = cfg.rl_config
+        if name in ("generate", "generate_greedy"):
             engine = self.rollout[mfc.model_name]
             lag = policy_version - engine.weight_version
-            if lag > cfg.rl_config.max_weight_staleness:
+            if mfc.model_name == "actor" and lag > rl.max_weight_staleness:
                 raise StageError(f"stage '{mfc.name}': rollout weights are version {engine.weight_version}, the "
                                  f"policy is at {policy_version}; rl_config.max_weight_staleness="
-                                 f"{cfg.rl_config.max_weight_staleness} forbids serving them")
+                                 f"{rl.max_weight_staleness} forbids serving them")
             from ..engines import SamplingParams
             g = cfg.generate_config
+            greedy = name == "generate_greedy" or g.temperature == 0
             params = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
-                                    top_k=g.top_k, stop_token_ids=self._stop_ids, greedy=g.temperature == 0)
+                                    top_k=g.top_k, stop_token_ids=self._stop_ids, greedy=greedy)
             return lambda batch, rows: C.generate(batch, rows, engine=engine, params=params,
                                                   seed=cfg.trainer.seed, step=step)
-        if kind is InterfaceType.INFERENCE:
+        if name in ("log_probs", "values"):
             engine = self.train.get(mfc.model_name) or self.infer[mfc.model_name]
-            key = mfc.output_keys[0]
             mb = self._count(mfc)
-            return lambda batch, rows: C.log_probs(batch, rows, engine=engine, output_key=key, micro_batch_size=mb)
-        if mfc.model_name == "reward":
+            f = C.log_probs if name == "log_probs" else C.values
+            return lambda batch, rows: f(batch, rows, engine=engine, micro_batch_size=mb)
+        if name == "rule_reward":
             return lambda batch, rows: C.rule_reward(batch, rows, reward_fn=self.reward_fn,
                                                      tokenizer=self.tokenizer, decode_label=self._decode_label)
-        if mfc.model_name == "advantage":
-            rl = cfg.rl_config
+        if name == "grpo_advantage":
             return lambda batch, rows: C.grpo_advantage(batch, rows, n_samples_per_prompt=rl.n_samples_per_prompt,
                                                         eps=rl.adv_eps, norm_by_std=rl.norm_adv_by_std)
-        raise StageError(f"stage '{mfc.name}': no compute function for model '{mfc.model_name}' "
-                         f"({kind.value}); known compute models: reward, advantage")
+        if name == "gae_advantage":
+            return lambda batch, rows: C.gae_advantage(batch, rows, gamma=rl.gamma, lam=rl.lam)
+        if name == "remax_advantage":
+            return C.remax_advantage
+        raise StageError(f"stage '{mfc.name}': fn={name!r} has no runner in the worker; known: {sorted(C.FUNCTIONS)}")
 
     def _run_train(self, mfc: MFCDef, step: int, kl_coef: float) -> StageReport:
         """Gradient accumulation over micro-batches; an optimizer step per mini-batch of rows."""
-        a = self.cfg.actor_config
+        f = C.FUNCTIONS[C.fn_name(mfc)]
+        o = self._train_config(f)
         engine = self.train[mfc.model_name]
         dp, rows_total = self.spec.dp, self.spec.rows_per_step
         per_rank = rows_total // dp
-        mini = (a.mini_batch_size or rows_total) // dp
-        micro = min(a.micro_batch_size, mini)
-        loss_cfg = C.PolicyLossConfig(clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high, clip_c=a.clip_ratio_c,
-                                      agg=a.loss_agg_mode, use_kl_loss=a.use_kl_loss, kl_type=a.kl_loss_type,
-                                      entropy_coeff=a.entropy_coeff)
+        mini = (o.mini_batch_size or rows_total) // dp
+        micro = min(o.micro_batch_size, mini)
+        if f.name == "value_train":
+            v_cfg = C.ValueLossConfig(clip_value=o.cliprange_value, agg=o.loss_agg_mode)
+
+            def micro_step(batch, scale, sync):
+                return C.value_train_micro_batch(batch, engine=engine, loss_cfg=v_cfg, loss_scale=scale, sync=sync)
+        else:
+            p_cfg = C.PolicyLossConfig(clip_low=o.clip_ratio_low, clip_high=o.clip_ratio_high, clip_c=o.clip_ratio_c,
+                                       agg=o.loss_agg_mode, use_kl_loss=o.use_kl_loss, kl_type=o.kl_loss_type,
+                                       entropy_coeff=o.entropy_coeff)
+
+            def micro_step(batch, scale, sync):
+                return C.policy_train_micro_batch(batch, engine=engine, loss_cfg=p_cfg, kl_coef=kl_coef,
+                                                  loss_scale=scale, sync=sync)
         rep = StageReport(stage=mfc.name, rank=self.spec.rank, step=step)
         waited = False
         for start in range(0, per_rank, mini):
@@ -231,9 +269,8 @@ class Worker:
 
             def compute(batch, rows, _done_before=done_before):
                 taken = rep.rows - _done_before + len(rows)
-                m = C.policy_train_micro_batch(batch, engine=engine, loss_cfg=loss_cfg, kl_coef=kl_coef,
-                                               loss_scale=len(rows) / mini, sync=taken >= mini)
-                return C.Output({}, m)
+                args = {mfc.arg_name(k): v for k, v in batch.items()}
+                return C.Output({}, micro_step(args, len(rows) / mini, taken >= mini))
 
             run_stage_loop(self.spec.dock, stage=mfc.name, rank=self.spec.rank, step=step,
                            input_keys=mfc.input_keys, count=micro, get_n_samples=False,

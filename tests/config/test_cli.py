@@ -37,10 +37,10 @@ def run_cli(tmp_path, *overrides: str) -> tuple[subprocess.CompletedProcess, flo
 
 
 def test_bad_config_fails_fast_without_ray(tmp_path):
-    proc, seconds = run_cli(tmp_path, "rl_config.n_samples_per_prompt=1")
+    proc, seconds = run_cli(tmp_path, "actor_config.mini_batch_size=48", "generate_config.top_p=2")
     assert proc.returncode == 2, proc.stderr
     assert "config error: invalid config:" in proc.stderr
-    assert "rl_config.n_samples_per_prompt=1" in proc.stderr and "set it to 2 or more" in proc.stderr
+    assert "actor_config.mini_batch_size=48" in proc.stderr and "generate_config.top_p=2.0" in proc.stderr
     assert "[ray-probe] initialized=False" in proc.stderr, proc.stderr
     assert seconds < FAST_S, f"took {seconds:.1f} s"
     assert not any((tmp_path / "cwd").iterdir()), "a failed config must write nothing"

@@ -164,10 +164,11 @@ VALIDATE_ERRORS = {
     "generate micro vs group size": ({"generate_config.micro_batch_size": 60},
                                      ["generate_config.micro_batch_size=60",
                                       "not a multiple of rl_config.n_samples_per_prompt=8", "whole prompt groups"]),
-    "group of one": ({"rl_config.n_samples_per_prompt": 1},
-                     ["rl_config.n_samples_per_prompt=1", "at least 2", "set it to 2 or more"]),
     "group of zero": ({"rl_config.n_samples_per_prompt": 0},
-                      ["rl_config.n_samples_per_prompt=0", "set it to 2 or more"]),
+                      ["rl_config.n_samples_per_prompt=0", "must be >= 1", "set it to 2 or more"]),
+    "critic mini does not divide rows": ({"critic_config.mini_batch_size": 48},
+                                         ["critic_config.mini_batch_size=48", "does not divide the 128 rows"]),
+    "gae lambda out of range": ({"rl_config.lam": 1.5}, ["rl_config.lam=1.5", "must be in [0, 1]"]),
     "negative steps": ({"trainer.total_steps": -1}, ["trainer.total_steps=-1: must be >= 0"]),
     "negative save interval": ({"trainer.save_interval": -5},
                                ["trainer.save_interval=-5: must be >= 0", "0 turns periodic checkpoints off"]),
@@ -231,8 +232,11 @@ VALIDATE_ERRORS = {
 }
 
 PLAN_ERRORS = {
-    "unknown algorithm": ({"rl_config.algorithm": "ppo"},
-                          ["rl_config.algorithm='ppo'", "unknown algorithm", "known algorithms: grpo"]),
+    "unknown algorithm": ({"rl_config.algorithm": "dpo"},
+                          ["rl_config.algorithm='dpo'", "unknown algorithm", "known algorithms: grpo, ppo, remax"]),
+    "grpo group of one": ({"rl_config.n_samples_per_prompt": 1, "rl_config.prompts_per_step": 128},
+                          ["rl_config.n_samples_per_prompt=1", "grpo compares the responses within a prompt's group",
+                           "MFCs ['compute_advantage']", "set it to 2 or more"]),
     "unknown reward": ({"rl_config.reward_fn": "nope"},
                        ["rl_config.reward_fn", "'nope'", "built-in rewards are [", "'digits'",
                         "dotted path", "my_pkg.my_module:my_fn"]),
@@ -340,20 +344,20 @@ def test_tensorboard_logger_without_the_package(monkeypatch):
 
 
 def test_several_problems_in_one_error():
-    msg = error_of({"rl_config.n_samples_per_prompt": 1, "actor_config.lr": -1.0,
+    msg = error_of({"rl_config.n_samples_per_prompt": 0, "actor_config.lr": -1.0,
                     "actor_config.loss_agg_mode": "x", "generate_config.top_p": 2.0,
                     "placement.groups.integrated.device": "tpu"}, "validate")
     lines = msg.splitlines()
     assert lines[0] == "invalid config:" and all(line.startswith("  - ") for line in lines[1:])
-    for key in ("rl_config.n_samples_per_prompt=1", "actor_config.lr=-1.0", "actor_config.loss_agg_mode='x'",
+    for key in ("rl_config.n_samples_per_prompt=0", "actor_config.lr=-1.0", "actor_config.loss_agg_mode='x'",
                 "generate_config.top_p=2.0", "placement.groups.integrated.device='tpu'"):
         assert sum(key in line for line in lines) == 1, (key, msg)
 
 
 def test_validation_runs_before_the_plan_checks():
     """make_plan reports value problems first, so a bad algorithm name does not hide them."""
-    msg = error_of({"rl_config.n_samples_per_prompt": 1, "rl_config.algorithm": "ppo"}, "plan")
-    assert "rl_config.n_samples_per_prompt=1" in msg
+    msg = error_of({"rl_config.n_samples_per_prompt": 0, "rl_config.algorithm": "dpo"}, "plan")
+    assert "rl_config.n_samples_per_prompt=0" in msg
 
 
 # -------------------------------------------------------------------------------------------- the cluster

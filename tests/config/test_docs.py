@@ -9,14 +9,14 @@ import typing
 import pytest
 import yaml
 
-from mindspeed_rl.config import (ActorConfig, Config, DataConfig, GenerateConfig, GroupConfig, PlacementConfig,
+from mindspeed_rl.config import (ActorConfig, Config, CriticConfig, DataConfig, GenerateConfig, GroupConfig, PlacementConfig,
                                  RefConfig, RLConfig, TrainerConfig)
 from mindspeed_rl.config import validate as V
 
 from .helpers import DOCS, error_of
 
 SECTIONS = {"trainer": TrainerConfig, "actor_config": ActorConfig, "ref_config": RefConfig,
-            "generate_config": GenerateConfig, "rl_config": RLConfig, "data": DataConfig,
+            "critic_config": CriticConfig, "generate_config": GenerateConfig, "rl_config": RLConfig, "data": DataConfig,
             "placement": PlacementConfig, "placement.groups.<name>": GroupConfig}
 
 # Keys that scripts rely on: documented as stable, never renamed.

@@ -1,0 +1,39 @@
+"""ReMax (REINFORCE with a greedy baseline) as data.
+
+Besides the sampled response, the actor answers each prompt greedily (its own MFC, reading the
+same rollout engine), the rule reward scores both, and the advantage of every token is the sampled
+response's reward-to-go minus the greedy response's reward (Li et al., 2023). No critic: the
+greedy answer is the baseline. The greedy pass reuses `generate` and `rule_reward` through key
+remaps, so ReMax needs no new worker code beyond its advantage function.
+"""
+from __future__ import annotations
+
+from .mfc import MFCDef
+
+DATASET_KEYS = ("prompts", "prompt_length", "labels")
+
+
+def remax_mfcs() -> list[MFCDef]:
+    """ReMax's MFCs."""
+    return [
+        MFCDef("actor_rollout", "actor", "generate",
+               ("prompts", "prompt_length"), ("responses", "response_length", "weight_version")),
+        MFCDef("actor_greedy_rollout", "actor", "generate",
+               ("prompts", "prompt_length"), ("greedy_responses",), fn="generate_greedy",
+               output_key_remap={"responses": "greedy_responses"}),
+        MFCDef("rule_reward", "reward", "compute",
+               ("prompts", "responses", "labels"), ("rm_scores",), fn="rule_reward"),
+        MFCDef("greedy_reward", "reward", "compute",
+               ("prompts", "greedy_responses", "labels"), ("reward_baselines",), fn="rule_reward",
+               input_key_remap={"greedy_responses": "responses"},
+               output_key_remap={"rm_scores": "reward_baselines"}),
+        MFCDef("ref_log_prob", "ref", "inference",
+               ("prompts", "responses"), ("ref_log_prob",), output_key_remap={"log_prob": "ref_log_prob"}),
+        MFCDef("actor_log_prob", "actor", "inference",
+               ("prompts", "responses"), ("old_log_prob",), output_key_remap={"log_prob": "old_log_prob"}),
+        MFCDef("compute_advantage", "advantage", "compute",
+               ("rm_scores", "reward_baselines", "response_length"), ("advantages",),
+               fn="remax_advantage"),
+        MFCDef("actor_train", "actor", "train_step",
+               ("prompts", "responses", "old_log_prob", "ref_log_prob", "advantages"), ()),
+    ]
