@@ -127,8 +127,13 @@ class GroupConfig:
 
 @dataclass
 class PlacementConfig:
-    mode: str = "colocated"              # colocated, disaggregated, or custom (groups below only)
+    mode: str = "colocated"              # colocated, disaggregated, custom (groups below), or mesh (mfcs below)
     groups: dict = field(default_factory=dict)  # group name -> GroupConfig fields (override the mode's)
+    mfcs: dict = field(default_factory=dict)    # mode mesh: MFC name -> {mesh, dp, tp, pp} (docs/parallel.md)
+    n_nodes: int = 1                     # mode mesh: hosts in the cluster the meshes are drawn on
+    n_devices_per_node: int = 2          # mode mesh: devices per host
+    device_kind: str = "cpu"             # mode mesh: what a device is: cpu (a slot of CPUs), gpu, npu
+    cpus_per_device: float = 0.5         # mode mesh: Ray CPUs per device slot (cpu) or per device (gpu/npu)
     ray_address: Optional[str] = None    # null: start a local Ray
     ray_num_cpus: Optional[float] = None  # local Ray only; null: all cores
 

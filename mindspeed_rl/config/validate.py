@@ -12,7 +12,7 @@ from .schema import Config
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 KL_TYPES = ("k1", "k2", "k3", "kl", "mse", "low_var_kl", "abs")
-PLACEMENT_MODES = ("colocated", "disaggregated", "custom")
+PLACEMENT_MODES = ("colocated", "disaggregated", "custom", "mesh")
 LOGGERS = ("console", "jsonl", "tensorboard")
 TRAIN_BACKENDS = ("torch", "megatron")
 ROLLOUT_BACKENDS = ("hf", "vllm")
@@ -136,6 +136,18 @@ def validate_config(cfg: Config) -> None:
     _positive(e, "data.max_prompt_length", d.max_prompt_length)
     _positive(e, "data.num_digits", d.num_digits)
     _positive(e, "data.size", d.size)
+    pl = cfg.placement
+    _positive(e, "placement.n_nodes", pl.n_nodes)
+    _positive(e, "placement.n_devices_per_node", pl.n_devices_per_node)
+    _one_of(e, "placement.device_kind", pl.device_kind, ("cpu", "gpu", "npu"))
+    _positive(e, "placement.cpus_per_device", pl.cpus_per_device, "0 is fine for gpu/npu devices",
+              allow_zero=pl.device_kind != "cpu")
+    if pl.mfcs and pl.mode != "mesh":
+        e.append(f"placement.mfcs is set but placement.mode={pl.mode!r}; per-MFC meshes need placement.mode=mesh "
+                 "(or drop placement.mfcs)")
+    if pl.mode == "mesh" and pl.groups:
+        e.append("placement.groups is set with placement.mode=mesh; in mesh mode the worker groups follow from "
+                 "placement.mfcs: drop placement.groups")
     for name, grp in cfg.placement.groups.items():
         k = f"placement.groups.{name}"
         _positive(e, f"{k}.dp", grp.dp)

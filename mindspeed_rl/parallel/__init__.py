@@ -14,8 +14,8 @@ functions, checked before any worker starts. Layer 2: it imports no trainer, wor
 """
 from .broadcast import broadcast_micro_batch
 from .mesh import DeviceMesh, format_ids
-from .placement import (ClusterSpec, MFCPlacement, PlacementPlan, create_placement_groups, plan_placement,
-                        remove_placement_groups, scheduling_strategy)
+from .placement import (ClusterSpec, MFCPlacement, PlacementPlan, create_placement_groups, placement_group_nodes,
+                        plan_placement, remove_placement_groups, scheduling_strategy)
 from .topology import (Coord, IORole, ParallelGroups, ProcessTopology, dock_reader_ranks, dock_writer_ranks,
                        io_role, parallel_groups, replica_members)
 
@@ -24,6 +24,6 @@ __all__ = [
     "Coord", "IORole", "ParallelGroups", "ProcessTopology", "dock_reader_ranks", "dock_writer_ranks", "io_role",
     "parallel_groups", "replica_members",
     "broadcast_micro_batch",
-    "ClusterSpec", "MFCPlacement", "PlacementPlan", "create_placement_groups", "plan_placement",
+    "ClusterSpec", "MFCPlacement", "PlacementPlan", "create_placement_groups", "placement_group_nodes", "plan_placement",
     "remove_placement_groups", "scheduling_strategy",
 ]

@@ -202,7 +202,8 @@ class PlacementPlan:
         n = len(self.devices())
         return {k: v * n for k, v in one.items()}
 
-    def check_cluster(self, available: Mapping[str, float], cpus_per_device: float | None = None) -> None:
+    def check_cluster(self, available: Mapping[str, float], cpus_per_device: float | None = None,
+                      n_ray_nodes: int | None = None) -> None:
         """Fail fast when the plan needs more devices or nodes than Ray reports.
 
         `available` is ``ray.cluster_resources()`` (or ``ray.available_resources()``): resource name ->
@@ -228,12 +229,13 @@ class PlacementPlan:
                 fix = f"shrink the meshes, or start Ray on nodes with more {res}s"
             raise ValueError(f"placement on {self.cluster} needs {amount:g} {res} ({len(used)} devices x {each:g}) "
                              f"but the Ray cluster reports {have:g} {res}; {blame}{fix}")
-        ray_nodes = [k for k in available if k.startswith("node:") and k != "node:__internal_head__"]
+        # `n_ray_nodes` (count of ray.nodes()) is exact; node:<ip> keys undercount nodes that share an IP
+        ray_nodes = n_ray_nodes or len([k for k in available if k.startswith("node:") and k != "node:__internal_head__"])
         nodes = self.bundle_devices()
-        if ray_nodes and len(nodes) > len(ray_nodes):
+        if ray_nodes and len(nodes) > ray_nodes:
             on = {node: [n for n, p in self.placements.items() if node in p.mesh.nodes] for node in nodes}
             raise ValueError(f"placement uses {len(nodes)} nodes ({', '.join(f'node{k}: {v}' for k, v in on.items())}) "
-                             f"but the Ray cluster has {len(ray_nodes)}; put the meshes on fewer nodes, or add "
+                             f"but the Ray cluster has {ray_nodes}; put the meshes on fewer nodes, or add "
                              f"nodes to the Ray cluster")
 
     # ---- dry run -----------------------------------------------------------------------------
@@ -307,13 +309,17 @@ def create_placement_groups(plan: PlacementPlan, cpus_per_device: float | None =
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    plan.check_cluster(ray.cluster_resources(), cpus_per_device)
+    plan.check_cluster(ray.cluster_resources(), cpus_per_device, n_ray_nodes=len(_ray_nodes_in_order()))
     bundles = plan.bundles(cpus_per_device)
     devices = plan.bundle_devices()
+    targets = _ray_nodes_in_order() if len(bundles) > 1 else []
     made: list[tuple[int, Any]] = []
     try:
-        for node, node_bundles in bundles.items():
-            made.append((node, placement_group(node_bundles, strategy="STRICT_PACK")))
+        for i, (node, node_bundles) in enumerate(bundles.items()):
+            # the plan's i-th node asks for the cluster's i-th node (head first); a soft target, so
+            # the check after `ready` below is what guarantees distinct nodes
+            target = targets[i] if i < len(targets) else None
+            made.append((node, placement_group(node_bundles, strategy="STRICT_PACK", _soft_target_node_id=target)))
         deadline = time.monotonic() + timeout_s
         for node, pg in made:
             try:
@@ -326,11 +332,39 @@ def create_placement_groups(plan: PlacementPlan, cpus_per_device: float | None =
                     f"{_resources_text(ray.available_resources())} free of {_resources_text(ray.cluster_resources())}"
                     f" and one node must hold the whole group; free those resources (other placement groups, "
                     f"actors), lower cpus_per_device, or shrink the meshes") from None
+        if len(made) > 1:
+            landed: dict[str, int] = {}
+            for node, pg in made:
+                ray_node = _pg_node(pg)
+                if ray_node in landed:
+                    raise ValueError(f"plan nodes {landed[ray_node]} and {node} were both placed on Ray node "
+                                     f"{ray_node[:12]}; the plan's nodes must be different machines: start Ray with "
+                                     f"as many nodes as placement.n_nodes, each with room for one node's devices")
+                landed[ray_node] = node
     except BaseException:
         for _, pg in made:
             remove_placement_group(pg)
         raise
     return {d: (pg, i) for node, pg in made for i, d in enumerate(devices[node])}
+
+
+def _ray_nodes_in_order() -> list[str]:
+    """Alive Ray node ids, the head node first, then by id: plan node i asks for the i-th."""
+    import ray
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    alive.sort(key=lambda n: ("node:__internal_head__" not in n.get("Resources", {}), n["NodeID"]))
+    return [n["NodeID"] for n in alive]
+
+
+def _pg_node(pg) -> str:
+    from ray.util import placement_group_table
+    nodes = set(placement_group_table(pg).get("bundles_to_node_id", {}).values())
+    return next(iter(nodes)) if len(nodes) == 1 else ",".join(sorted(nodes))
+
+
+def placement_group_nodes(placement_groups: Mapping[int, tuple[Any, int]]) -> dict[int, str]:
+    """Global device id -> the Ray node id its bundle was placed on."""
+    return {d: _pg_node(pg) for d, (pg, _) in placement_groups.items()}
 
 
 def _resources_text(res: Mapping[str, float]) -> str:

@@ -40,6 +40,9 @@ class Trainer:
         self.workers: dict[str, list[Any]] = {}
         self.dock = None
         self._started_ray = False
+        self.placement_groups: dict = {}   # placement.mode=mesh: device -> (Ray placement group, bundle)
+        self.worker_nodes: dict[str, list[str]] = {}  # group -> the Ray node id of each rank
+        self.device_nodes: dict[int, str] = {}        # mode mesh: device -> the Ray node it was placed on
         self.dashboard = None  # DashboardState while a run with trainer.dashboard or trainer.report goes
         self.dashboard_server = None
         self.log: RunLog | None = None
@@ -321,6 +324,13 @@ class Trainer:
             ray.init(**kwargs)
             self._started_ray = True
         check_cluster(self.plan, ray.available_resources())
+        if self.plan.placement is not None:
+            from ..config import ConfigError
+            try:
+                self.plan.placement.check_cluster(ray.cluster_resources(), self.cfg.placement.cpus_per_device,
+                                                  n_ray_nodes=sum(1 for n in ray.nodes() if n.get("Alive")))
+            except ValueError as e:
+                raise ConfigError(f"placement.mfcs: {e}") from None
 
     def _start(self) -> None:
         import ray
@@ -340,6 +350,15 @@ class Trainer:
                                          default_timeout=t.stage_timeout_s)
         self.dock.worker = "driver"  # its puts' lane in the dock's event log (workers label theirs)
         env = {"MINDSPEED_RL_CACHE": _cache_env()}
+        if plan.placement is not None:
+            from ..parallel import create_placement_groups
+            try:
+                self.placement_groups = create_placement_groups(plan.placement, cfg.placement.cpus_per_device,
+                                                                timeout_s=STARTUP_TIMEOUT_S)
+                from ..parallel import placement_group_nodes
+                self.device_nodes = placement_group_nodes(self.placement_groups)
+            except (ValueError, TimeoutError) as e:
+                raise TrainingError(f"placement.mfcs: {e}") from None
         for name, gp in plan.groups.items():
             r = gp.resources
             # threaded: colocated stages run at once; +4 for sync, checkpoint and ping calls beside them
@@ -348,15 +367,22 @@ class Trainer:
                 opts["num_gpus"] = r.num_gpus
             if r.num_npus:
                 opts["resources"] = {"NPU": r.num_npus}
-            cls = ray.remote(Worker).options(**opts)
+            def pinned(k: int, gp=gp, opts=opts):  # mode mesh: rank k on device k of the group's mesh
+                if not gp.devices:
+                    return ray.remote(Worker).options(**opts)
+                from ..parallel import scheduling_strategy
+                return ray.remote(Worker).options(
+                    **opts, scheduling_strategy=scheduling_strategy(self.placement_groups, gp.devices[k]))
             self.workers[name] = [
-                cls.remote(WorkerSpec(group=name, rank=k, dp=r.dp, mfcs=gp.mfcs, config=cfg, dock=self.dock,
+                pinned(k).remote(WorkerSpec(group=name, rank=k, dp=r.dp, mfcs=gp.mfcs, config=cfg, dock=self.dock,
                                       model_paths=plan.model_paths, trained_models=plan.trained,
                                       same_step_outputs=plan.same_step_outputs, rows_per_step=plan.rows_per_step,
                                       torch_threads=r.torch_threads, device=r.device, env=env))
                 for k in range(r.dp)]
         all_workers = [w for ws in self.workers.values() for w in ws]
         infos = self._get([w.ping.remote() for w in all_workers], "starting workers")
+        for name, ws in self.workers.items():
+            self.worker_nodes[name] = [infos[all_workers.index(w)]["node_id"] for w in ws]
         for name, ws in self.workers.items():
             if len(ws) > 1:  # DDP group of the DP ranks
                 host = infos[all_workers.index(ws[0])]["host"]
@@ -447,6 +473,13 @@ class Trainer:
                 except Exception:
                     pass
         self.workers = {}
+        if self.placement_groups:
+            from ..parallel import remove_placement_groups
+            try:
+                remove_placement_groups(self.placement_groups)
+            except Exception:
+                pass
+            self.placement_groups = {}
         if self.dock is not None:
             try:
                 self.dock.close()  # its shared memory outlives the actor otherwise

@@ -14,6 +14,7 @@ from ..config import Config, ConfigError, GroupConfig, validate_config
 from ..dataflow import (MFCDef, algorithm_graph, dock_columns, dock_consumers, get_algorithm, same_step_readers,
                         topological_order, trained_models, weight_sync_targets)
 from ..dataflow.mfc import InterfaceType
+from ..parallel import ClusterSpec, PlacementPlan, plan_placement
 
 
 @dataclass
@@ -21,6 +22,7 @@ class GroupPlan:
     name: str
     mfcs: list[MFCDef]
     resources: GroupConfig
+    devices: list[int] = field(default_factory=list)  # placement.mode=mesh: rank k runs on devices[k]
 
 
 @dataclass
@@ -37,6 +39,7 @@ class Plan:
     model_paths: dict[str, str]
     rows_per_step: int
     notes: list[str] = field(default_factory=list)
+    placement: PlacementPlan | None = None        # placement.mode=mesh: meshes, groups, devices
 
     def group_of(self, mfc_name: str) -> str:
         return next(g for g, p in self.groups.items() if any(m.name == mfc_name for m in p.mfcs))
@@ -125,7 +128,7 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
         g = assign[m.name]
         if g not in groups:
             res = dataclasses.replace(resources.get(g, GroupConfig()), mfcs=[])
-            groups[g] = GroupPlan(name=g, mfcs=[], resources=res)
+            groups[g] = GroupPlan(name=g, mfcs=[], resources=res, devices=list(mesh_devices.get(g, [])))
         groups[g].mfcs.append(m)
         groups[g].resources.mfcs.append(m.name)
     for g, gc in cfg.placement.groups.items():
@@ -184,10 +187,84 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
                      "a real run stops at worker setup")
     same_step = {t: [k for r in same_step_readers(graph, t) for k in by_name[r].output_keys]
                  for t in trained.values()}
+    if placement is not None:
+        strategies = {n: p.strategy for n, p in placement.placements.items() if p.tp > 1 or p.pp > 1}
+        if strategies:
+            notes.append(f"placement.mfcs with tp or pp > 1 ({strategies}): planned, not run; the torch and hf "
+                         "backends split data only (dp), so a real run stops before any worker starts")
     return Plan(graph=graph, order=order, columns=dock_columns(graph), consumers=dock_consumers(graph),
                 dataset_keys=tuple(dataset_keys), groups=groups, trained=trained,
                 sync_targets=weight_sync_targets(graph), same_step_outputs=same_step, model_paths=model_paths,
-                rows_per_step=rows, notes=notes)
+                rows_per_step=rows, notes=notes, placement=placement)
+
+
+def mesh_groups(cfg: Config, order: list[MFCDef], check_files: bool):
+    """placement.mode=mesh: per-MFC meshes (ReaLHF's allocation) -> worker groups pinned to devices.
+
+    MFCs of one model on the same mesh with the same DP/TP/PP share a worker group (one copy of the
+    weights, as `actor_log_prob` and `actor_train` share the trainer's); each rank runs on one device
+    of the mesh. A device that k groups share gives each of their actors 1/k of it, so Ray packs
+    them onto the device's placement-group bundle. MFCs without a model (rule reward, advantages)
+    that are not listed run in a light CPU group outside the meshes.
+    Returns (PlacementPlan, mfc -> group, group -> GroupConfig, group -> devices).
+    """
+    pc = cfg.placement
+    by_name = {m.name: m for m in order}
+    unknown = [n for n in pc.mfcs if n not in by_name]
+    if unknown:
+        raise ConfigError(f"placement.mfcs: unknown MFC(s) {unknown}; the {cfg.rl_config.algorithm} graph has "
+                          f"{list(by_name)}")
+    unplaced = [m.name for m in order if m.name not in pc.mfcs
+                and InterfaceType(m.interface_type) is not InterfaceType.COMPUTE]
+    if unplaced:
+        raise ConfigError(f"placement.mode=mesh: MFC(s) {unplaced} run a model but have no entry in placement.mfcs; "
+                          f"give each one {{mesh: ..., dp: ..}} (docs/parallel.md)")
+    try:
+        cluster = ClusterSpec(pc.n_nodes, pc.n_devices_per_node, pc.device_kind)
+        plan = plan_placement({n: pc.mfcs[n] for n in by_name if n in pc.mfcs},
+                              {n: by_name[n].model_name for n in pc.mfcs}, cluster)
+    except ValueError as e:
+        raise ConfigError(f"placement.mfcs: {e}") from None
+    if check_files:
+        model_parallel = {n: p.strategy for n, p in plan.placements.items() if p.tp > 1 or p.pp > 1}
+        if model_parallel:
+            raise ConfigError(f"placement.mfcs: {model_parallel} (dp/tp/pp) split the model, which the torch and hf "
+                              "backends cannot (they run data parallel only; megatron/vllm are planned); use tp: 1, "
+                              "pp: 1 with dp = mesh size, or trainer.dry_run=true to see the plan")
+    assign: dict[str, str] = {}
+    members: dict[str, list[str]] = {}
+    for name, p in plan.placements.items():
+        group = f"{by_name[name].model_name}@{p.mesh.spec}" + (f"/{p.strategy}" if p.tp > 1 or p.pp > 1 else "")
+        assign[name] = group
+        members.setdefault(group, []).append(name)
+    for m in order:
+        if m.name not in assign:
+            assign[m.name] = "rule"
+    share: dict[int, int] = {}
+    for group, names in members.items():
+        for d in plan.placements[names[0]].mesh.devices:
+            share[d] = share.get(d, 0) + 1
+    device = {"cpu": "cpu", "gpu": "cuda", "npu": "npu"}[cluster.device_kind]
+    resources: dict[str, GroupConfig] = {}
+    devices: dict[str, list[int]] = {}
+    for group, names in members.items():
+        p = plan.placements[names[0]]
+        k = max(share[d] for d in p.mesh.devices)
+        frac = _floor4(1.0 / k)
+        res = GroupConfig(dp=p.dp, num_cpus=_floor4(pc.cpus_per_device / k), device=device)
+        if cluster.device_kind == "gpu":
+            res.num_gpus = frac
+        elif cluster.device_kind == "npu":
+            res.num_npus = frac
+        resources[group] = res
+        devices[group] = list(p.mesh.devices)
+    return plan, assign, resources, devices
+
+
+def _floor4(x: float) -> float:
+    """Ray counts resources in units of 1e-4: round shares down so k of them fit in one device."""
+    import math
+    return math.floor(x * 10000 + 1e-9) / 10000
 
 
 def _check_dataset(cfg: Config) -> None:
@@ -225,14 +302,28 @@ def check_cluster(plan: Plan, available: dict[str, float]) -> None:
 
 
 def format_plan(plan: Plan) -> str:
-    rows = [("group", "MFCs", "role/type", "dp", "cpus", "gpus", "npus", "device")]
+    if plan.placement is not None:
+        return _format_mesh_plan(plan)
+    return _format_groups(plan)
+
+
+def _format_mesh_plan(plan: Plan) -> str:
+    """mode mesh: the per-MFC table and the devices' sharing (docs/parallel.md), then the worker groups."""
+    return ("per-MFC placement on " + str(plan.placement.cluster) + "\n" + plan.placement.format_table()
+            + "\n\nworker groups (MFCs of one model on one mesh share a group)\n" + _format_groups(plan))
+
+
+def _format_groups(plan: Plan) -> str:
+    from ..parallel import format_ids
+    rows = [("group", "MFCs", "role/type", "dp", "cpus", "gpus", "npus", "device", "on devices")]
     for g, p in plan.groups.items():
         r = p.resources
         rows.append((g, ", ".join(m.name for m in p.mfcs),
                      ", ".join(sorted({f"{m.model_name}/{InterfaceType(m.interface_type).value}" for m in p.mfcs})),
-                     str(r.dp), f"{r.num_cpus:g}", f"{r.num_gpus:g}", f"{r.num_npus:g}", r.device))
+                     str(r.dp), f"{r.num_cpus:g}", f"{r.num_gpus:g}", f"{r.num_npus:g}", r.device,
+                     format_ids(p.devices) if p.devices else "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     tot = plan.resource_totals()
     lines.append(f"total: {tot['CPU']:g} CPU, {tot['GPU']:g} GPU, {tot['NPU']:g} NPU; "

@@ -62,7 +62,7 @@ class Worker:
     def ping(self) -> dict:
         import ray
         return {"pid": os.getpid(), "host": ray.util.get_node_ip_address(), "group": self.spec.group,
-                "rank": self.spec.rank}
+                "rank": self.spec.rank, "node_id": ray.get_runtime_context().get_node_id()}
 
     def free_port(self) -> int:
         from ..engines.weight_sync import free_port

@@ -217,7 +217,7 @@ VALIDATE_ERRORS = {
     "bad dtype": ({"actor_config.dtype": "int8"},
                   ["actor_config.dtype='int8'", "must be one of ['float32', 'bfloat16', 'float16']"]),
     "bad placement mode": ({"placement.mode": "spread"},
-                           ["placement.mode='spread'", "must be one of ['colocated', 'disaggregated', 'custom']"]),
+                           ["placement.mode='spread'", "must be one of ['colocated', 'disaggregated', 'custom', 'mesh']"]),
     "bad train backend": ({"actor_config.backend": "deepspeed"},
                           ["actor_config.backend='deepspeed'", "must be one of ['torch', 'megatron']"]),
     "bad rollout backend": ({"generate_config.backend": "sglang"},
