@@ -101,12 +101,15 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
                           "or more (8 is common)")
 
     # worker groups: the mode's preset, then the config's groups (which may move MFCs or add resources)
-    assign = {}
-    if cfg.placement.mode != "custom":
+    assign: dict[str, str] = {}
+    placement, mesh_resources, mesh_devices = None, {}, {}
+    if cfg.placement.mode == "mesh":
+        placement, assign, mesh_resources, mesh_devices = mesh_groups(cfg, order, check_files)
+    elif cfg.placement.mode != "custom":
         for g, names in preset_groups(cfg.placement.mode, order).items():
             for n in names:
                 assign[n] = g
-    resources: dict[str, GroupConfig] = {}
+    resources: dict[str, GroupConfig] = dict(mesh_resources)
     claimed: dict[str, str] = {}
     for g, gc in cfg.placement.groups.items():
         for n in gc.mfcs:
