@@ -53,6 +53,10 @@ def validate_config(cfg: Config) -> None:
     if not 0 <= t.dashboard_port <= 65535:
         e.append(f"trainer.dashboard_port={t.dashboard_port}: must be a TCP port in [0, 65535]; "
                  "0 picks a free one (printed at start)")
+    for stage, cost in t.simulate_cost_s_per_row.items():  # stage names: checked against the graph in the plan
+        if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0 <= cost < float("inf"):
+            e.append(f"trainer.simulate_cost_s_per_row.{stage}={cost!r}: must be seconds per row, a number >= 0 "
+                     "(e.g. {actor_rollout: 0.004}); or trainer.simulate_cost_s_per_row={} for real compute")
     if t.seed < 0:
         e.append(f"trainer.seed={t.seed}: must be >= 0 (numpy seeds are non-negative)")
     if rl.n_samples_per_prompt < 1:  # >= 2 for algorithms that compare a prompt's responses: see the plan

@@ -179,6 +179,8 @@ class Trainer:
 
     def _sync_weights(self) -> dict:
         """Push each trained model's weights to its readers; compare checksums on both sides."""
+        if self.cfg.trainer.simulate_cost_s_per_row:  # simulated stages hold no models (workers/simulate.py)
+            return {}
         import ray
         out = {}
         for model, train_mfc in self.plan.trained.items():
@@ -397,7 +399,7 @@ class Trainer:
             members = list(self.workers[train_group])
             remote = [w for g in reader_groups if g != train_group for w in self.workers[g]]
             self._sync_members[model] = members + remote
-            if remote:
+            if remote and not cfg.trainer.simulate_cost_s_per_row:  # simulated: nothing to sync
                 src = self.workers[train_group][0]
                 host = infos[all_workers.index(src)]["host"]
                 port = self._get([src.free_port.remote()], "sync port")[0]

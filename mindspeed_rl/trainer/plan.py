@@ -99,6 +99,11 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
         raise ConfigError(f"rl_config.n_samples_per_prompt={rl.n_samples_per_prompt}: {rl.algorithm} compares the "
                           f"responses within a prompt's group (MFCs {grouped}), so it needs at least 2; set it to 2 "
                           "or more (8 is common)")
+    for stage, cost in cfg.trainer.simulate_cost_s_per_row.items():
+        if stage not in by_name:
+            raise ConfigError(f"trainer.simulate_cost_s_per_row.{stage}={cost!r}: no stage {stage!r} in the "
+                              f"{rl.algorithm} graph; give seconds per row for stages among {list(by_name)} "
+                              "(a stage left out costs 0)")
 
     # worker groups: the mode's preset, then the config's groups (which may move MFCs or add resources)
     assign: dict[str, str] = {}
@@ -163,6 +168,9 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
             raise ConfigError(f"MFC {m.name!r} runs model {m.model_name!r}, which has no model_path in the config "
                               f"(known: {sorted(model_paths)})")
     notes = []
+    if cfg.trainer.simulate_cost_s_per_row:
+        notes.append("simulated compute (trainer.simulate_cost_s_per_row): stages sleep per row, no models are "
+                     "loaded, no weight sync")
     if check_files:
         from ..models import check_model_path
         try:

@@ -163,16 +163,27 @@ class TransferDockClient:
         `copy=False` skips that copy: rows are then views of Ray's object store that other
         consumers read too, so writing to them corrupts their data; use it only where the rows are
         collated into a new batch at once."""
+        return self.get_experience_async(consumer, columns, count, indexes, get_n_samples, blocking, timeout,
+                                         copy).result()
+
+    def get_experience_async(self, consumer: str, columns: Sequence[str], count: int,
+                             indexes: Sequence[int] | None = None, get_n_samples: bool = False,
+                             blocking: bool = False, timeout: float | None = None,
+                             copy: bool = True) -> "PendingGet":
+        """Send a get now and collect its rows later with `.result()`; arguments as `get_experience`.
+
+        Why: a get is a round trip to the dock actor (1.5-4 ms on a loaded 2-core machine, against
+        ~0.1 ms of the dock's own work); a consumer that sends its next get before it uses the
+        current rows (`run_stage_loop` does) overlaps the round trip with its work. The answer waits
+        in Ray, holding no Python thread, until `result()`. The rows are taken when the dock
+        answers, as with `get_experience`; a blocking get's `timeout` counts from when it was sent."""
         if indexes is not None and hasattr(indexes, "tolist"):
             indexes = indexes.tolist()
         columns = [columns] if isinstance(columns, str) else list(columns)
         wait = (self.default_timeout if timeout is None else timeout) if blocking else 0.0
         blob = pickle.dumps((consumer, columns, count, indexes, get_n_samples, blocking, timeout, self.worker),
                             protocol=pickle.HIGHEST_PROTOCOL)
-        reply = self._call(self.actor.get.remote(blob), timeout=self.call_timeout + wait + CALL_SLACK_S)
-        reply, refs = (reply, []) if isinstance(reply, bytes) else reply
-        parts_by_column, rows = pickle.loads(reply)
-        return assemble(parts_by_column, len(rows), refs, copy), rows
+        return PendingGet(self, self.actor.get.remote(blob), self.call_timeout + wait + CALL_SLACK_S, copy)
 
     def all_consumed(self, consumer: str) -> bool:
         return self._call(self.actor.all_consumed.remote(consumer))
@@ -219,6 +230,20 @@ class TransferDockClient:
         except (ray.exceptions.RayError, TimeoutError):
             if _this_node_id() == self.shm_info["node_id"]:
                 shm.remove_dock_files(self.shm_info["tag"])
+
+
+class PendingGet:
+    """A get in flight (`TransferDockClient.get_experience_async`); `result()` waits for its rows."""
+
+    def __init__(self, client: TransferDockClient, ref: Any, timeout: float, copy: bool) -> None:
+        self._client, self._ref, self._timeout, self._copy = client, ref, timeout, copy
+
+    def result(self) -> tuple[dict[str, list], list[int]]:
+        """`(data, rows)` as `get_experience` returns them; raises the dock's error (a timeout too)."""
+        reply = self._client._call(self._ref, timeout=self._timeout)
+        reply, refs = (reply, []) if isinstance(reply, bytes) else reply
+        parts_by_column, rows = pickle.loads(reply)
+        return assemble(parts_by_column, len(rows), refs, self._copy), rows
 
 
 _node_id: str | None = None

@@ -1,9 +1,11 @@
 """The pull-compute-push loop every MFC runs against the dock.
 
 A stage keeps no rows between pulls: it takes a micro-batch whose input columns are ready, computes,
-pushes the outputs back (pipelined: the next get does not wait for the put's reply), and stops
-when the dock says it has taken every row of the step. Each wait is bounded by the stage timeout
-and a timeout names the stage, its columns and what is missing (the dock's own message).
+pushes the outputs back, and stops when the dock says it has taken every row of the step. The
+dock's round trips stay off the compute's path where they can: the next micro-batch's get is sent
+before the current one is computed, and a put does not wait for the dock's answer. Each wait is
+bounded by the stage timeout and a timeout names the stage, its columns and what is missing (the
+dock's own message).
 """
 from __future__ import annotations
 
@@ -31,6 +33,10 @@ class StageReport:
     compute_s: float = 0.0
     put_s: float = 0.0
     metrics: dict = field(default_factory=dict)
+    # per micro-batch, in order: the get's wall time (waiting for inputs included) and the put's (sending it;
+    # the final flush is only in put_s). benchmarks/pipeline_efficiency.py reads the handoff overhead here.
+    mb_get_s: list = field(default_factory=list)
+    mb_put_s: list = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -38,23 +44,53 @@ class StageReport:
 
 def run_stage_loop(dock, *, stage: str, rank: int, step: int, input_keys, count: int, get_n_samples: bool,
                    timeout_s: float, compute: Callable, report: StageReport | None = None,
-                   max_rows: int | None = None, on_rows: Callable | None = None) -> StageReport:
+                   max_rows: int | None = None, on_rows: Callable | None = None,
+                   prefetch: bool = True) -> StageReport:
     """Pull micro-batches of `count` rows for consumer `stage` until the step is consumed.
 
     `compute(batch, rows) -> Output | None` returns the columns to push (None: nothing to push,
     as for a train step). `max_rows` stops early (a DP rank that owns a fixed share of rows).
+
+    `prefetch` (with a dock client, which has `get_experience_async`): the get of the next
+    micro-batch is sent before the current one is computed, so its round trip to the dock (1.5-5 ms
+    on a loaded 2-core machine, against ~0.1 ms of the dock's own work) overlaps the compute. The
+    loop then holds at most one micro-batch ahead. No thread does it: the answer waits in Ray until
+    the loop asks for it, so nothing competes with the compute for the GIL (helper threads did, and
+    slowed CPU-bound stages; docs/benchmarks.md). A prefetched get that timed out while the loop
+    computed is sent again with what is left of `timeout_s`, so the stage times out only once the
+    loop itself has waited that long for its inputs.
     """
     rep = report or StageReport(stage=stage, rank=rank, step=step)
     rep.t_start = rep.t_start or time.time()
-    while max_rows is None or rep.rows < max_rows:
-        want = count if max_rows is None else min(count, max_rows - rep.rows)
-        t0 = time.perf_counter()
+    keys = list(input_keys)
+    send = getattr(dock, "get_experience_async", None) if prefetch else None
+
+    def get(want: int, timeout: float):
         try:
-            batch, rows = dock.get_experience(stage, list(input_keys), want, get_n_samples=get_n_samples,
-                                              blocking=True, timeout=timeout_s, copy=False)
+            return dock.get_experience(stage, keys, want, get_n_samples=get_n_samples, blocking=True,
+                                       timeout=max(0.0, timeout), copy=False)
         except DockTimeoutError as e:
             raise StageError(f"stage '{stage}' (rank {rank}, step {step}) timed out after {timeout_s:.0f} s "
-                             f"waiting for its inputs {list(input_keys)}: {e}") from None
+                             f"waiting for its inputs {keys}: {e}") from None
+
+    def wanted(taken: int) -> int:
+        return count if max_rows is None else min(count, max_rows - taken)
+
+    pending, pending_want = None, 0  # the next micro-batch's get, in flight
+    while max_rows is None or rep.rows < max_rows:
+        t0 = time.perf_counter()
+        if pending is None:
+            batch, rows = get(wanted(rep.rows), timeout_s)
+        else:
+            try:
+                batch, rows = pending.result()
+            except DockTimeoutError:  # it timed out while we computed: ask again for the time left
+                batch, rows = get(pending_want, timeout_s - (time.perf_counter() - t0))
+            pending = None
+        if rows and send is not None and (max_rows is None or rep.rows + len(rows) < max_rows):
+            pending_want = wanted(rep.rows + len(rows))
+            pending = send(stage, keys, pending_want, get_n_samples=get_n_samples, blocking=True,
+                           timeout=timeout_s, copy=False)
         t1 = time.perf_counter()
         rep.get_s += t1 - t0
         if not rows:
@@ -68,13 +104,16 @@ def run_stage_loop(dock, *, stage: str, rank: int, step: int, input_keys, count:
             for k, v in out.metrics.items():  # sums, except maxima
                 rep.metrics[k] = (max(rep.metrics.get(k, 0.0), float(v)) if k.endswith("_max")
                                   else rep.metrics.get(k, 0.0) + float(v))
-        rep.put_s += time.perf_counter() - t2
+        t3 = time.perf_counter()
+        rep.put_s += t3 - t2
+        rep.mb_get_s.append(t1 - t0)
+        rep.mb_put_s.append(t3 - t2)
         rep.rows += len(rows)
         rep.micro_batches += 1
         if on_rows is not None:
             on_rows(rep)
-    t3 = time.perf_counter()
+    t4 = time.perf_counter()
     dock.flush()
-    rep.put_s += time.perf_counter() - t3
+    rep.put_s += time.perf_counter() - t4
     rep.t_end = time.time()
     return rep

@@ -86,6 +86,8 @@ class Worker:
 
     def setup(self) -> dict:
         """Load the models and engines this worker's MFCs need; returns their checksums."""
+        if self.cfg.trainer.simulate_cost_s_per_row:  # simulated stages sleep instead (workers/simulate.py)
+            return {}
         from transformers.utils import logging as hf_logging
 
         from ..data.loader import decode_label
@@ -159,7 +161,10 @@ class Worker:
             raise StageError(f"worker group '{self.spec.group}' does not host stage '{mfc_name}'")
         try:
             kind = InterfaceType(mfc.interface_type)
-            if kind is InterfaceType.TRAIN_STEP:
+            if self.cfg.trainer.simulate_cost_s_per_row:  # the cost model: sleep per row (workers/simulate.py)
+                from .simulate import run_simulated_stage
+                rep = run_simulated_stage(self, mfc, step)
+            elif kind is InterfaceType.TRAIN_STEP:
                 rep = self._run_train(mfc, step, kl_coef)
             else:
                 rep = run_stage_loop(self.spec.dock, stage=mfc.name, rank=self.spec.rank, step=step,

@@ -1,0 +1,138 @@
+"""Simulated compute: every stage sleeps a configured time per row instead of running a model.
+
+Why: to measure the pipeline itself (the dock, the stage loops, the driver) against the overlap a
+cost model says is possible, without the machine's cores limiting the result. Sleeping stages do
+not compete for CPU, so on a 2-core machine six stages can still run "at once", as they would on
+six accelerators. With `trainer.simulate_cost_s_per_row` set (stage -> seconds per row):
+- workers load no models (`Worker.setup` returns at once) and the driver skips weight sync;
+- every MFC runs the real `run_stage_loop` against the real dock, with its real micro-batch size,
+  input columns and consumer; its compute sleeps `rows * cost` and pushes one small placeholder
+  tensor per row for each of its output columns, so downstream stages see their inputs appear
+  exactly as in a real step;
+- a train step is a plain stage loop with the trained model's micro-batch size: no optimizer, so
+  also no wait for the step's other readers of the weights before an update (see `ideal_pipeline`).
+Everything else (graph, placement, dock columns and consumers, blocking order, the driver's step)
+is the real code path. `benchmarks/pipeline_efficiency.py` runs it; `ideal_pipeline` computes what
+the same cost model allows, so measured/ideal is the pipeline's efficiency.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+
+import torch
+
+from ..dataflow import MFCDef
+from ..dataflow.mfc import InterfaceType
+from . import compute as C
+from .stage import StageReport, run_stage_loop
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .worker import Worker
+
+# One small cell per row and output column: what a downstream stage waits for, not what it reads.
+PLACEHOLDER = torch.zeros(1, dtype=torch.float32)
+
+
+def simulated_compute(mfc: MFCDef, cost_s_per_row: float, metrics: Mapping[str, float] | None = None
+                      ) -> Callable[[dict, list[int]], C.Output]:
+    """The MFC's compute under the cost model: sleep `len(rows) * cost`, push placeholders."""
+    outputs = list(mfc.output_keys)
+    extra = dict(metrics or {})
+
+    def compute(batch: dict, rows: list[int]) -> C.Output:
+        if cost_s_per_row > 0:
+            time.sleep(len(rows) * cost_s_per_row)
+        return C.Output({c: [PLACEHOLDER] * len(rows) for c in outputs}, dict(extra))
+    return compute
+
+
+def train_micro_batch(worker: "Worker", mfc: MFCDef) -> tuple[int, int]:
+    """(rows per get, rows this rank takes) of a train MFC: the trained model's micro-batch size,
+    capped by its mini-batch share, as `Worker._run_train` pulls them."""
+    f = C.FUNCTIONS[C.fn_name(mfc)]
+    cfg = worker.cfg
+    o = cfg.critic_config if f.engine == "value" else cfg.actor_config
+    dp, rows = worker.spec.dp, worker.spec.rows_per_step
+    mini = (o.mini_batch_size or rows) // dp
+    return min(o.micro_batch_size, mini), rows // dp
+
+
+def run_simulated_stage(worker: "Worker", mfc: MFCDef, step: int) -> StageReport:
+    """One step of `mfc` under the cost model, through the real stage loop and dock."""
+    cost = float(worker.cfg.trainer.simulate_cost_s_per_row.get(mfc.name, 0.0))
+    timeout = worker.cfg.trainer.stage_timeout_s
+    spec = worker.spec
+    if InterfaceType(mfc.interface_type) is InterfaceType.TRAIN_STEP:
+        count, per_rank = train_micro_batch(worker, mfc)
+        rep = run_stage_loop(spec.dock, stage=mfc.name, rank=spec.rank, step=step, input_keys=mfc.input_keys,
+                             count=count, get_n_samples=False, timeout_s=timeout, max_rows=per_rank,
+                             compute=simulated_compute(mfc, cost, {"micro_batches": 1.0}))
+        rep.metrics["version"] = 0.0  # no optimizer: the weights never change
+        return rep
+    return run_stage_loop(spec.dock, stage=mfc.name, rank=spec.rank, step=step, input_keys=mfc.input_keys,
+                          count=worker._count(mfc), get_n_samples=mfc.get_n_samples, timeout_s=timeout,
+                          compute=simulated_compute(mfc, cost))
+
+
+# ---------------------------------------------------------------------------------------------- the ideal
+@dataclass
+class IdealPipeline:
+    """What the cost model allows for one step, without any overhead.
+
+    overlapped_s: non-blocking step time, the critical path of the micro-batch pipeline.
+    blocking_s:   blocking step time, the stages one after another.
+    finish_s:     per stage, when its last micro-batch ends in the overlapped schedule.
+    busy_s:       per stage, its compute time (rows * cost / servers).
+    """
+    overlapped_s: float
+    blocking_s: float
+    finish_s: dict[str, float] = field(default_factory=dict)
+    busy_s: dict[str, float] = field(default_factory=dict)
+
+
+def ideal_pipeline(order: Sequence[MFCDef], costs: Mapping[str, float], micro_batch: Mapping[str, int],
+                   rows: int, servers: Mapping[str, int] | None = None) -> IdealPipeline:
+    """The ideal step times of a graph under a per-row cost model.
+
+    Model (the assumptions, stated): rows are handed out in index order (`guarantee_order`), so
+    micro-batch k of stage s holds rows [k*m_s, (k+1)*m_s); a stage is `servers[s]` independent
+    servers (its DP ranks, default 1), each taking the next micro-batch when free, whatever other
+    stages share its worker (colocated stages are threads, and sleeping ones do not contend);
+    a micro-batch costs rows * cost_s; columns the dataset puts are ready at t=0; handoffs are
+    free. Then, with F_u(r) the time row r's output leaves stage u:
+
+        start_s(k) = max(free server of s, max over s's input columns c and rows r of k: F_producer(c)(r))
+        F_s(r)     = start_s(k) + m_s * cost_s     for every row r of micro-batch k
+
+    overlapped_s = max over s, r of F_s(r) (the critical path through the micro-batch pipeline);
+    blocking_s = the sum over stages, in topological order, of each stage's time with all inputs
+    ready. A train step is modelled as its plain micro-batch loop: the real one also waits, before
+    its first optimizer step, until the step's other readers of its weights are done.
+    """
+    servers = dict(servers or {})
+    producer = {c: m.name for m in order for c in m.output_keys}
+    finish: dict[str, list[float]] = {}
+    out = IdealPipeline(overlapped_s=0.0, blocking_s=0.0)
+    for m in order:
+        cost, mb, n_srv = float(costs.get(m.name, 0.0)), int(micro_batch[m.name]), int(servers.get(m.name, 1))
+        free = [0.0] * n_srv
+        free_blocking = [0.0] * n_srv
+        f = [0.0] * rows
+        for start in range(0, rows, mb):
+            batch = range(start, min(rows, start + mb))
+            ready = max((finish[producer[c]][r] for c in m.input_keys if c in producer for r in batch), default=0.0)
+            k = min(range(n_srv), key=free.__getitem__)
+            end = max(ready, free[k]) + len(batch) * cost
+            free[k] = end
+            for r in batch:
+                f[r] = end
+            j = min(range(n_srv), key=free_blocking.__getitem__)
+            free_blocking[j] += len(batch) * cost
+        finish[m.name] = f
+        out.finish_s[m.name] = max(f, default=0.0)
+        out.busy_s[m.name] = rows * cost / n_srv
+        out.blocking_s += max(free_blocking)
+    out.overlapped_s = max(out.finish_s.values(), default=0.0)
+    return out
