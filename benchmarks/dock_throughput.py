@@ -13,7 +13,8 @@ Every number is timed inside worker processes, as in training, not from the driv
   Ray object reference), medians.
 - transfer: a producer streams micro-batches to 1, 4 and 8 consumer processes. Systems: the dock
   with the client's defaults (puts wait for the answer, gets copy rows into private memory) and
-  on the fast path the trainer's stage loops use (`wait=False` puts, `copy=False` gets); plain
+  on the fast path the trainer's stage loops use (`wait=False` puts, `copy=False` gets, the next
+  get sent before the current rows are used); plain
   `ray.put`/`ray.get` of the same bytes between the same processes; and a naive buffer (one sync
   actor, one lock; consumers start after the producer finished). With 1 consumer also the data
   paths side by side on the fast path: shared memory (the default on one node), Ray object
@@ -124,11 +125,22 @@ class Worker:
         client.flush()
         return time.perf_counter() - t
 
-    def dock_drain(self, client, consumer: str, copy: bool = True) -> tuple[int, float]:
+    def dock_drain(self, client, consumer: str, copy: bool = True, prefetch: bool = False) -> tuple[int, float]:
+        """Take micro-batches until the step is consumed. `prefetch`: send the next get before
+        using the current rows, as the trainer's stage loop does (`run_stage_loop`)."""
         rows_seen = 0
         t = time.perf_counter()
+
+        def send():
+            return client.get_experience_async(consumer, ["x"], ROWS_PER_MB, blocking=True, timeout=120, copy=copy)
+        pending = send() if prefetch else None
         while True:
-            data, rows = client.get_experience(consumer, ["x"], ROWS_PER_MB, blocking=True, timeout=120, copy=copy)
+            if prefetch:
+                data, rows = pending.result()
+                pending = send() if rows else None
+            else:
+                data, rows = client.get_experience(consumer, ["x"], ROWS_PER_MB, blocking=True, timeout=120,
+                                                   copy=copy)
             if not rows:
                 return rows_seen, time.perf_counter() - t
             rows_seen += len(rows)
@@ -233,13 +245,14 @@ def measure_latency(workers, calls: int) -> dict[str, float]:
 
 
 # The dock as each transfer row uses it: (create_transfer_dock kwargs, put wait, get copy).
+# name -> (dock kwargs, puts wait for the answer, gets copy, gets prefetched)
 DOCK_SYSTEMS = {
-    "dock": ({}, True, True),  # the client's defaults
-    "dock fast path": ({}, False, False),  # what the trainer's stage loops use
+    "dock": ({}, True, True, False),  # the client's defaults, one call at a time
+    "dock fast path": ({}, False, False, True),  # what the trainer's stage loops do
 }
 DOCK_DATA_PATHS = {  # with 1 consumer: the data paths side by side, all on the fast path
-    "dock by-ref": ({"data_plane": "ray"}, False, False),
-    "dock all-inline": ({"inline_bytes": 1 << 62}, False, False),
+    "dock by-ref": ({"data_plane": "ray"}, False, False, True),
+    "dock all-inline": ({"inline_bytes": 1 << 62}, False, False, True),
 }
 
 
@@ -252,7 +265,8 @@ def drop_dock(client) -> None:
     ray.kill(client.actor)
 
 
-def measure_dock(workers, client, payload: int, consumers: int, n_mb: int, wait: bool, copy: bool) -> dict:
+def measure_dock(workers, client, payload: int, consumers: int, n_mb: int, wait: bool, copy: bool,
+                 prefetch: bool = False) -> dict:
     """Producer and consumers at once (overlapped), then all puts followed by all gets (sequential).
 
     The dock is made once per row and cleared between runs, as the trainer does step after step:
@@ -260,7 +274,7 @@ def measure_dock(workers, client, payload: int, consumers: int, n_mb: int, wait:
     producer, cons = workers[0], workers[1:1 + consumers]
     # overlapped
     t = time.perf_counter()
-    drains = [w.dock_drain.remote(client, "c", copy) for w in cons]
+    drains = [w.dock_drain.remote(client, "c", copy, prefetch) for w in cons]
     ray.get(producer.dock_put.remote(client, payload, 0, n_mb, wait))
     rows = sum(r for r, _ in ray.get(drains))
     overlapped_s = time.perf_counter() - t
@@ -269,7 +283,7 @@ def measure_dock(workers, client, payload: int, consumers: int, n_mb: int, wait:
     # sequential: all puts, then all gets
     put_s = ray.get(producer.dock_put.remote(client, payload, 0, n_mb, wait))
     t = time.perf_counter()
-    rows = sum(r for r, _ in ray.get([w.dock_drain.remote(client, "c", copy) for w in cons]))
+    rows = sum(r for r, _ in ray.get([w.dock_drain.remote(client, "c", copy, prefetch) for w in cons]))
     get_s = time.perf_counter() - t
     assert rows == n_mb * ROWS_PER_MB
     client.clear()
@@ -382,12 +396,12 @@ def run(quick: bool, only_handoff: bool = False) -> dict:
         total_bytes, total_rows = n_mb * mb_bytes, n_mb * ROWS_PER_MB
         for consumers in CONSUMER_COUNTS:
             dock_systems = dict(DOCK_SYSTEMS, **(DOCK_DATA_PATHS if consumers == 1 else {}))
-            clients = {d: make_dock(n_mb * ROWS_PER_MB, kw) for d, (kw, _, _) in dock_systems.items()}
+            clients = {d: make_dock(n_mb * ROWS_PER_MB, kw) for d, (kw, *_) in dock_systems.items()}
 
             def dock_run(d, consumers=consumers, n_mb=n_mb, payload=payload, clients=clients,
                          dock_systems=dock_systems):
-                _, wait, copy = dock_systems[d]
-                return measure_dock(workers, clients[d], payload, consumers, n_mb, wait, copy)
+                _, wait, copy, prefetch = dock_systems[d]
+                return measure_dock(workers, clients[d], payload, consumers, n_mb, wait, copy, prefetch)
 
             systems = {d: (lambda d=d: dock_run(d)) for d in dock_systems}
             systems["plain-ray"] = lambda: measure_plain(workers, payload, consumers, n_mb)

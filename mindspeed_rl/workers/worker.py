@@ -170,7 +170,7 @@ class Worker:
                 rep = run_stage_loop(self.spec.dock, stage=mfc.name, rank=self.spec.rank, step=step,
                                      input_keys=mfc.input_keys, count=self._count(mfc),
                                      get_n_samples=mfc.get_n_samples, timeout_s=self.cfg.trainer.stage_timeout_s,
-                                     compute=self._compute_fn(mfc, kind, step, policy_version))
+                                     compute=self._compute_fn(mfc, step, policy_version))
         except StageError:
             raise
         except Exception as e:  # name the stage in every failure the driver sees
@@ -200,7 +200,7 @@ class Worker:
         count = self.cfg.rl_config.dock_micro_batch_size
         return max(n, count - count % n) if mfc.get_n_samples else count
 
-    def _compute_fn(self, mfc: MFCDef, kind: InterfaceType, step: int, policy_version: int):
+    def _compute_fn(self, mfc: MFCDef, step: int, policy_version: int):
         """The MFC's function on a micro-batch, with the MFC's key remaps applied on both sides."""
         fn = self._function(mfc, C.fn_name(mfc), step, policy_version)
 
