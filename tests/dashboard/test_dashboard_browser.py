@@ -45,7 +45,9 @@ def _api(url: str) -> dict:
 
 def _expected_when_held(cfg) -> tuple[dict, dict]:
     """Consumption while the reward stage holds its first micro-batch of a step: a stage has taken
-    every row when all its inputs' producers have, the reward stage one micro-batch, the rest none."""
+    every row when all its inputs' producers have, the rest none, and the reward stage two
+    micro-batches: the one it holds and the next, which its loop asked for before computing
+    (`run_stage_loop` prefetches one micro-batch ahead)."""
     mfcs, dataset_keys = get_algorithm(cfg.rl_config.algorithm)
     rows = cfg.rl_config.prompts_per_step * cfg.rl_config.n_samples_per_prompt
     producer = {**{c: "dataset" for c in dataset_keys}, **{c: m.name for m in mfcs for c in m.output_keys}}
@@ -53,7 +55,7 @@ def _expected_when_held(cfg) -> tuple[dict, dict]:
     taken = {}
     for m in mfcs:  # in the graph's order
         if m.name == "rule_reward":
-            taken[m.name] = cfg.rl_config.dock_micro_batch_size
+            taken[m.name] = min(rows, 2 * cfg.rl_config.dock_micro_batch_size)
         elif all(producer[c] in done for c in m.input_keys):
             taken[m.name] = rows
             done.add(m.name)
@@ -162,8 +164,9 @@ def test_live_page_shows_where_each_stage_stands(run):
     assert page["consumers"] == {c: (n, rows) for c, n in run["expected_taken"].items()}
     assert page["columns"] == {c: (n, rows) for c, n in run["expected_written"].items()}
     mb = _micro_batches(cfg)
-    held = {stage: (mb[stage], rows) if n == rows else (1, n) if n else (0, 0)
-            for stage, n in run["expected_taken"].items()}
+    # the held stage: one box per get it made (the micro-batch it holds and the prefetched next one)
+    held = {stage: (mb[stage], rows) if n == rows else (math.ceil(n / cfg.rl_config.dock_micro_batch_size), n)
+            if n else (0, 0) for stage, n in run["expected_taken"].items()}
     _check_lanes(page, cfg, {0: {s: (mb[s], rows) for s in mb}, HELD_STEP: held})
     assert set(page["charts"]["Reward"]) == {"reward/mean", "reward/max_fraction"}
     assert page["charts"]["Reward"]["reward/mean"] == 1, "one step finished so far"
