@@ -19,6 +19,7 @@ import torch
 from ..algorithms import (agg_loss, broadcast_to_tokens, gae_advantages, grpo_advantages, kl_penalty,
                           outcome_token_rewards, policy_loss, remax_advantages, value_loss)
 from ..dataflow.mfc import InterfaceType, MFCDef
+from ..engines.batching import unpad_rows
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,7 @@ def gae_advantage(batch: dict, rows: list[int], *, gamma: float, lam: float) -> 
     rewards = outcome_token_rewards(as_scalars(batch["rm_scores"]), mask)
     adv, ret = gae_advantages(rewards, v, mask, gamma, lam)
     n = int(mask.sum())
-    return Output({"advantages": unpad(adv, mask), "returns": unpad(ret, mask)},
+    return Output({"advantages": unpad_rows(adv, mask), "returns": unpad_rows(ret, mask)},
                   {"returns_sum": float((ret * mask).sum()), "returns_tokens": float(n)})
 
 
@@ -187,13 +188,8 @@ def remax_advantage(batch: dict, rows: list[int]) -> Output:
         mask[i, :n] = 1.0
     baselines = as_scalars(batch["reward_baselines"])
     adv, ret = remax_advantages(outcome_token_rewards(as_scalars(batch["rm_scores"]), mask), baselines, mask)
-    return Output({"advantages": unpad(adv, mask), "returns": unpad(ret, mask)},
+    return Output({"advantages": unpad_rows(adv, mask), "returns": unpad_rows(ret, mask)},
                   {})
-
-
-def unpad(values: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
-    lengths = mask.sum(-1).long().tolist()
-    return [values[i, :n].clone() for i, n in enumerate(lengths)]
 
 
 @dataclass
