@@ -9,10 +9,15 @@ the others. Data comes in three forms (see `docs/transfer_dock.md` for the measu
 - by reference (across nodes): the producer `ray.put`s its block and the actor keeps only the
   `ObjectRef`.
 Workers use it through `TransferDockClient`, which picks the form by size and by node.
+
+Calls come two ways: as Ray actor calls, and, from callers on the dock's node, over the dock's
+local channel (`channel.py`), a Unix socket served on this actor's event loop, ~20x cheaper than
+a Ray call. Both ways run the same methods on the same loop.
 """
 from __future__ import annotations
 
 import asyncio
+import os
 import pickle
 import time
 from dataclasses import dataclass
@@ -21,12 +26,21 @@ from typing import Any, Sequence
 import numpy as np
 import ray
 
-from . import shm
+from . import channel, shm
 from .codec import ColumnBlock, pack, unpack
 from .dock import TransferDock
 from .errors import DockValueError
 from .metrics import RayMetricsExport
 from .shm import ShmBlock
+
+
+@dataclass
+class HeldReply:
+    """A get answered over the local channel whose rows include Ray object references: refs
+    must travel through Ray's own serializer, so the reply waits in the actor under `token` and
+    the caller fetches it with a Ray call (`take_held`)."""
+
+    token: int
 
 
 @dataclass
@@ -97,7 +111,7 @@ class TransferDockActor:
 
     def __init__(self, columns: Sequence[str], consumers: Sequence[str], prompts_num: int,
                  n_samples_per_prompt: int = 1, shm_tag: str | None = None, metrics_interval_s: float = 1.0,
-                 **dock_kwargs: Any) -> None:
+                 channel_tag: str | None = None, **dock_kwargs: Any) -> None:
         self._dock = TransferDock(columns, consumers, prompts_num, n_samples_per_prompt, **dock_kwargs)
         # the counters go to ray.util.metrics on a timer (0: never), not per call: see RayMetricsExport
         self._metrics_interval_s = float(metrics_interval_s)
@@ -108,6 +122,11 @@ class TransferDockActor:
         self._generation = shm.Generation(shm_tag) if shm_tag else None
         self._puts = 0  # bumped by every put and clear; blocked gets wait for it to change
         self._changed: asyncio.Condition | None = None
+        # the local channel (a Unix socket, served from the first `local_info` call on)
+        self._channel_path = channel.socket_path(shm.SHM_DIR, channel_tag, os.getpid()) if channel_tag else None
+        self._channel: asyncio.AbstractServer | None = None
+        self._held: dict[int, tuple[bytes, list]] = {}  # HeldReply.token -> (reply, refs)
+        self._next_token = 0
 
     def _condition(self) -> asyncio.Condition:
         if self._changed is None:  # made on the actor's event loop, at first use
@@ -150,11 +169,18 @@ class TransferDockActor:
     # put and get take one pickled blob and answer one: each extra argument or reply object costs
     # Ray ~0.1-0.2 ms of serialization, as much as the dock's own work (docs/transfer_dock.md).
     async def put(self, blob: bytes, refs: list | None = None) -> None:
-        blocks, indexes, overwrite, producer, *worker = pickle.loads(blob)  # worker: a label, may be absent
+        await self._put(pickle.loads(blob), refs)
+
+    async def _put(self, payload: tuple, refs: list | None = None) -> None:
+        blocks, indexes, overwrite, producer, *worker = payload  # worker: a label, may be absent
         if self._export_task is None:
             self._start_export()
         for column, block in blocks.items():
             if isinstance(block, RefBlock):
+                if refs is None:
+                    raise DockValueError(f"put_experience: column '{column}' names a Ray object, which must come "
+                                         "with a Ray actor call (the client sends such puts that way), not over "
+                                         "the local channel")
                 block.ref = refs[block.ref]
             elif isinstance(block, ShmBlock) and (self._generation is None
                                                   or block.generation != self._generation.value):
@@ -171,11 +197,30 @@ class TransferDockActor:
 
     async def get(self, blob: bytes):
         """Answers the pickled `(parts_by_column, rows)`, with the list of refs they name if any."""
-        data, rows = await self._get(*pickle.loads(blob))
+        reply, refs = await self._reply(pickle.loads(blob))
+        return (reply, refs) if refs else reply
+
+    async def _reply(self, request: tuple) -> tuple[bytes, list]:
+        data, rows = await self._get(*request)
         refs: list = []
         reply = pickle.dumps(({c: reply_parts(cells, refs) for c, cells in data.items()}, rows),
                              protocol=pickle.HIGHEST_PROTOCOL)
-        return (reply, refs) if refs else reply
+        return reply, refs
+
+    async def _channel_get(self, request: tuple):
+        reply, refs = await self._reply(request)
+        if not refs:
+            return channel.Raw(reply)
+        self._next_token += 1
+        self._held[self._next_token] = (reply, refs)
+        return HeldReply(self._next_token)
+
+    async def take_held(self, token: int):
+        """A get reply that the local channel could not carry (it names Ray objects)."""
+        if token not in self._held:
+            raise DockValueError(f"take_held: no reply held under token {token}: the dock was cleared after the "
+                                 "get took its rows, which are then lost to that caller; fetch before clear()")
+        return self._held.pop(token)
 
     async def _get(self, consumer: str, columns: Sequence[str], count: int, indexes: Sequence[int] | None = None,
                    get_n_samples: bool = False, blocking: bool = False, timeout: float | None = None,
@@ -208,6 +253,7 @@ class TransferDockActor:
 
     async def clear(self) -> None:
         self._dock.clear()
+        self._held.clear()  # replies nobody fetched: let their objects go with the step
         if self._generation is not None:
             self._generation.bump()  # producers reuse their segments from offset 0
         await self._notify()
@@ -219,8 +265,35 @@ class TransferDockActor:
         return {"tag": self._generation.tag, "gen_path": self._generation.path,
                 "node_id": ray.get_runtime_context().get_node_id()}
 
+    async def local_info(self) -> dict:
+        """What same-node callers need: the shared-memory info and the local channel's socket
+        (None for either that this dock does not have). Starts the channel at the first call."""
+        node_id = ray.get_runtime_context().get_node_id()
+        if self._channel is None and self._channel_path is not None:
+            self._channel = await channel.serve(self._channel_path, self._channel_handlers())
+        return {"shm": await self.shm_info(),
+                "channel": {"path": self._channel_path, "node_id": node_id} if self._channel else None}
+
+    def _channel_handlers(self) -> dict:
+        """The methods the local channel serves: the same as by Ray, with puts and gets taking
+        their payload unpickled (the channel pickled the frame already)."""
+        handlers = {name: getattr(self, name) for name in (
+            "noop", "all_consumed", "clear", "get_consumer_status", "get_column_status", "get_metrics",
+            "get_event_log", "metrics_export_status", "state_dict", "load_state_dict", "layout")}
+        handlers.update(put=self._put, get=self._channel_get)
+        return handlers
+
     async def close(self) -> None:
-        """Remove this dock's shared-memory files (the segments of every producer)."""
+        """Remove this dock's shared-memory files (the segments of every producer) and its
+        channel's socket. Callers already connected keep their connection; new ones use Ray."""
+        if self._channel is not None:
+            self._channel.close()  # stops listening; open connections stay
+        if self._channel_path is not None:
+            try:
+                os.unlink(self._channel_path)
+            except FileNotFoundError:
+                pass
+            self._channel_path = None
         if self._generation is not None:
             self._generation.close()
             self._generation = None  # later shared-memory puts are refused, not leaked

@@ -98,13 +98,15 @@ def remove_dock_files(tag: str) -> int:
 
 
 def remove_stale_files() -> int:
-    """Remove the files of docks whose process is gone (a crash or `ray.kill` skips `close()`)."""
+    """Remove the files of docks whose process is gone (a crash or `ray.kill` skips `close()`).
+    A dock's generation file and its channel's socket (`channel.py`) both end in its pid."""
     n = 0
-    for gen in glob.glob(os.path.join(SHM_DIR, f"{PREFIX}*-gen-*")):
-        name = os.path.basename(gen)[len(PREFIX):]
-        tag, _, pid = name.rpartition("-gen-")
-        if pid.isdigit() and not _pid_alive(int(pid)):
-            n += remove_dock_files(tag)
+    for marker in ("-gen-", "-sock-"):
+        for path in glob.glob(os.path.join(SHM_DIR, f"{PREFIX}*{marker}*")):
+            name = os.path.basename(path)[len(PREFIX):]
+            tag, _, pid = name.rpartition(marker)
+            if pid.isdigit() and not _pid_alive(int(pid)):
+                n += remove_dock_files(tag)
     return n
 
 

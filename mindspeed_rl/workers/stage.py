@@ -52,11 +52,12 @@ def run_stage_loop(dock, *, stage: str, rank: int, step: int, input_keys, count:
     as for a train step). `max_rows` stops early (a DP rank that owns a fixed share of rows).
 
     `prefetch` (with a dock client, which has `get_experience_async`): the get of the next
-    micro-batch is sent before the current one is computed, so its round trip to the dock (1.5-5 ms
-    on a loaded 2-core machine, against ~0.1 ms of the dock's own work) overlaps the compute. The
-    loop then holds at most one micro-batch ahead. No thread does it: the answer waits in Ray until
-    the loop asks for it, so nothing competes with the compute for the GIL (helper threads did, and
-    slowed CPU-bound stages; docs/benchmarks.md). A prefetched get that timed out while the loop
+    micro-batch is sent before the current one is computed, so its round trip to the dock (0.1-0.5
+    ms over the local channel, 1.5-5 ms as a Ray call from another node, on a loaded 2-core
+    machine) overlaps the compute. The loop then holds at most one micro-batch ahead. No thread
+    does it: the answer waits in the socket (or in Ray) until the loop asks for it, so nothing
+    competes with the compute for the GIL (helper threads did, and slowed CPU-bound stages;
+    docs/benchmarks.md). A prefetched get that timed out while the loop
     computed is sent again with what is left of `timeout_s`, so the stage times out only once the
     loop itself has waited that long for its inputs.
     """

@@ -1,9 +1,11 @@
 """The dock as a Ray actor, used through `create_transfer_dock` / `TransferDockClient`.
 
-Every test runs three times, once per data path: all data inline through the actor
-(`inline_bytes=1<<40`), all data through shared memory (`inline_bytes=0, data_plane="shm"`), and
-all data by Ray object reference (`inline_bytes=0, data_plane="ray"`). Every test uses the shared
-`ray_session` and closes and kills the docks it starts.
+Every test runs four times, once per data path: all data inline through the actor
+(`inline_bytes=1<<40`), all data through shared memory (`inline_bytes=0, data_plane="shm"`), all
+data by Ray object reference (`inline_bytes=0, data_plane="ray"`), and shared memory with every
+call a Ray actor call (`local_channel=False`; the other three call over the local channel, as
+every caller on the dock's node does). Every test uses the shared `ray_session` and closes and
+kills the docks it starts.
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ pytestmark = pytest.mark.ray
 
 PATHS = {"inline": {"inline_bytes": 1 << 40, "data_plane": "ray"},
          "shm": {"inline_bytes": 0, "data_plane": "shm"},
-         "by-ref": {"inline_bytes": 0, "data_plane": "ray"}}
+         "by-ref": {"inline_bytes": 0, "data_plane": "ray"},
+         "shm-ray-calls": {"inline_bytes": 0, "data_plane": "shm", "local_channel": False}}
 
 
 @pytest.fixture(params=list(PATHS))
