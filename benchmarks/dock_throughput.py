@@ -1,16 +1,17 @@
 """TransferDock throughput and latency against bare Ray, measured side by side in one run.
 
-    python benchmarks/dock_throughput.py            # full run (~5 min on 2 cores)
-    python benchmarks/dock_throughput.py --quick    # fewer repetitions (~3 min)
+    python benchmarks/dock_throughput.py            # full run (~10 min on 2 cores)
+    python benchmarks/dock_throughput.py --quick    # fewer repetitions (~5 min)
     python benchmarks/dock_throughput.py --json out.json
 
 Every number is timed inside worker processes, as in training, not from the driver:
-- latency: a bare no-op call to a plain Ray actor; a no-op call to the dock actor; a small get
-  (one 1 KB micro-batch of 8 rows) through the dock client. Medians of many calls.
+- latency: a bare no-op call to a plain Ray actor; a no-op call to the dock actor and a small get
+  (one 1 KB micro-batch of 8 rows) through the dock client, over the dock's local channel (the
+  default on the dock's node) and as Ray actor calls (`local_channel=False`). Medians of many calls.
 - handoff: the latency of one micro-batch (1 KB, 1 MB, 16 MB) alone, from a producer process to
   a consumer process: plain `ray.put`/`ray.get` (of the numpy array: zero-copy; and of the torch
   tensor, which Ray pickles) alternated with the dock (client defaults; fast path; fast path by
-  Ray object reference), medians.
+  Ray object reference; fast path with Ray actor calls instead of the local channel), medians.
 - transfer: a producer streams micro-batches to 1, 4 and 8 consumer processes. Systems: the dock
   with the client's defaults (puts wait for the answer, gets copy rows into private memory) and
   on the fast path the trainer's stage loops use (`wait=False` puts, `copy=False` gets, the next
@@ -18,14 +19,16 @@ Every number is timed inside worker processes, as in training, not from the driv
   `ray.put`/`ray.get` of the same bytes between the same processes; and a naive buffer (one sync
   actor, one lock; consumers start after the producer finished). With 1 consumer also the data
   paths side by side on the fast path: shared memory (the default on one node), Ray object
-  references (`data_plane="ray"`, the path across nodes), everything inline through the actor.
+  references (`data_plane="ray"`, the path across nodes), everything inline through the actor,
+  and shared memory with every call a Ray actor call (`local_channel=False`, the call path of a
+  worker on another node).
   The dock's MB/s is with producer and consumers at once, as in training; "seq MB/s" is all puts,
   then all gets. Each dock is made once per row and cleared between runs, as in training; systems
   alternate over rounds, so noise hits them alike.
 - scaling: get latency of the plain dock (in process) with 1,000 and with 1,000,000 rows.
 
 The target ratios are printed at the end and written to JSON as `small_get_over_noop_call`,
-`bw_16mb_over_plain_ray` (fast path; also `_client_defaults` and `_by_ref`),
+`bw_16mb_over_plain_ray` (fast path; also `_client_defaults`, `_by_ref` and `_ray_calls`),
 `handoff_16mb_over_plain_ray` and `get_1m_over_1k_rows`.
 """
 from __future__ import annotations
@@ -230,18 +233,30 @@ def _n_microbatches(payload: int, quick: bool) -> int:
 
 
 def measure_latency(workers, calls: int) -> dict[str, float]:
+    """No-op calls and small gets, over the local channel and as Ray calls, alternated in rounds."""
     noop = Noop.remote()
-    client = create_transfer_dock(["x"], ["c"], prompts_num=calls * ROWS_PER_MB + ROWS_PER_MB)
-    ray.get(workers[0].dock_put.remote(client, PAYLOADS["1KB"], 0, calls + 1))
+    clients = {path: create_transfer_dock(["x"], ["c"], prompts_num=calls * ROWS_PER_MB + ROWS_PER_MB,
+                                          local_channel=(path == "channel")) for path in ("channel", "ray")}
     w = workers[1]
-    ray.get(w.time_noop.remote(noop, 20))  # warm-up: connections, first-call costs
-    ray.get(w.time_small_gets.remote(client, "c", 1))
-    noop_ms = _median_ms(ray.get(w.time_noop.remote(noop, calls)))
-    dock_noop_ms = _median_ms(ray.get(w.time_dock_noop.remote(client, calls)))
-    get_ms = _median_ms(ray.get(w.time_small_gets.remote(client, "c", calls)))
+    for client in clients.values():
+        ray.get(workers[0].dock_put.remote(client, PAYLOADS["1KB"], 0, calls + 1))
+        ray.get(w.time_small_gets.remote(client, "c", 1))  # warm-up: connections, first-call costs
+    ray.get(w.time_noop.remote(noop, 20))
+    times: dict[str, list[float]] = {k: [] for k in ("noop", "dock_noop_channel", "dock_noop_ray",
+                                                     "get_channel", "get_ray")}
+    rounds = 5
+    for _ in range(rounds):
+        times["noop"] += ray.get(w.time_noop.remote(noop, calls // rounds))
+        for path, client in clients.items():
+            times[f"dock_noop_{path}"] += ray.get(w.time_dock_noop.remote(client, calls // rounds))
+            times[f"get_{path}"] += ray.get(w.time_small_gets.remote(client, "c", calls // rounds))
     ray.kill(noop)
-    drop_dock(client)
-    return {"noop_call_ms": noop_ms, "dock_noop_call_ms": dock_noop_ms, "small_get_ms": get_ms}
+    for client in clients.values():
+        drop_dock(client)
+    return {"noop_call_ms": _median_ms(times["noop"]), "dock_noop_call_ms": _median_ms(times["dock_noop_channel"]),
+            "small_get_ms": _median_ms(times["get_channel"]),
+            "dock_noop_ray_call_ms": _median_ms(times["dock_noop_ray"]),
+            "small_get_ray_call_ms": _median_ms(times["get_ray"])}
 
 
 # The dock as each transfer row uses it: (create_transfer_dock kwargs, put wait, get copy).
@@ -253,6 +268,7 @@ DOCK_SYSTEMS = {
 DOCK_DATA_PATHS = {  # with 1 consumer: the data paths side by side, all on the fast path
     "dock by-ref": ({"data_plane": "ray"}, False, False, True),
     "dock all-inline": ({"inline_bytes": 1 << 62}, False, False, True),
+    "dock Ray calls": ({"local_channel": False}, False, False, True),
 }
 
 
@@ -326,7 +342,8 @@ def measure_handoff(workers, payload: int, reps: int) -> dict[str, float]:
     """
     producer, consumer = workers[0], workers[1]
     docks = {"dock": ({}, True, True), "dock fast path": ({}, False, False),
-             "dock by-ref": ({"data_plane": "ray"}, False, False)}
+             "dock by-ref": ({"data_plane": "ray"}, False, False),
+             "dock Ray calls": ({"local_channel": False}, False, False)}
     clients = {name: make_dock(ROWS_PER_MB, kw) for name, (kw, _, _) in docks.items()}
     times: dict[str, list[float]] = {"plain-ray": [], "plain-ray torch": [], **{name: [] for name in docks}}
     for r in range(reps + 1):
@@ -442,9 +459,11 @@ def run(quick: bool, only_handoff: bool = False) -> dict:
     # ~0.2 ms get). Handoff: the latency of one micro-batch alone, put then get.
     results["ratios"] = {
         "small_get_over_noop_call": lat["small_get_ms"] / lat["noop_call_ms"],
+        "small_get_over_noop_call_ray_calls": lat["small_get_ray_call_ms"] / lat["noop_call_ms"],
         "bw_16mb_over_plain_ray": paired("dock fast path"),
         "bw_16mb_over_plain_ray_client_defaults": paired("dock"),
         "bw_16mb_over_plain_ray_by_ref": paired("dock by-ref"),
+        "bw_16mb_over_plain_ray_ray_calls": paired("dock Ray calls"),
         "bw_16mb_over_plain_ray_each_round": [
             (p["put_s"] + p["get_s"]) / d["overlapped_s"]
             for d, p in zip(runs16["dock fast path"], runs16["plain-ray"])],
@@ -460,8 +479,10 @@ def print_table(results: dict) -> None:
           f"ray {results['machine']['ray']}, torch {results['machine']['torch']}; {ROWS_PER_MB} rows per micro-batch)\n")
     print("latency (median, from a worker process)")
     print(f"  no-op call, plain Ray actor   {lat['noop_call_ms']:8.3f} ms")
-    print(f"  no-op call, dock actor        {lat['dock_noop_call_ms']:8.3f} ms")
-    print(f"  small get (1 KB micro-batch)  {lat['small_get_ms']:8.3f} ms")
+    print(f"  no-op call, dock (channel)    {lat['dock_noop_call_ms']:8.3f} ms")
+    print(f"  no-op call, dock (Ray call)   {lat['dock_noop_ray_call_ms']:8.3f} ms")
+    print(f"  small get (1 KB), channel     {lat['small_get_ms']:8.3f} ms")
+    print(f"  small get (1 KB), Ray call    {lat['small_get_ray_call_ms']:8.3f} ms")
     print(f"  plain dock get, 1,000 rows    {sc['get_ms_1000_rows']:8.4f} ms")
     print(f"  plain dock get, 1,000,000 rows{sc['get_ms_1000000_rows']:8.4f} ms\n")
     print("transfer (rows/s and MB/s: producer and consumers at once for the dock; sequential MB/s: all puts, then all gets)")
@@ -471,18 +492,23 @@ def print_table(results: dict) -> None:
               f"{r['mb_per_s']:>9.1f} {r['seq_mb_per_s']:>9.1f}")
     print("\none micro-batch from producer to consumer (median ms, systems alternated; see measure_handoff)")
     print(f"  {'payload':>7}  {'plain-ray':>10} {'plain-ray torch':>16} {'dock':>10} {'dock fast path':>15} "
-          f"{'dock by-ref':>12}")
+          f"{'dock by-ref':>12} {'dock Ray calls':>15}")
     for name, h in results["handoff"].items():
         print(f"  {name:>7}  {h['plain-ray_ms']:>10.2f} {h['plain-ray torch_ms']:>16.2f} {h['dock_ms']:>10.2f} "
-              f"{h['dock fast path_ms']:>15.2f} {h['dock by-ref_ms']:>12.2f}")
+              f"{h['dock fast path_ms']:>15.2f} {h['dock by-ref_ms']:>12.2f} {h['dock Ray calls_ms']:>15.2f}")
     print("\ntargets")
-    print(f"  small_get_over_noop_call          {ratios['small_get_over_noop_call']:6.2f}  (target <= 2)")
+    print(f"  small_get_over_noop_call          {ratios['small_get_over_noop_call']:6.2f}  (target <= 2; "
+          "over the local channel)")
+    print(f"    ... as a Ray actor call         {ratios['small_get_over_noop_call_ray_calls']:6.2f}  "
+          "(local_channel=False: the call path from another node)")
     print(f"  bw_16mb_over_plain_ray            {ratios['bw_16mb_over_plain_ray']:6.2f}  (target >= 0.7; "
           "the stages' fast path: wait=False puts, copy=False gets, shared memory)")
     print(f"    ... client defaults             {ratios['bw_16mb_over_plain_ray_client_defaults']:6.2f}  "
           "(puts wait for the dock's answer, gets copy into private memory)")
     print(f"    ... by Ray object reference     {ratios['bw_16mb_over_plain_ray_by_ref']:6.2f}  "
-          "(fast path, data_plane='ray': the path across nodes)")
+          "(fast path, data_plane='ray')")
+    print(f"    ... with Ray actor calls        {ratios['bw_16mb_over_plain_ray_ray_calls']:6.2f}  "
+          "(fast path, shared memory, local_channel=False)")
     print(f"  handoff_16mb_over_plain_ray       {ratios['handoff_16mb_over_plain_ray']:6.2f}  "
           "(latency of one micro-batch alone, fast path)")
     print(f"  get_1m_over_1k_rows               {ratios['get_1m_over_1k_rows']:6.2f}  (target <= 2)")
