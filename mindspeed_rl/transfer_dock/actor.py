@@ -20,6 +20,7 @@ import asyncio
 import os
 import pickle
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -270,7 +271,12 @@ class TransferDockActor:
         (None for either that this dock does not have). Starts the channel at the first call."""
         node_id = ray.get_runtime_context().get_node_id()
         if self._channel is None and self._channel_path is not None:
-            self._channel = await channel.serve(self._channel_path, self._channel_handlers())
+            try:
+                self._channel = await channel.serve(self._channel_path, self._channel_handlers())
+            except OSError as e:  # no socket here (another node without /dev/shm): Ray calls only
+                warnings.warn(f"TransferDock: no local channel at {self._channel_path} ({e}); callers use "
+                              "Ray calls", RuntimeWarning)
+                self._channel_path = None
         return {"shm": await self.shm_info(),
                 "channel": {"path": self._channel_path, "node_id": node_id} if self._channel else None}
 

@@ -6,6 +6,7 @@ Through Ray: a real dock actor, its callers on this node, and what happens when 
 from __future__ import annotations
 
 import asyncio
+import glob
 import os
 import threading
 import time
@@ -236,4 +237,21 @@ def test_calls_keep_their_order_across_the_channel_and_ray_and_refs_come_back_th
             assert torch.equal(s_, small[r]) and torch.equal(b, big[r])
     finally:
         dock.close()
+        ray_session.kill(dock.actor, no_restart=True)
+
+
+@pytest.mark.ray
+def test_close_frees_the_files_even_with_a_failed_put_pending(ray_session):
+    from mindspeed_rl.transfer_dock import create_transfer_dock
+
+    dock = create_transfer_dock(["x"], ["c"], prompts_num=2, inline_bytes=0)
+    try:
+        dock.put_experience({"x": [torch.ones(8)] * 2}, range(2))
+        dock.put_experience({"x": [torch.ones(8)]}, [0], wait=False)  # written twice: refused
+        paths = [dock.channel_info["path"], dock.shm_info["gen_path"]]
+        assert all(os.path.exists(p) for p in paths)
+        dock.close()  # the refused put's answer is nobody's business any more
+        assert not any(os.path.exists(p) for p in paths)
+        assert not glob.glob(os.path.join(shm.SHM_DIR, f"{shm.PREFIX}{dock.shm_info['tag']}-*"))
+    finally:
         ray_session.kill(dock.actor, no_restart=True)
