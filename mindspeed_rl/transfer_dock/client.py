@@ -79,9 +79,11 @@ class TransferDockClient:
     def _connection(self) -> channel.Connection | None:
         """This thread's connection to the dock's local channel; None off the dock's node, without
         a channel, or if it cannot be reached (then every call of this thread goes through Ray)."""
-        info = self.channel_info
-        cached = getattr(self._local, "conn", None)  # (the info it was made for, connection or False)
-        if cached is None or cached[0] is not info:
+        info, pid = self.channel_info, os.getpid()
+        # (the info and process it was made for, connection or False); a forked child makes its
+        # own, or two processes would read one socket's answers
+        cached = getattr(self._local, "conn", None)
+        if cached is None or cached[0] is not info or cached[1] != pid:
             conn = False
             if info is not None and info.get("path") and _this_node_id() == info["node_id"]:
                 try:
@@ -89,8 +91,8 @@ class TransferDockClient:
                 except OSError as e:  # closed dock, or a socket we may not open: Ray calls work too
                     _warn_once(f"TransferDock: local channel {info['path']} unreachable ({e}); "
                                "calling the dock through Ray")
-            cached = self._local.conn = (info, conn)
-        return cached[1] or None
+            cached = self._local.conn = (info, pid, conn)
+        return cached[2] or None
 
     def __getstate__(self) -> dict:  # a copy sent to another process starts with nothing pending
         return {k: v for k, v in self.__dict__.items() if k != "_local"}

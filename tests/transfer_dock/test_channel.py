@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import glob
 import os
+import select
 import threading
 import time
 
@@ -254,4 +255,36 @@ def test_close_frees_the_files_even_with_a_failed_put_pending(ray_session):
         assert not any(os.path.exists(p) for p in paths)
         assert not glob.glob(os.path.join(shm.SHM_DIR, f"{shm.PREFIX}{dock.shm_info['tag']}-*"))
     finally:
+        ray_session.kill(dock.actor, no_restart=True)
+
+
+@pytest.mark.ray
+def test_a_forked_child_opens_its_own_connection(ray_session):
+    """Two processes reading one socket would steal each other's answers."""
+    from mindspeed_rl.transfer_dock import create_transfer_dock
+
+    dock = create_transfer_dock(["x"], ["c"], prompts_num=8)
+    try:
+        dock.put_experience({"x": [torch.ones(2)] * 4}, range(4))
+        parent_conn = dock._connection()
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: its own connection, its own answers
+            ok = 0
+            try:
+                ok = int(dock._connection() is not parent_conn and len(dock.get_experience("c", ["x"], 2)[1]) == 2)
+            finally:
+                os.write(write, bytes([ok]))
+                os._exit(0)
+        os.close(write)
+        if not select.select([read], [], [], 30.0)[0]:  # never hang on a stuck child
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child did not answer in 30 s")
+        assert os.read(read, 1) == b"\x01", "the child did not get its rows over a connection of its own"
+        os.waitpid(pid, 0)
+        _, rows = dock.get_experience("c", ["x"], 2)  # the parent's connection still answers right
+        assert len(rows) == 2 and dock.get_consumer_status()["c"]["taken"] == 4
+    finally:
+        dock.close()
         ray_session.kill(dock.actor, no_restart=True)
