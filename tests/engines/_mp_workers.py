@@ -6,8 +6,11 @@ again. A worker writes what its function returned, or its traceback, to a file t
 """
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import multiprocessing
+import os
+import signal
 import time
 import traceback
 from pathlib import Path
@@ -41,6 +44,8 @@ def start_forkserver() -> None:
 
 def _entry(fn, args, out: str) -> None:
     torch.set_num_threads(1)
+    # a hung worker's stacks, on SIGUSR1 from run_procs: a hang is then a diagnosis, not a mystery
+    faulthandler.register(signal.SIGUSR1, file=open(out + ".stack", "w"), all_threads=True)
     try:
         result = {"ok": True, "value": fn(*args)}
     except BaseException:  # noqa: BLE001 - reported to the test, whatever it is
@@ -64,7 +69,14 @@ def run_procs(jobs, tmp_path: Path, timeout_s: float = 120.0) -> list:
             p.join(max(0.0, deadline - time.monotonic()))
         hung = [i for i, p in enumerate(procs) if p.is_alive()]
         if hung:
-            raise AssertionError(f"workers {hung} still running after {timeout_s}s")
+            for i in hung:
+                os.kill(procs[i].pid, signal.SIGUSR1)
+            time.sleep(1.0)
+            stacks = "\n".join(f"--- worker {i} stacks:\n{_read(str(outs[i]) + '.stack')}" for i in hung)
+            others = "\n".join(f"--- worker {i}: exit code {p.exitcode}, "
+                               + (_outcome(outs[i]) if outs[i].is_file() else "no result")
+                               for i, p in enumerate(procs) if i not in hung)
+            raise AssertionError(f"workers {hung} still running after {timeout_s}s\n{others}\n{stacks}")
     finally:
         for p in procs:
             if p.is_alive():
@@ -82,6 +94,18 @@ def run_procs(jobs, tmp_path: Path, timeout_s: float = 120.0) -> list:
     if errors:
         raise AssertionError("\n".join(errors))
     return results
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as e:
+        return f"(unreadable: {e})"
+
+
+def _outcome(out: Path) -> str:
+    r = torch.load(out, weights_only=False)
+    return "returned" if r["ok"] else f"raised:\n{r['error']}"
 
 
 # ---------------------------------------------------------------------------- weight sync
