@@ -22,6 +22,15 @@ import torch
 MASKED_MEAN_EPS = 1e-8
 
 
+def float_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """The dtype the advantage math runs in: the inputs' promoted dtype when it is floating point
+    (integer rewards are common), else torch's default float."""
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype if dtype.is_floating_point else torch.get_default_dtype()
+
+
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
     """Sum of ``values`` over the positions ``mask`` selects (over everything, or along ``dim``).
 

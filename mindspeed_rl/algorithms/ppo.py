@@ -20,7 +20,7 @@ from typing import Dict, Tuple
 
 import torch
 
-from .functional import masked_mean, masked_whiten
+from .functional import float_dtype, masked_mean, masked_whiten
 from .losses import _check_agg_mode, agg_loss
 
 
@@ -78,9 +78,7 @@ def gae_advantages(
     _check_unit_interval("lam", lam, "GAE's lambda, the bias/variance trade-off")
 
     with torch.no_grad():
-        dtype = torch.promote_types(token_rewards.dtype, values.dtype)
-        if not dtype.is_floating_point:
-            dtype = torch.get_default_dtype()
+        dtype = float_dtype(token_rewards, values)
         rewards, values = token_rewards.to(dtype), values.to(dtype)
         mask_f = mask.to(dtype)
         keep = mask != 0

@@ -20,6 +20,8 @@ from typing import Tuple
 
 import torch
 
+from .functional import float_dtype
+
 
 def remax_advantages(
     token_rewards: torch.Tensor,
@@ -56,9 +58,7 @@ def remax_advantages(
         )
 
     with torch.no_grad():
-        dtype = torch.promote_types(token_rewards.dtype, baselines.dtype)
-        if not dtype.is_floating_point:
-            dtype = torch.get_default_dtype()
+        dtype = float_dtype(token_rewards, baselines)
         rewards, baselines = token_rewards.to(dtype), baselines.to(dtype)
         mask_f = mask.to(dtype)
         kept = torch.where(mask != 0, rewards, torch.zeros_like(rewards)) * mask_f
