@@ -272,6 +272,13 @@ class TransferDock:
         for this consumer this step"."""
         state = self._state[consumer]
         if idx is not None:
+            # Checked under the lock, and before the missing cells: waiting cannot un-take a row.
+            again = idx[state.taken[idx]]
+            if len(again):
+                raise DockValueError(
+                    f"get_experience: consumer '{consumer}' already took rows {preview(again.tolist())} this step; "
+                    "each row goes to a consumer once per step. Ask by index only for rows it has not taken "
+                    "(another consumer name reads them independently), or clear() to start the next step")
             missing = self._missing(columns, idx)
             if missing:
                 if raise_missing:
@@ -392,7 +399,22 @@ class TransferDock:
             }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore a `state_dict()`; the dock's columns, consumers and size must match."""
+        """Restore a `state_dict()`; the dock's columns, consumers and size must match.
+
+        All or nothing: the whole state is checked before anything is replaced, so a rejected
+        state (a `DockError` naming what is wrong) leaves the dock exactly as it was.
+        """
+        self.restore_state(state, self.checked_state(state))
+
+    def checked_state(self, state: Any) -> dict[str, str]:
+        """Check a saved state against this dock without changing anything; returns each
+        non-empty column's row kind (see `row_kind`).
+
+        A separate step so that wrappers (the Ray actor) can check the state's real rows before
+        they convert them into their own cells and `restore_state` those."""
+        if not isinstance(state, Mapping):
+            raise DockValueError(f"load_state_dict: the state is a {type(state).__name__}, not a dict; "
+                                 "pass what state_dict() returned")
         for key in ("version", "columns", "consumers", "prompts_num", "n_samples_per_prompt", "cells", "taken"):
             if key not in state:
                 raise DockValueError(f"load_state_dict: the state has no '{key}'; pass what state_dict() returned")
@@ -403,25 +425,44 @@ class TransferDock:
             if state[key] != mine:
                 raise DockValueError(f"load_state_dict: saved {key}={state[key]!r} but this dock has {mine!r}; "
                                      "build the dock with the same layout before loading")
+        step = state.get("step", self.step)
+        if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
+            raise DockValueError(f"load_state_dict: saved step={step!r}; it must be an integer >= 0")
+        cells = _checked_names("cells", "column", state["cells"], self.columns)
+        kinds = {}
+        for column in self.columns:
+            rows = cells[column]
+            if not isinstance(rows, Mapping):
+                raise DockValueError(f"load_state_dict: cells of column '{column}' are a {type(rows).__name__}; "
+                                     "they must be a dict row -> value, as state_dict() gives")
+            self._checked_indexes(f"load_state_dict: cells of column '{column}'", list(rows), allow_empty=True)
+            if rows:
+                kinds[column] = checked_state_cells(column, rows)
+        taken = _checked_names("taken", "consumer", state["taken"], self.consumers)
+        for consumer in self.consumers:
+            self._checked_indexes(f"load_state_dict: rows taken by consumer '{consumer}'",
+                                  _taken_rows(taken[consumer]), allow_empty=True)
+        return kinds
+
+    def restore_state(self, state: Mapping[str, Any], kinds: Mapping[str, str]) -> None:
+        """Replace the dock's contents with a state `checked_state` accepted; `kinds` is what it
+        returned. Cells are stored as given (the actor passes its own cell objects)."""
         with self._cond:
             for c in self.columns:
                 self._cells[c] = [None] * self.capacity
                 self._written[c][:] = False
                 self._numel[c][:] = 0
                 for r, v in state["cells"][c].items():
-                    self._cells[c][r] = v
-                    self._numel[c][r] = len(v)
-                    self._written[c][r] = True
+                    self._cells[c][int(r)] = v
+                    self._numel[c][int(r)] = len(v)
+                    self._written[c][int(r)] = True
                 self._written_count[c] = len(state["cells"][c])
-                first = next(iter(state["cells"][c].values()), None)
-                if first is not None and hasattr(first, "dtype"):
-                    self._kind[c] = row_kind(first)
-                else:
-                    self._kind.pop(c, None)
+            self._kind = dict(kinds)
             for c, s in self._state.items():
                 s.reset(self.n_samples_per_prompt)
                 s.views = {}
-                self._take(s, np.asarray(state["taken"][c], dtype=np.int64).tolist())
+                taken = self._checked_indexes("load_state_dict", _taken_rows(state["taken"][c]), allow_empty=True)
+                self._take(s, taken.tolist())
             self.step = int(state.get("step", self.step))
             self._cond.notify_all()
 
@@ -434,13 +475,16 @@ class TransferDock:
             raise DockKeyError(f"put_experience: unknown columns {unknown}; the dock's columns are {self.columns}")
         return data
 
-    def _checked_indexes(self, where: str, indexes: Sequence[int]) -> np.ndarray:
-        try:
-            idx = np.asarray(indexes.tolist() if hasattr(indexes, "tolist") else list(indexes))
-        except TypeError:
-            raise DockValueError(f"{where}: indexes must be a sequence of ints, got {type(indexes).__name__}") from None
-        if idx.size == 0:
+    def _checked_indexes(self, where: str, indexes: Sequence[int], allow_empty: bool = False) -> np.ndarray:
+        rows = checked_index_list(where, indexes)
+        if not rows:
+            if allow_empty:
+                return np.zeros(0, dtype=np.int64)
             raise DockValueError(f"{where}: indexes is empty; give at least one row index")
+        try:
+            idx = np.asarray(rows)
+        except (TypeError, ValueError):  # ragged nesting
+            raise DockValueError(f"{where}: indexes must be a flat sequence of ints, got {preview(rows)}") from None
         if idx.ndim != 1 or not np.issubdtype(idx.dtype, np.integer):
             raise DockValueError(f"{where}: indexes must be a flat sequence of ints, got dtype {idx.dtype}, "
                                  f"shape {idx.shape}")
@@ -519,7 +563,7 @@ class TransferDock:
     def _take(self, state: _ConsumerState, rows: list[int]) -> None:
         if not rows:
             return
-        fresh = np.asarray(rows, dtype=np.int64)[~state.taken[rows]]  # an index read may re-read a row
+        fresh = np.asarray(rows, dtype=np.int64)[~state.taken[rows]]  # callers pass untaken rows; count only those
         state.taken_count += len(fresh)
         groups = fresh // self.n_samples_per_prompt
         state.untouched_groups -= int(np.count_nonzero(state.group_taken[np.unique(groups)] == 0))
@@ -573,6 +617,42 @@ def _unique_names(what: str, names: Sequence[str]) -> list[str]:
     return names
 
 
+def _checked_names(key: str, what: str, saved: Any, names: Sequence[str]) -> Mapping[str, Any]:
+    """A saved state's `cells` or `taken`: a dict with exactly this dock's column or consumer names."""
+    if not isinstance(saved, Mapping):
+        raise DockValueError(f"load_state_dict: the state's '{key}' is a {type(saved).__name__}; it must be a dict "
+                             f"{what} -> rows, as state_dict() gives")
+    unknown = [n for n in saved if n not in names]
+    if unknown:
+        raise DockKeyError(f"load_state_dict: the state's '{key}' names unknown {what}s {unknown}; this dock's "
+                           f"{what}s are {list(names)}")
+    missing = [n for n in names if n not in saved]
+    if missing:
+        raise DockKeyError(f"load_state_dict: the state's '{key}' has no entry for {what}s {missing}; "
+                           "pass what state_dict() returned")
+    return saved
+
+
+def _taken_rows(rows: Any) -> Any:
+    """A saved consumer's taken rows; their order means nothing, so a set is as good as a list."""
+    return sorted(rows) if isinstance(rows, (set, frozenset)) else rows
+
+
+def checked_state_cells(column: str, rows: Mapping[Any, Any]) -> str:
+    """A saved column's cells are 1-D tensors or arrays of one type and dtype; returns that kind,
+    or raises a `DockValueError` naming the first row that is not."""
+    first_row, first = next(iter(rows.items()))
+    for r, v in rows.items():
+        if not (_is_tensor(v) or isinstance(v, np.ndarray)) or v.ndim != 1:
+            what = f"{type(v).__name__} of shape {tuple(v.shape)}" if hasattr(v, "shape") else type(v).__name__
+            raise DockValueError(f"load_state_dict: column '{column}', row {r} is a {what}; each saved cell must be a "
+                                 "1-D torch.Tensor or numpy array, as state_dict() gives")
+        if row_kind(v) != row_kind(first):
+            raise DockValueError(f"load_state_dict: column '{column}', row {r} is {row_kind(v)} but row {first_row} is "
+                                 f"{row_kind(first)}; a column's cells must share one type and dtype")
+    return row_kind(first)
+
+
 def row_kind(row: Any) -> str:
     """'torch.float32', 'numpy.int64', ...: what one column's rows must all be."""
     return f"{'torch' if _is_tensor(row) else 'numpy'}.{str(row.dtype).removeprefix('torch.')}"
@@ -605,3 +685,32 @@ def checked_rows(column: str, values: Any) -> list:
                 f"put_experience: column '{column}', value {i} is a {type(v).__name__} of dtype {v.dtype} but value 0 "
                 f"is a {type(values[0]).__name__} of dtype {values[0].dtype}; give one column's rows one type and dtype")
     return values
+
+
+def checked_index_list(where: str, indexes: Any) -> list:
+    """The caller's row `indexes` as a list, or a `DockValueError` for a container that is not an
+    ordered sequence of ints.
+
+    Refused here, on the caller's own object, because conversion hides them: a set becomes a list
+    in hash order (the answer's row order would be undefined) and an object-dtype array's
+    `tolist()` gives plain ints. The Ray client calls this before it sends anything.
+    """
+    if isinstance(indexes, (set, frozenset)):
+        try:
+            shown = sorted(indexes)
+        except TypeError:  # mixed types: shown as they come
+            shown = list(indexes)
+        raise DockValueError(
+            f"{where}: indexes is a {type(indexes).__name__} {preview(shown)}; a set has no "
+            "order, so the rows would line up with the values in an undefined order; pass a list, tuple, range "
+            "or integer array (e.g. sorted(indexes))")
+    if isinstance(indexes, (str, bytes, bytearray)):
+        raise DockValueError(f"{where}: indexes is a {type(indexes).__name__} {indexes!r}; pass a list of row ints")
+    if isinstance(indexes, np.ndarray) and indexes.dtype == object:
+        raise DockValueError(
+            f"{where}: indexes is a numpy array of dtype object (shape {indexes.shape}); its items may be "
+            "anything, so pass an integer array (indexes.astype(np.int64)) or a list of ints")
+    try:
+        return indexes.tolist() if hasattr(indexes, "tolist") else list(indexes)
+    except TypeError:
+        raise DockValueError(f"{where}: indexes must be a sequence of ints, got {type(indexes).__name__}") from None

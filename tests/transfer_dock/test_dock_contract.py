@@ -413,6 +413,42 @@ def test_c05_blocking_index_read_waits_for_the_put():
     assert_data_matches(data, idx, ["a"])
 
 
+def test_c05_index_read_of_rows_already_taken_raises_and_takes_nothing():
+    dock = make_dock(prompts_num=8)
+    put_rows(dock, ["a", "b"], range(8))
+    _, by_index = dock.get_experience("c1", ["a"], 2, indexes=[5, 2])
+    _, sampled = dock.get_experience("c1", ["a"], 2)
+    before = fingerprint(dock)
+    # Rows taken by index, and by a sampled get; row 6 is untaken and must not be taken either.
+    for again, taken in (([2, 6], [2]), ([6, sampled[1], sampled[0]], [sampled[1], sampled[0]])):
+        for blocking in (False, True):
+            t0 = time.monotonic()
+            with pytest.raises(DockValueError) as err:
+                dock.get_experience("c1", ["a", "b"], 2, indexes=again, blocking=blocking, timeout=30)
+            assert time.monotonic() - t0 < 5, "waiting cannot un-take a row: it must raise at once"
+            assert type(err.value) is DockValueError, type(err.value)
+            msg = str(err.value)
+            assert "consumer 'c1'" in msg and f"already took rows {taken} ({len(taken)} rows)" in msg, msg
+            assert fingerprint(dock) == before
+    # Another consumer reads the same rows independently; c1 still gets each other row once.
+    assert dock.get_experience("c2", ["a"], 2, indexes=[5, 2])[1] == [5, 2]
+    rest = sum(drain(dock, "c1", ["a", "b"], 8), [])
+    assert sorted(by_index + sampled + rest) == list(range(8))
+
+
+def test_c05_a_waiting_index_read_raises_if_another_caller_takes_its_rows_meanwhile():
+    dock = make_dock(prompts_num=8)
+    put_rows(dock, ["a"], [6])
+    call = start(dock.get_experience, "c1", ["a"], 2, indexes=[6, 7], blocking=True, timeout=30)
+    assert still_blocked(call)
+    assert dock.get_experience("c1", ["a"], 1, indexes=[6])[1] == [6]  # a second caller of c1
+    put_rows(dock, ["a"], [7])
+    with pytest.raises(DockValueError, match=r"consumer 'c1' already took rows \[6\]"):
+        call.outcome()
+    assert dock.get_consumer_status()["c1"]["taken"] == 1, "the refused get took row 7"
+    assert dock.get_experience("c1", ["a"], 1, indexes=[7])[1] == [7]
+
+
 # ---------------------------------------------------------------------------------------------- contract 6
 
 
@@ -475,6 +511,19 @@ BAD_INPUTS = {
     "put_mixed_tensor_and_array": (
         lambda d: d.put_experience({"a": [torch.zeros(3, dtype=torch.int64), val(5, "a")]}, [4, 5]),
         DockValueError, ["'a'", "ndarray", "Tensor"]),
+    "get_index_already_taken": (lambda d: d.get_experience("c1", ["a", "b"], 2, indexes=d.state_dict()["taken"]["c1"]),
+                                DockValueError, ["consumer 'c1'", "already took rows"]),
+    "put_set_indexes": (lambda d: d.put_experience({"a": _i64(4, 5)}, {4, 5}), DockValueError,
+                        ["set [4, 5]", "no order", "sorted(indexes)"]),
+    "put_frozenset_indexes": (lambda d: d.put_experience({"a": _i64(4)}, frozenset([4])), DockValueError,
+                              ["frozenset", "no order"]),
+    "get_set_indexes": (lambda d: d.get_experience("c2", ["a"], 2, indexes={0, 1}), DockValueError,
+                        ["get_experience", "set [0, 1]", "no order"]),
+    "put_object_array_indexes": (lambda d: d.put_experience({"a": _i64(4, 5)}, np.array([4, 5], dtype=object)),
+                                 DockValueError, ["dtype object", "astype(np.int64)"]),
+    "get_object_array_indexes": (lambda d: d.get_experience("c2", ["a"], 2, indexes=np.array([0, 1], dtype=object)),
+                                 DockValueError, ["get_experience", "dtype object"]),
+    "put_bytes_indexes": (lambda d: d.put_experience({"a": _i64(4, 5)}, b"\x04\x05"), DockValueError, ["bytes"]),
     "put_mixed_dtypes_in_later_column": (
         lambda d: d.put_experience({"a": _i64(4, 5), "b": [torch.zeros(2), torch.zeros(2, dtype=torch.int32)]},
                                    [4, 5]),
@@ -495,7 +544,11 @@ def test_c06_bad_input_raises_and_leaves_dock_unchanged(case):
     for w in words:
         assert w in str(err.value), (w, str(err.value))
     assert fingerprint(dock) == before
-    # And nothing invisible to the state (the ready-row bookkeeping) moved either.
+    _assert_prepared_dock_works(dock)
+
+
+def _assert_prepared_dock_works(dock: TransferDock) -> None:
+    """Nothing invisible to the state (the ready-row bookkeeping) of `_prepared_dock` moved."""
     assert sorted(dock.get_experience("c2", ["a", "b"], 4)[1]) == [0, 1, 2, 3]
     assert len(dock.get_experience("c1", ["a", "b"], 2)[1]) == 2
     assert dock.get_experience("c1", ["a"], 1) == ({}, [])
@@ -820,6 +873,90 @@ def test_c11_load_rejects_an_incomplete_state():
     del state["taken"]
     with pytest.raises(DockValueError, match="'taken'"):
         make_dock().load_state_dict(state)
+
+
+def _set(mapping: dict, key, value) -> None:
+    mapping[key] = value
+
+
+def _drop(mapping: dict, key) -> None:
+    del mapping[key]
+
+
+# Each case spoils one thing in a good state (column 'b' comes after 'a', so a load that restored
+# column by column would already have replaced 'a'): (spoil(state), error, words in its message).
+BAD_STATES = {
+    "cell_row_out_of_range": (lambda s: _set(s["cells"]["b"], 99, val(1, "b")), DockIndexError,
+                              ["column 'b'", "[99]", "0 .. 7"]),
+    "cell_row_negative": (lambda s: _set(s["cells"]["b"], -1, val(1, "b")), DockIndexError, ["column 'b'", "[-1]"]),
+    "cell_row_not_an_int": (lambda s: _set(s["cells"]["b"], "3", val(3, "b")), DockValueError,
+                            ["column 'b'", "ints"]),
+    "cell_of_another_dtype": (lambda s: _set(s["cells"]["b"], 5, np.zeros(3, dtype=np.float32)), DockValueError,
+                              ["column 'b', row 5", "numpy.float32", "numpy.int64"]),
+    "cell_tensor_among_arrays": (lambda s: _set(s["cells"]["b"], 5, torch.zeros(3, dtype=torch.int64)),
+                                 DockValueError, ["column 'b', row 5", "torch.int64"]),
+    "cell_2d": (lambda s: _set(s["cells"]["b"], 5, np.zeros((2, 2), dtype=np.int64)), DockValueError,
+                ["column 'b', row 5", "(2, 2)", "1-D"]),
+    "cell_not_an_array": (lambda s: _set(s["cells"]["b"], 5, [1, 2, 3]), DockValueError,
+                          ["column 'b', row 5", "list"]),
+    "cells_of_unknown_column": (lambda s: _set(s["cells"], "zz", {}), DockKeyError, ["['zz']", "['a', 'b']"]),
+    "cells_of_a_column_missing": (lambda s: _drop(s["cells"], "b"), DockKeyError, ["'cells'", "['b']"]),
+    "cells_of_a_column_not_a_dict": (lambda s: _set(s["cells"], "b", [val(0, "b")]), DockValueError,
+                                     ["column 'b'", "list"]),
+    "cells_not_a_dict": (lambda s: _set(s, "cells", [1]), DockValueError, ["'cells'", "list"]),
+    "taken_by_unknown_consumer": (lambda s: _set(s["taken"], "ghost", []), DockKeyError, ["['ghost']", "['c1', 'c2']"]),
+    "taken_of_a_consumer_missing": (lambda s: _drop(s["taken"], "c2"), DockKeyError, ["'taken'", "['c2']"]),
+    "taken_row_out_of_range": (lambda s: _set(s["taken"], "c2", [1, 8]), DockIndexError, ["consumer 'c2'", "[8]"]),
+    "taken_row_twice": (lambda s: _set(s["taken"], "c2", [1, 1]), DockValueError, ["consumer 'c2'", "duplicate"]),
+    "taken_rows_not_ints": (lambda s: _set(s["taken"], "c2", [0.5]), DockValueError, ["consumer 'c2'", "float"]),
+    "step_negative": (lambda s: _set(s, "step", -1), DockValueError, ["step=-1"]),
+}
+
+
+def _good_state() -> dict:
+    """A state unlike `_prepared_dock`'s: all 8 rows of a and b written, c2 took 3 rows."""
+    source = make_dock(prompts_num=8)
+    put_rows(source, ["a", "b"], range(8))
+    source.get_experience("c2", ["a"], 3)
+    return source.state_dict()
+
+
+@pytest.mark.parametrize("case", sorted(BAD_STATES))
+def test_c11_load_rejects_a_bad_state_and_leaves_the_dock_as_it_was(case):
+    spoil, exc_type, words = BAD_STATES[case]
+    state = _good_state()
+    spoil(state)
+    dock = _prepared_dock()
+    before = fingerprint(dock)
+    with pytest.raises(DockError) as err:
+        dock.load_state_dict(state)
+    assert type(err.value) is exc_type, f"{type(err.value).__name__}: {err.value}"
+    for w in words:
+        assert w in str(err.value), (w, str(err.value))
+    assert fingerprint(dock) == before, "a rejected state changed the dock"
+    _assert_prepared_dock_works(dock)
+
+
+def test_c11_load_rejects_a_state_that_is_not_a_dict():
+    dock = _prepared_dock()
+    before = fingerprint(dock)
+    with pytest.raises(DockValueError, match="the state is a list"):
+        dock.load_state_dict([("cells", {})])
+    assert fingerprint(dock) == before
+
+
+def test_c11_a_good_state_loads_after_a_rejected_one():
+    dock = _prepared_dock()
+    bad = _good_state()
+    bad["cells"]["b"][99] = val(1, "b")
+    with pytest.raises(DockIndexError):
+        dock.load_state_dict(bad)
+    good = _good_state()
+    dock.load_state_dict(good)
+    assert fingerprint(dock)[0] == {**good, "cells": {c: {r: v.tolist() for r, v in cs.items()}
+                                                      for c, cs in good["cells"].items()}}
+    with pytest.raises(DockValueError, match="numpy.int64 rows this step"):  # the loaded column's dtype holds
+        dock.put_experience({"a": [np.zeros(2, dtype=np.float32)]}, [0], overwrite=True)
 
 
 # ---------------------------------------------------------------------------------------------- contract 12
