@@ -4,79 +4,174 @@
     GET /api/state   the run's snapshot as JSON (see state.py)
     GET /report.html the same page with the snapshot of this moment embedded (works offline)
 
-It is the standard library's `ThreadingHTTPServer`: no dependency, and a request never blocks
-the trainer (the snapshot's reads of the dock are rate-limited and time-bounded).
+It runs inside the trainer, so it must never cost the trainer more than a few threads and file
+descriptors, whatever connects to it:
+
+- one thread accepts connections and waits for them to send something (a `selectors` loop); a
+  connection that sends nothing costs a file descriptor, not a thread, and is closed after
+  `timeout_s`. At most `MAX_WAITING` such connections are kept: beyond that the oldest is closed
+  (a browser's request sends its bytes at once, so the oldest idle one is the least likely to be
+  a real request);
+- a connection that has sent bytes gets a handler thread, at most `max_handlers` at once; beyond
+  that it is answered 503 (Retry-After: 1) at once, by the accepting thread, without a thread of
+  its own. A handler's socket reads and writes time out after `timeout_s` too;
+- it answers only requests whose Host header is its own address (`127.0.0.1:PORT` or
+  `localhost:PORT`): after a DNS rebinding a page of another site reaches 127.0.0.1 under its
+  own name, and its requests carry that name, so they get 403 and no data.
+
+The standard library only: no dependency.
 """
 from __future__ import annotations
 
+import collections
 import json
+import selectors
+import socket
+import sys
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import time
+import traceback
+from http.server import BaseHTTPRequestHandler
 from typing import Callable
 
 from .report import render_page
 
 HOST = "127.0.0.1"
+TIMEOUT_S = 5.0     # an idle connection, or a read/write of a request that stalls, is closed after this
+MAX_HANDLERS = 8    # requests answered at once (a page polls once a second: one or two are enough)
+MAX_WAITING = 256   # connections kept open that have not sent anything yet
+ACCEPT_BATCH = 64   # connections accepted per loop turn, so that the waiting ones are served too
+
+_BUSY = b"the dashboard is answering too many requests at once; retry in a second\n"
+
+
+def host_names(host: str) -> frozenset[str]:
+    """The names a browser may put in the Host header for a server bound to `host`."""
+    if host in ("127.0.0.1", "localhost"):
+        return frozenset({"127.0.0.1", "localhost"})
+    if host == "::1":
+        return frozenset({"[::1]", "localhost"})
+    return frozenset({f"[{host}]" if ":" in host else host})
+
+
+def host_allowed(values: list[str], names: frozenset[str], port: int) -> bool:
+    """True when the request carries exactly one Host header naming this server and its port.
+
+    A missing Host header is refused too: every browser sends one, and a request without it cannot
+    show that it was meant for this server. The port may be left out only where it is 80, as
+    browsers do.
+    """
+    if len(values) != 1:
+        return False
+    value = values[0].strip().lower()
+    allowed = {f"{n}:{port}" for n in names} | (set(names) if port == 80 else set())
+    return value in allowed
+
+
+def _plain_response(code: int, reason: str, body: bytes, extra: str = "") -> bytes:
+    return (f"HTTP/1.0 {code} {reason}\r\nContent-Type: text/plain; charset=utf-8\r\n"
+            f"Content-Length: {len(body)}\r\nCache-Control: no-store\r\nConnection: close\r\n{extra}\r\n"
+            ).encode() + body
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """One request per connection (HTTP/1.0), so a handler thread is free again after it."""
+
+    server: "DashboardServer"
+
+    def setup(self) -> None:
+        self.timeout = self.server.timeout_s  # StreamRequestHandler applies it to the socket
+        super().setup()
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        server = self.server
+        try:
+            if not host_allowed(self.headers.get_all("Host") or [], server.names, server.port):
+                body = (f"refused: the Host header {self.headers.get('Host')!r} is not this dashboard's "
+                        f"address; open {server.url} (through ssh -L, forward the same port number: "
+                        f"-L {server.port}:127.0.0.1:{server.port})\n").encode()
+                self._send(403, "text/plain; charset=utf-8", body)
+                return
+            path = self.path.split("?", 1)[0]
+            if path in ("/", "/index.html"):
+                self._send(200, "text/html; charset=utf-8", render_page(None).encode())
+            elif path == "/api/state":
+                self._send(200, "application/json", json.dumps(server.snapshot()).encode())
+            elif path == "/report.html":
+                self._send(200, "text/html; charset=utf-8", render_page(server.snapshot()).encode())
+            else:
+                self._send(404, "text/plain", b"not found: the dashboard serves /, /api/state, /report.html")
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the browser went away
+
+    def _send(self, code: int, ctype: str, body: bytes) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.send_header("X-Content-Type-Options", "nosniff")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:  # no access log on the trainer's console
+        pass
 
 
 class DashboardServer:
-    """Serve `snapshot()` (a callable returning the state dict) until `stop()`."""
+    """Serve `snapshot()` (a callable returning the state dict) until `stop()`.
 
-    def __init__(self, snapshot: Callable[[], dict], port: int = 0, host: str = HOST):
+    `timeout_s` and `max_handlers` bound what any client can hold (see the module's docstring);
+    the defaults suit a browser or two on the same machine.
+    """
+
+    def __init__(self, snapshot: Callable[[], dict], port: int = 0, host: str = HOST,
+                 timeout_s: float = TIMEOUT_S, max_handlers: int = MAX_HANDLERS, max_waiting: int = MAX_WAITING):
+        if timeout_s <= 0 or max_handlers < 1 or max_waiting < 1:
+            raise ValueError(f"DashboardServer: timeout_s={timeout_s}, max_handlers={max_handlers}, "
+                             f"max_waiting={max_waiting}; each must be positive")
         self.snapshot = snapshot
         self.host, self.port = host, int(port)
-        self._httpd: ThreadingHTTPServer | None = None
+        self.names = host_names(host)
+        self.timeout_s, self.max_handlers, self.max_waiting = float(timeout_s), int(max_handlers), int(max_waiting)
+        self._slots = threading.BoundedSemaphore(self.max_handlers)
+        self._count_lock = threading.Lock()
+        self._handling = 0
+        self._waiting: collections.OrderedDict[socket.socket, tuple[float, tuple]] = collections.OrderedDict()
+        self._listener: socket.socket | None = None
+        self._wake: tuple[socket.socket, socket.socket] | None = None
+        self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}/"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/"
+
+    def load(self) -> dict[str, int]:
+        """Connections now waiting for their first bytes, and requests being answered."""
+        with self._count_lock:
+            return {"waiting": len(self._waiting), "handling": self._handling}
 
     def start(self) -> str:
         """Bind and serve in a daemon thread; returns the URL. OSError if the port is taken."""
-        snapshot = self.snapshot
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 (http.server's name)
-                path = self.path.split("?", 1)[0]
-                try:
-                    if path in ("/", "/index.html"):
-                        self._send(200, "text/html; charset=utf-8", render_page(None).encode())
-                    elif path == "/api/state":
-                        self._send(200, "application/json", json.dumps(snapshot()).encode())
-                    elif path == "/report.html":
-                        self._send(200, "text/html; charset=utf-8", render_page(snapshot()).encode())
-                    else:
-                        self._send(404, "text/plain", b"not found: the dashboard serves /, /api/state, /report.html")
-                except (BrokenPipeError, ConnectionResetError):
-                    pass  # the browser went away
-
-            def _send(self, code: int, ctype: str, body: bytes) -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.send_header("Cache-Control", "no-store")
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args) -> None:  # no access log on the trainer's console
-                pass
-
-        httpd = ThreadingHTTPServer((self.host, self.port), Handler)
-        httpd.daemon_threads = True
-        self._httpd = httpd
-        self.port = httpd.server_address[1]
-        self._thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name="mindspeed_rl-dashboard", daemon=True)
+        listener = _listen(self.host, self.port)
+        self._listener = listener
+        self.port = listener.getsockname()[1]
+        self._wake = socket.socketpair()
+        self._wake[0].setblocking(False)
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._serve, name="mindspeed_rl-dashboard", daemon=True)
         self._thread.start()
         return self.url
 
     def stop(self, timeout: float = 5.0) -> None:
-        if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
-            self._httpd = None
+        """Stop accepting and close the listening socket; requests in flight end on their own."""
         if self._thread is not None:
+            self._stopping.set()
+            try:
+                self._wake[1].send(b"x")
+            except OSError:
+                pass
             self._thread.join(timeout)
             self._thread = None
 
@@ -89,3 +184,150 @@ class DashboardServer:
             pass
         finally:
             self.stop()
+
+    # ------------------------------------------------------------------ the accepting thread
+    def _serve(self) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(self._listener, selectors.EVENT_READ, "accept")
+        sel.register(self._wake[0], selectors.EVENT_READ, "wake")
+        try:
+            while not self._stopping.is_set():
+                for key, _ in sel.select(self._next_expiry()):
+                    if key.data == "accept":
+                        self._accept(sel)
+                    elif key.data == "wake":
+                        _drain(key.fileobj)
+                    else:
+                        self._unwait(sel, key.fileobj)
+                        self._dispatch(key.fileobj, key.data)
+                self._expire(sel)
+        finally:
+            for conn in list(self._waiting):
+                self._unwait(sel, conn)
+                _close(conn)
+            sel.close()
+            _close(self._listener)
+            for s in self._wake:
+                _close(s)
+
+    def _next_expiry(self) -> float | None:
+        """Seconds until the oldest waiting connection times out (they all wait the same time)."""
+        if not self._waiting:
+            return None
+        deadline, _ = next(iter(self._waiting.values()))
+        return max(0.0, deadline - time.monotonic())
+
+    def _accept(self, sel: selectors.BaseSelector) -> None:
+        for _ in range(ACCEPT_BATCH):
+            try:
+                conn, addr = self._listener.accept()
+            except BlockingIOError:
+                return
+            except OSError:  # out of file descriptors: make room, the connection stays in the backlog
+                if self._waiting:
+                    oldest = next(iter(self._waiting))
+                    self._unwait(sel, oldest)
+                    _close(oldest)
+                return
+            conn.setblocking(False)
+            if len(self._waiting) >= self.max_waiting:
+                oldest = next(iter(self._waiting))
+                self._unwait(sel, oldest)
+                _close(oldest)
+            with self._count_lock:
+                self._waiting[conn] = (time.monotonic() + self.timeout_s, addr)
+            sel.register(conn, selectors.EVENT_READ, addr)
+
+    def _unwait(self, sel: selectors.BaseSelector, conn: socket.socket) -> None:
+        with self._count_lock:
+            self._waiting.pop(conn, None)
+        try:
+            sel.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+
+    def _expire(self, sel: selectors.BaseSelector) -> None:
+        now = time.monotonic()
+        while self._waiting:
+            conn, (deadline, _) = next(iter(self._waiting.items()))
+            if deadline > now:
+                return
+            self._unwait(sel, conn)
+            _close(conn)
+
+    def _dispatch(self, conn: socket.socket, addr: tuple) -> None:
+        """A connection sent bytes: a handler thread if one is free, else 503 at once."""
+        if not self._slots.acquire(blocking=False):
+            _refuse_busy(conn)
+            return
+        with self._count_lock:
+            self._handling += 1
+        conn.setblocking(True)
+        try:
+            threading.Thread(target=self._handle, args=(conn, addr), name="mindspeed_rl-dashboard-request",
+                             daemon=True).start()
+        except RuntimeError:  # the process cannot start a thread now
+            self._release()
+            _refuse_busy(conn)
+
+    def _handle(self, conn: socket.socket, addr: tuple) -> None:
+        try:
+            _Handler(conn, addr, self)
+        except OSError:
+            pass  # a timeout or a reset: the client is gone or stalled, its connection is closed below
+        except Exception:  # a bug in the page or the snapshot: say so, keep serving
+            traceback.print_exc(file=sys.stderr)
+        finally:
+            try:
+                conn.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+            _close(conn)
+            self._release()
+
+    def _release(self) -> None:
+        with self._count_lock:
+            self._handling -= 1
+        self._slots.release()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket; its OSError keeps the plain strerror ("Address already in use"), which
+    the trainer's message quotes (`socket.create_server` would append the address to it)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as http.server: restart on a TIME_WAIT port
+        sock.bind((host, port))
+        sock.listen(128)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _refuse_busy(conn: socket.socket) -> None:
+    try:
+        conn.setblocking(False)  # the accepting thread never waits on a client
+        conn.recv(65536)  # the request's bytes: closing with them unread would reset, and lose the 503
+        conn.send(_plain_response(503, "Service Unavailable", _BUSY, "Retry-After: 1\r\n"))
+        conn.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+    _close(conn)
+
+
+def _drain(sock: socket.socket) -> None:
+    try:
+        while sock.recv(64):
+            pass
+    except OSError:
+        pass
+
+
+def _close(sock: socket.socket | None) -> None:
+    if sock is not None:
+        try:
+            sock.close()
+        except OSError:
+            pass
