@@ -3,6 +3,8 @@
 It reads `<run_dir>/dashboard.json` (which the trainer keeps up to date every step, so a run that
 crashed or was killed has one too), rewrites `<run_dir>/report.html` from it with this version's
 page, and serves the page on 127.0.0.1 until Ctrl-C. `--write-only` writes the report and exits.
+A missing, unreadable or corrupt dashboard.json, or a run directory it cannot write to, is one line
+on stderr naming the file, what is wrong and what to do, and exit code 2.
 """
 from __future__ import annotations
 
@@ -26,7 +28,12 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"dashboard: {e}", file=sys.stderr)
         return 2
-    path = write_report(snapshot, args.run_dir)
+    try:
+        path = write_report(snapshot, args.run_dir)
+    except OSError as e:
+        print(f"dashboard: cannot write {e.filename or args.run_dir} ({e.strerror or e}); copy the run "
+              "directory somewhere writable and run this there", file=sys.stderr)
+        return 2
     print(f"report: {path}", flush=True)
     if args.write_only:
         return 0

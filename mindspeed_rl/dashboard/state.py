@@ -180,13 +180,57 @@ def write_json(path: Path, data: dict) -> Path:
     return path
 
 
+# the snapshot's fields the page reads, and their JSON types (a file missing one draws nothing)
+SNAPSHOT_FIELDS = {"info": dict, "consumers": dict, "columns": dict, "steps": dict,
+                   "events": list, "spans": list, "history": list}
+_JSON_TYPES = {dict: "an object", list: "a list", str: "a string", int: "a number", float: "a number",
+               bool: "true/false", type(None): "null"}
+_FIX = ("copy it again from the run's output_dir, or open the run's report.html if it has one "
+        "(the trainer writes it at the end of a run, a failed one too)")
+
+
 def load_snapshot(run_dir: str | os.PathLike) -> dict:
-    """The snapshot a run left in its directory; `FileNotFoundError` naming what is missing."""
+    """The snapshot a run left in its directory.
+
+    `FileNotFoundError` when there is none; `ValueError` when it cannot be read, is not JSON (cut
+    short by a copy, say) or is not a snapshot of this version. Each error is one line naming the
+    file, what is wrong and what to do, for `cli/dashboard.py` to print as it is.
+    """
     path = Path(run_dir) / SNAPSHOT_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: is {run_dir} the output_dir of a run made with "
                                 "trainer.report=true (or trainer.dashboard=true)?")
-    data = json.loads(path.read_text())
-    if data.get("format") != FORMAT:
-        raise ValueError(f"{path}: snapshot format {data.get('format')!r}, this version reads {FORMAT}")
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read it ({e.strerror or e})") from None
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not a snapshot (not UTF-8 text: byte {e.start} of {len(raw)}); {_FIX}") from None
+    except json.JSONDecodeError as e:
+        cut = "; it does not end with '}': cut short?" if not raw.rstrip().endswith(b"}") else ""
+        raise ValueError(f"{path} is not valid JSON ({e.msg}: line {e.lineno}, column {e.colno} of its "
+                         f"{len(raw)} bytes{cut}); {_FIX}") from None
+    problem = snapshot_problem(data)
+    if problem:
+        other_version = isinstance(data, dict) and "format" in data and data["format"] != FORMAT
+        fix = "open the run's report.html, which the version that made the run wrote, or that version's " \
+              "cli/dashboard.py" if other_version else _FIX
+        raise ValueError(f"{path} is not a snapshot this version can show: {problem}; {fix}")
     return data
+
+
+def snapshot_problem(data: Any) -> str | None:
+    """What keeps `data` from being a snapshot the page can draw (None: nothing)."""
+    if not isinstance(data, dict):
+        return f"it holds {_JSON_TYPES.get(type(data), type(data).__name__)}, not an object"
+    if data.get("format") != FORMAT:
+        return f"snapshot format {data.get('format')!r}, this version reads {FORMAT}"
+    for key, kind in SNAPSHOT_FIELDS.items():
+        if key not in data:
+            return f"field {key!r} is missing"
+        if not isinstance(data[key], kind):
+            return f"field {key!r} is {_JSON_TYPES.get(type(data[key]), type(data[key]).__name__)}, " \
+                   f"not {_JSON_TYPES[kind]}"
+    return None

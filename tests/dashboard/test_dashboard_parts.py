@@ -139,6 +139,44 @@ def test_cli_says_what_is_missing(tmp_path):
     assert f"{tmp_path / SNAPSHOT_FILE} does not exist" in proc.stderr and "trainer.report=true" in proc.stderr
 
 
+def _saved_snapshot(run_dir: Path) -> bytes:
+    state = DashboardState(INFO)
+    state.add_record({"step": 0, "reward/mean": 0.5})
+    state.finish()
+    return state.save(run_dir).read_bytes()
+
+
+@pytest.mark.parametrize("corrupt, what", [
+    (lambda good: good[:len(good) // 2], "bytes; it does not end with '}': cut short?)"),
+    (lambda good: b"", "is not valid JSON (Expecting value: line 1, column 1 of its 0 bytes; it does not end"),
+    (lambda good: b"\xff\xfe\x00\x01" + good, "is not a snapshot (not UTF-8 text: byte 0 of"),
+    (lambda good: b"[1, 2]", "is not a snapshot this version can show: it holds a list, not an object"),
+    (lambda good: good.replace(b'"history":[', b'"history":"x","old":['), "field 'history' is a string, not a list"),
+    (lambda good: good.replace(b'"format":1', b'"format":7'), "snapshot format 7, this version reads 1"),
+], ids=["truncated", "empty", "binary", "list", "wrong-type", "other-version"])
+def test_cli_names_a_corrupt_dashboard_json(tmp_path, corrupt, what):
+    path = tmp_path / SNAPSHOT_FILE
+    path.write_bytes(corrupt(_saved_snapshot(tmp_path)))
+    proc = subprocess.run([sys.executable, str(ROOT / "cli" / "dashboard.py"), str(tmp_path), "--write-only"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith(f"dashboard: {path} ") and what in proc.stderr, proc.stderr
+    assert "report.html" in proc.stderr, "it says what to do instead"
+    assert not (tmp_path / "report.html").exists(), "nothing is written from a bad snapshot"
+    with pytest.raises(ValueError):
+        load_snapshot(tmp_path)
+
+
+def test_cli_says_when_it_cannot_write_the_report(tmp_path):
+    _saved_snapshot(tmp_path)
+    (tmp_path / "report.html").mkdir()  # os.replace onto a directory fails, as an unwritable directory would
+    proc = subprocess.run([sys.executable, str(ROOT / "cli" / "dashboard.py"), str(tmp_path), "--write-only"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("dashboard: cannot write ") and "somewhere writable" in proc.stderr, proc.stderr
+
+
 def test_cli_writes_the_report_from_dashboard_json(tmp_path):
     state = DashboardState(INFO)
     state.add_record({"step": 0, "reward/mean": 0.5})
