@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
 from typing import Any, Mapping
 
@@ -64,6 +65,52 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
     return value
 
 
+def _first_non_finite(path: str, value: Any) -> tuple[str, float] | None:
+    """The first nan/inf anywhere in `value` (list items, mapping values) and where it sits.
+
+    Walking the value rather than only `float`-typed fields covers untyped containers too
+    (`actor_config.betas`, `trainer.simulate_cost_s_per_row`, `placement.mfcs`), so a key added
+    later cannot slip a nan past loading whatever its annotation.
+    """
+    if isinstance(value, float) and not math.isfinite(value):
+        return path, value
+    if isinstance(value, (list, tuple)):
+        items: Any = ((f"{path}[{i}]", v) for i, v in enumerate(value))
+    elif isinstance(value, Mapping):
+        items = ((f"{path}.{k}", v) for k, v in value.items())
+    else:
+        return None
+    for where, item in items:
+        found = _first_non_finite(where, item)
+        if found:
+            return found
+    return None
+
+
+def _yaml(value: Any) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _check_finite(path: str, value: Any, default: Any) -> None:
+    """No config number may be nan, inf or -inf: none of them means anything a run can do (a timeout of
+    inf would hand Ray an infinite wait, a learning rate of nan only fails when the model loads)."""
+    found = _first_non_finite(path, value)
+    if found:
+        where, bad = found
+        fix = "give a finite number" + (f" (the default: {path}={_yaml(default)})"
+                                         if where == path or isinstance(default, list) else "")
+        raise ConfigError(f"{where}={bad}: must be a finite number (nan, inf and -inf are not accepted for any key); "
+                          f"{fix}; see docs/configs.md")
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return None
+
+
 def _section(path: str) -> str:
     return path[len("config."):] if path.startswith("config.") else path
 
@@ -83,6 +130,7 @@ def _build(cls: type, data: Mapping[str, Any], path: str) -> Any:
             kwargs[key] = _build(tp, value, f"{_section(path)}.{key}")
         else:
             kwargs[key] = _coerce(f"{_section(path)}.{key}", value, tp)
+            _check_finite(f"{_section(path)}.{key}", kwargs[key], _default(fields[key]))
     return cls(**kwargs)
 
 

@@ -340,6 +340,7 @@ class TransferDockActor:
         return state
 
     async def load_state_dict(self, state: dict) -> None:
+        kinds = self._dock.checked_state(state)  # the real rows, before they become cells: all or nothing
         state = dict(state)
         cells = {}
         for column, rows in state["cells"].items():
@@ -350,7 +351,7 @@ class TransferDockActor:
             else:
                 cells[column] = {}
         state["cells"] = cells
-        self._dock.load_state_dict(state)
+        self._dock.restore_state(state, kinds)
         await self._notify()
 
 

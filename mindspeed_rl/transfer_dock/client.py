@@ -25,7 +25,7 @@ from . import channel, shm
 from .actor import HeldReply, RefBlock, remote_actor_class
 from .codec import ColumnBlock, pack, unpack
 from .shm import ShmBlock
-from .dock import checked_rows
+from .dock import checked_index_list, checked_rows
 from .errors import DockError, DockValueError
 
 # Columns whose packed size is at least this go by reference. Chosen by benchmarks/dock_throughput.py
@@ -171,6 +171,8 @@ class TransferDockClient:
         """
         if not isinstance(data, Mapping) or not data:
             raise DockValueError(f"put_experience: data must be a non-empty dict column -> values, got {type(data).__name__}")
+        # the caller's own object (a set is refused, not listed), before any bytes are written
+        idx = checked_index_list("put_experience", indexes)
         blocks: dict[str, ColumnBlock | RefBlock | ShmBlock] = {}
         large: dict[str, ColumnBlock] = {}
         arena = None
@@ -191,7 +193,6 @@ class TransferDockClient:
         # One object for all large columns: every ref passed through the dock costs Ray a
         # borrower registration (~1 ms), so a put pays it once, not once per column.
         refs = [ray.put(large)] if large else []
-        idx = indexes.tolist() if hasattr(indexes, "tolist") else list(indexes)
         payload = (blocks, idx, overwrite, producer, self.worker)
         conn = None if refs else self._connection()  # refs must travel in a Ray call
         if conn is not None:
@@ -230,8 +231,8 @@ class TransferDockClient:
         in the socket (or in Ray), holding no Python thread, until `result()`. The rows are taken
         when the dock answers, as with `get_experience`; a blocking get's `timeout` counts from
         when it was sent."""
-        if indexes is not None and hasattr(indexes, "tolist"):
-            indexes = indexes.tolist()
+        if indexes is not None:  # the caller's object: a set is refused, not listed
+            indexes = checked_index_list("get_experience", indexes)
         columns = [columns] if isinstance(columns, str) else list(columns)
         wait = (self.default_timeout if timeout is None else timeout) if blocking else 0.0
         request = (consumer, columns, count, indexes, get_n_samples, blocking, timeout, self.worker)

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
 
-from mindspeed_rl.transfer_dock import DockTimeoutError, TransferDock
+from mindspeed_rl.transfer_dock import (DockError, DockIndexError, DockKeyError, DockTimeoutError, DockValueError,
+                                        MissingDataError, TransferDock)
 
 COLUMNS = ("a", "b", "c")
 CONSUMERS = ("x", "y")
@@ -156,6 +157,69 @@ class DockMachine(RuleBasedStateMachine):
                 assert _same(v, self.written[c][r]), f"column {c} row {r}: got {v}, put {self.written[c][r]}"
         self.taken[consumer].update(rows)
 
+    @rule(consumer=st.sampled_from(CONSUMERS), data=st.data())
+    def get_by_index(self, consumer, data):
+        """A by-index get hands out exactly those rows, in that order; rows this consumer took
+        already, or unwritten cells, raise and take nothing."""
+        columns = data.draw(st.lists(st.sampled_from(COLUMNS), min_size=1, max_size=3, unique=True), label="columns")
+        fresh = [r for r in self._untaken(consumer) if all(r in self.written[c] for c in columns)]
+        pool = data.draw(st.sampled_from([fresh, list(range(self.capacity))] if fresh else [list(range(self.capacity))]),
+                         label="row_pool")
+        rows = data.draw(st.lists(st.sampled_from(pool), min_size=1, unique=True), label="rows")
+        again = [r for r in rows if r in self.taken[consumer]]
+        missing = [r for r in rows if any(r not in self.written[c] for c in columns)]
+        event(f"get_by_index: {'taken' if again else 'missing' if missing else 'ok'}")
+        before = _cells_of(self.dock)
+        if again:
+            with pytest.raises(DockValueError, match=rf"consumer '{consumer}' already took rows \[{again[0]}"):
+                self.dock.get_experience(consumer, columns, 1, indexes=rows, blocking=data.draw(st.booleans()),
+                                         timeout=10.0)
+        elif missing:
+            with pytest.raises(MissingDataError):
+                self.dock.get_experience(consumer, columns, 1, indexes=rows)
+        else:
+            out, got = self.dock.get_experience(consumer, columns, 1, indexes=rows)
+            assert got == rows
+            for c in columns:
+                assert all(_same(v, self.written[c][r]) for r, v in zip(rows, out[c])), f"column {c}"
+            self.taken[consumer].update(rows)
+            return
+        assert _cells_of(self.dock) == before, "a refused by-index get changed the dock"
+
+    @rule(data=st.data())
+    def load_a_spoiled_state(self, data):
+        """A state with one bad row or name is refused as a whole: nothing changes (the model and
+        the later gets check that the dock goes on as if the load never happened)."""
+        state = self.dock.state_dict()
+        column = data.draw(st.sampled_from(COLUMNS), label="column")
+        spoil = data.draw(st.sampled_from(["row_out_of_range", "cell_2d", "cell_dtype", "taken_unknown",
+                                           "taken_out_of_range"]), label="spoil")
+        cells = dict(state["cells"][column])
+        if spoil == "row_out_of_range":
+            cells[self.capacity + data.draw(st.integers(0, 3))], error = _MAKERS[column]([0]), DockIndexError
+        elif spoil == "cell_2d":
+            cells[0], error = _MAKERS[column]([[0, 1]]), DockValueError
+        elif spoil == "cell_dtype":  # a column's own dtype under the other container type
+            other = torch.tensor([0], dtype=torch.float64) if column == "c" else np.zeros(1, dtype=np.float16)
+            cells[data.draw(st.integers(0, self.capacity - 1))], error = other, DockValueError
+        elif spoil == "taken_unknown":
+            state["taken"] = {**state["taken"], "ghost": []}
+            error = DockKeyError
+        else:
+            state["taken"] = {**state["taken"], CONSUMERS[0]: [self.capacity]}
+            error = DockIndexError
+        state["cells"] = {**state["cells"], column: cells}
+        if spoil == "cell_dtype" and len(cells) == 1:
+            error = None  # the only cell of its column: a column of another dtype, which is fine
+        event(f"load_a_spoiled_state: {spoil}")
+        before = _cells_of(self.dock)
+        if error is None:
+            return
+        with pytest.raises(DockError) as err:
+            self.dock.load_state_dict(state)
+        assert type(err.value) is error, f"{spoil}: {type(err.value).__name__}: {err.value}"
+        assert _cells_of(self.dock) == before, f"a refused state ({spoil}) changed the dock"
+
     @precondition(lambda self: any(self.written[c] for c in COLUMNS))
     @rule(data=st.data())
     def clear(self, data):
@@ -179,6 +243,12 @@ class DockMachine(RuleBasedStateMachine):
         written = {c: s["written"] for c, s in self.dock.get_column_status().items()}
         assert written == {c: len(w) for c, w in self.written.items()}, f"column status {written}"
         assert self.dock.step == self.step
+
+
+def _cells_of(dock: TransferDock) -> dict:
+    """A dock's state_dict, cell by cell, in comparable form."""
+    sd = dock.state_dict()
+    return {**sd, "cells": {c: {r: (str(v.dtype), v.tolist()) for r, v in cs.items()} for c, cs in sd["cells"].items()}}
 
 
 class OrderedDockMachine(DockMachine):

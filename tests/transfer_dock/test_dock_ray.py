@@ -14,6 +14,7 @@ import random
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -246,6 +247,20 @@ BAD_CALLS = {
                              "unwritten"),
     "get_bad_group_count": (lambda d: d.get_experience("x", ["prompts"], 3, get_n_samples=True), DockValueError,
                             "multiple"),
+    # y took row 3 by index (and two more by a sampled get): asking for it again takes nothing
+    "get_index_already_taken": (lambda d: d.get_experience("y", ["prompts"], 2, indexes=[2, 3]), DockValueError,
+                                "consumer 'y' already took rows [3]"),
+    "get_index_already_taken_blocking": (lambda d: d.get_experience("y", ["prompts"], 1, indexes=[3], blocking=True,
+                                                                    timeout=20.0), DockValueError, "already took"),
+    # the client must refuse the caller's own object, not the list it would make of it
+    "put_set_indexes": (lambda d: d.put_experience({"prompts": [prompt_row(4), prompt_row(5)]}, {4, 5}),
+                        DockValueError, "set [4, 5]"),
+    "put_object_array_indexes": (lambda d: d.put_experience({"prompts": [prompt_row(4), prompt_row(5)]},
+                                                            np.array([4, 5], dtype=object)), DockValueError,
+                                 "dtype object"),
+    "get_set_indexes": (lambda d: d.get_experience("x", ["prompts"], 2, indexes={0, 1}), DockValueError, "set [0, 1]"),
+    "get_object_array_indexes": (lambda d: d.get_experience("x", ["prompts"], 2, indexes=np.array([0, 1], dtype=object)),
+                                 DockValueError, "dtype object"),
 }
 
 
@@ -254,6 +269,7 @@ def test_bad_input_raises_the_dock_error_in_the_caller_and_changes_nothing(make_
     dock = make_dock(["prompts", "responses"], ["x", "y"], 4, 2)
     dock.put_experience({"prompts": [prompt_row(r) for r in range(4)]}, list(range(4)))
     dock.put_experience({"responses": [response_row(r) for r in (0, 1)]}, [0, 1])
+    dock.get_experience("y", ["prompts"], 1, indexes=[3])
     dock.get_experience("y", ["prompts"], 2)
     before = snapshot(dock)
 
@@ -275,6 +291,8 @@ def test_bad_input_raises_the_dock_error_in_the_caller_and_changes_nothing(make_
 
     dock.put_experience({"responses": [response_row(5)]}, [5])  # the dock still works
     assert dock.get_column_status()["responses"]["written"] == 3
+    out, rows = dock.get_experience("x", ["prompts"], 4)
+    assert sorted(rows) == [0, 1, 2, 3] and check_rows(out, rows) == []
 
 
 def test_a_failed_put_without_waiting_is_raised_by_flush(make_dock):
@@ -320,6 +338,8 @@ def test_state_dict_has_real_tensors_and_a_fresh_dock_resumes_mid_step(make_dock
                                          "responses": {"written": 6, "total": 8}}
     assert fresh.get_consumer_status()["x"]["taken"] == 3 and fresh.get_consumer_status()["y"]["taken"] == 6
 
+    with pytest.raises(DockValueError, match="torch.float32 rows"):  # the restored column keeps its dtype
+        fresh.put_experience({"responses": [torch.zeros(2, dtype=torch.float64)]}, [4])
     fresh.put_experience({"responses": [response_row(r) for r in (4, 5)]}, [4, 5])
     for consumer, before, cols in (("x", x_before, columns), ("y", y_before, ["prompts"])):
         after = []
@@ -331,6 +351,59 @@ def test_state_dict_has_real_tensors_and_a_fresh_dock_resumes_mid_step(make_dock
             after += rows
         assert sorted(before + after) == list(range(8)), f"{consumer}: before {before}, after {after}"
         assert fresh.all_consumed(consumer)
+
+
+def _set(mapping: dict, key, value) -> None:
+    mapping[key] = value
+
+
+# (spoil(state), error, words): one bad row or name in a good state; 'responses' comes after
+# 'prompts', so a load that restored column by column would have replaced 'prompts' already.
+BAD_STATES = {
+    "cell_row_out_of_range": (lambda s: _set(s["cells"]["responses"], 99, response_row(1)), DockIndexError, "[99]"),
+    "cell_of_another_dtype": (lambda s: _set(s["cells"]["responses"], 5, torch.zeros(3, dtype=torch.float64)),
+                              DockValueError, "torch.float64"),
+    "cell_2d": (lambda s: _set(s["cells"]["responses"], 5, torch.zeros(2, 2)), DockValueError, "1-D"),
+    "taken_by_unknown_consumer": (lambda s: _set(s["taken"], "ghost", [0]), DockKeyError, "ghost"),
+    "taken_row_out_of_range": (lambda s: _set(s["taken"], "y", [1, 8]), DockIndexError, "[8]"),
+}
+
+
+def test_load_state_dict_rejects_a_bad_state_and_changes_nothing(make_dock):
+    dock = make_dock(["prompts", "responses"], ["x", "y"], 4, 2)
+    dock.put_experience({"prompts": [prompt_row(r) for r in range(4)]}, list(range(4)))
+    dock.put_experience({"responses": [response_row(r) for r in (0, 1)]}, [0, 1])
+    dock.get_experience("y", ["prompts"], 2)
+    good = dock.state_dict()
+    good["cells"]["prompts"] = {r: prompt_row(r) for r in range(8)}  # unlike the dock's state
+    good["taken"] = {"x": [4, 5], "y": []}
+    before = snapshot(dock)
+
+    problems = []
+    for name, (spoil, error, text) in BAD_STATES.items():
+        state = pickle.loads(pickle.dumps(good))  # a fresh copy to spoil
+        spoil(state)
+        try:
+            dock.load_state_dict(state)
+        except Exception as e:  # noqa: BLE001 -- sorted out below
+            if type(e) is not error:
+                problems.append(f"{name}: raised {type(e).__name__} ({e}), expected {error.__name__}")
+            elif text not in str(e):
+                problems.append(f"{name}: message {str(e)!r} does not mention {text!r}")
+        else:
+            problems.append(f"{name}: raised nothing")
+        if snapshot(dock) != before:
+            problems.append(f"{name}: changed the dock")
+            before = snapshot(dock)
+    assert not problems, "\n".join(problems)
+
+    dock.load_state_dict(good)  # the good state still loads, cell by cell
+    assert snapshot(dock)[0] == snapshot_of(good)
+
+
+def snapshot_of(state: dict) -> dict:
+    return {**state, "cells": {c: {r: (str(v.dtype), v.tolist()) for r, v in cs.items()}
+                               for c, cs in state["cells"].items()}}
 
 
 # ---------------------------------------------------------------------- memory
