@@ -711,6 +711,10 @@ def checked_index_list(where: str, indexes: Any) -> list:
             f"{where}: indexes is a numpy array of dtype object (shape {indexes.shape}); its items may be "
             "anything, so pass an integer array (indexes.astype(np.int64)) or a list of ints")
     try:
-        return indexes.tolist() if hasattr(indexes, "tolist") else list(indexes)
+        rows = indexes.tolist() if hasattr(indexes, "tolist") else list(indexes)
     except TypeError:
         raise DockValueError(f"{where}: indexes must be a sequence of ints, got {type(indexes).__name__}") from None
+    if not isinstance(rows, list):  # a 0-d array or tensor: tolist() gives its one value
+        raise DockValueError(f"{where}: indexes is a 0-d {type(indexes).__name__} holding {rows!r}; pass a 1-D "
+                             f"sequence of row ints, e.g. [{rows!r}]")
+    return rows

@@ -523,6 +523,10 @@ BAD_INPUTS = {
                                  DockValueError, ["dtype object", "astype(np.int64)"]),
     "get_object_array_indexes": (lambda d: d.get_experience("c2", ["a"], 2, indexes=np.array([0, 1], dtype=object)),
                                  DockValueError, ["get_experience", "dtype object"]),
+    "put_0d_array_index": (lambda d: d.put_experience({"a": _i64(4)}, np.array(0)), DockValueError,
+                           ["0-d ndarray", "[0]"]),
+    "get_0d_tensor_index": (lambda d: d.get_experience("c2", ["a"], 1, indexes=torch.tensor(0)), DockValueError,
+                            ["0-d Tensor", "[0]"]),
     "put_bytes_indexes": (lambda d: d.put_experience({"a": _i64(4, 5)}, b"\x04\x05"), DockValueError, ["bytes"]),
     "put_mixed_dtypes_in_later_column": (
         lambda d: d.put_experience({"a": _i64(4, 5), "b": [torch.zeros(2), torch.zeros(2, dtype=torch.int32)]},
