@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 from mindspeed_rl.config import Config, ConfigError, GroupConfig, config_from_dict
 
 from .helpers import REPO
-from .test_cli import FAST_S, run_cli
+from .test_cli import run_cli
 
 NON_FINITE = ("nan", "inf", "-inf")
 
@@ -113,9 +113,9 @@ def test_default_in_the_message_is_the_fix():
                                               ("actor_config.lr=nan", "actor_config.lr=nan")])
 def test_cli_refuses_non_finite_before_ray(tmp_path, override_, named):
     """The two cases of the issue, through the real CLI: exit 2 with `config error:`, no Ray, no traceback."""
-    proc, seconds = run_cli(tmp_path, override_)
+    proc, _ = run_cli(tmp_path, override_)
     assert proc.returncode == 2, proc.stderr
     assert f"config error: {named}: must be a finite number" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+    # Ray never started, so no worker loaded a model (a time bound would be flaky on a loaded machine)
     assert "[ray-probe] initialized=False" in proc.stderr, proc.stderr
-    assert seconds < FAST_S, f"took {seconds:.1f} s"
