@@ -19,8 +19,12 @@ def train_main(raw_cfg, algorithm: str | None = None) -> list[dict]:
         print(f"mindspeed_rl: {cfg.rl_config.algorithm} on {cfg.data.dataset}, {cfg.trainer.total_steps} steps, "
               f"{'blocking' if cfg.rl_config.blocking else 'non-blocking'}, placement {cfg.placement.mode}; "
               f"output in {cfg.trainer.output_dir}", file=sys.stderr)
+    from .trainer.driver import Interrupted
     try:
         return trainer.run()
+    except Interrupted as e:  # SIGINT/SIGTERM: one line (where it got to, how to resume), exit 130/143
+        print(e.summary(sys.argv), file=sys.stderr)
+        sys.exit(e.exit_code)
     except TrainingError as e:
         print(f"training stopped: {e}", file=sys.stderr)
         sys.exit(1)

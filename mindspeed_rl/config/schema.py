@@ -16,6 +16,7 @@ class TrainerConfig:
     output_dir: str = "outputs/grpo_tiny"  # metrics.jsonl, checkpoints/, curve.png go here
     seed: int = 1                        # seeds data order, sampling and model init
     save_interval: int = 0               # checkpoint every N steps (0: only at the end when > 0 steps ran)
+    keep_checkpoints: int = 3            # newest complete checkpoints kept, older ones deleted; 0: keep all
     resume: bool = False                 # continue from the newest checkpoint in output_dir
     dry_run: bool = False                # validate, print graph and placement plan, start nothing
     logger: list = field(default_factory=lambda: ["console", "jsonl"])  # console, jsonl, tensorboard

@@ -44,6 +44,7 @@ def validate_config(cfg: Config) -> None:
     t, a, g, rl, d = cfg.trainer, cfg.actor_config, cfg.generate_config, cfg.rl_config, cfg.data
     _positive(e, "trainer.total_steps", t.total_steps, allow_zero=True)
     _positive(e, "trainer.save_interval", t.save_interval, "0 turns periodic checkpoints off", allow_zero=True)
+    _positive(e, "trainer.keep_checkpoints", t.keep_checkpoints, "0 keeps every checkpoint", allow_zero=True)
     _positive(e, "trainer.stage_timeout_s", t.stage_timeout_s)
     for lg in t.logger:
         _one_of(e, "trainer.logger", lg, LOGGERS)

@@ -7,22 +7,31 @@
 `rl_config.blocking: true` runs the stages one after another in the graph's topological order;
 `false` starts all of them at once and each takes micro-batches as soon as its inputs are ready.
 Every wait is bounded: a stage that makes no progress for `trainer.stage_timeout_s`, a worker that
-dies, or a failed stage stops the run within seconds, naming the stage and the cause.
+dies, or a failed stage stops the run within seconds, naming the stage and the cause: for a stall,
+the stage that is late (found from the graph and the dock's progress), not only the one that waited;
+for a dead worker, the worker and every stage it hosted. SIGINT and SIGTERM stop the run at the next
+poll (within `POLL_S`) and clean up as a crash does; `Interrupted` carries the one line to print.
 While it runs, a dashboard on 127.0.0.1 shows each stage's consumption and a timeline of the
 micro-batches; at the end (also after a crash) `report.html` keeps the same views (docs/dashboard.md).
 """
 from __future__ import annotations
 
 import os
+import re
+import shlex
+import signal
 import sys
+import threading
 import time
-from typing import Any
+from typing import Any, Iterable, Mapping, Sequence
 
 
 from ..config import Config
-from .checkpoint import checkpoint_dir, latest_checkpoint, mark_latest, save_driver_state
+from ..dataflow import MFCDef
+from .checkpoint import (checkpoint_dir, latest_checkpoint, mark_latest, prune_checkpoints, read_latest,
+                         save_driver_state)
 from .plan import Plan, check_cluster, format_plan, make_plan
-from .run_log import RunLog, plot_curve
+from .run_log import MetricsFileError, RunLog, plot_curve
 
 STARTUP_TIMEOUT_S = 300.0
 POLL_S = 0.25
@@ -31,6 +40,39 @@ SAVE_EVERY_S = 2.0  # dashboard.json in output_dir: rewritten at most this often
 
 class TrainingError(RuntimeError):
     """The run stopped; the message names the stage and the cause."""
+
+
+class Interrupted(TrainingError):
+    """SIGINT or SIGTERM stopped the run (after the same clean-up as a crash).
+
+    `summary(argv)` is the one line a user needs: where the run got to, the checkpoint a resume
+    starts from, and the command that resumes it. `exit_code` is the shell's 128 + signal number.
+    """
+
+    def __init__(self, signum: int, step: int, steps_done: int, total_steps: int, checkpoint: dict | None,
+                 save_interval: int):
+        self.signum, self.step, self.steps_done, self.total_steps = signum, step, steps_done, total_steps
+        self.checkpoint, self.save_interval = checkpoint, save_interval
+        super().__init__(f"stopped by {signal.Signals(signum).name} during step {step} "
+                         f"({steps_done} of {total_steps} steps done)")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+    def summary(self, argv: Sequence[str]) -> str:
+        if self.checkpoint is None:
+            where = (f"no checkpoint yet (trainer.save_interval={self.save_interval}), a resume starts at step 0")
+        else:
+            where = f"last checkpoint: step {self.checkpoint['step']} in {self.checkpoint['path']}"
+        return f"{self}; {where}; resume with: {resume_command(argv)}"
+
+
+def resume_command(argv: Sequence[str]) -> str:
+    """The command line that ran (`python` + argv), with any trainer.resume override replaced by
+    `trainer.resume=true`; each word quoted for a POSIX shell."""
+    words = [a for a in argv[1:] if not re.match(r"^\+{0,2}trainer\.resume=", a)]
+    return shlex.join(["python", argv[0] if argv else "cli/train_grpo.py", *words, "trainer.resume=true"])
 
 
 class Trainer:
@@ -46,6 +88,12 @@ class Trainer:
         self.dashboard = None  # DashboardState while a run with trainer.dashboard or trainer.report goes
         self.dashboard_server = None
         self.log: RunLog | None = None
+        self.worker_info: dict[tuple[str, int], dict] = {}  # (group, rank) -> its ping: pid, host, node id
+        self.step = 0             # the step running (or about to), for an interrupted run's message
+        self.steps_done = 0
+        self._signal: int | None = None  # SIGINT/SIGTERM received; raised as Interrupted at the next poll
+        self._stopping = False           # cleaning up: a further signal changes nothing
+        self._saved_handlers: dict[int, Any] = {}
 
     # ------------------------------------------------------------------ the run
     def run(self) -> list[dict]:
@@ -55,11 +103,17 @@ class Trainer:
             return []
         self._start_dashboard()  # first: a port in use fails before anything starts
         error: BaseException | None = None
+        self._trap_signals()
         try:
             self._start_ray()
+            self._trap_signals()  # again: ray.init installs a SIGTERM handler of its own (sys.exit)
             self._start()
             start_step = self._maybe_resume()
-            self.log = RunLog(cfg.trainer.output_dir, cfg.trainer.logger, resume_step=start_step)
+            self.step = self.steps_done = start_step
+            try:
+                self.log = RunLog(cfg.trainer.output_dir, cfg.trainer.logger, resume_step=start_step)
+            except MetricsFileError as e:
+                raise TrainingError(f"trainer.resume=true: {e}") from None
             if self.dashboard is not None:
                 for record in self.log.history:  # a resumed run's earlier steps
                     self.dashboard.add_record(record)
@@ -67,6 +121,8 @@ class Trainer:
             self._sync_weights()
             bar = self._progress(start_step)
             for step in range(start_step, cfg.trainer.total_steps):
+                self.step = step
+                self._check_signal()
                 record = self.train_step(step, bar)
                 line = self.log.log(record)
                 if self.dashboard is not None:
@@ -81,6 +137,7 @@ class Trainer:
                 saving = cfg.trainer.save_interval and (step + 1) % cfg.trainer.save_interval == 0
                 if saving or (step + 1 == cfg.trainer.total_steps and cfg.trainer.save_interval):
                     self.save(step + 1)
+                self.steps_done = step + 1
             if bar is not None:
                 bar.close()
             if cfg.trainer.plot and self.log.history:
@@ -89,12 +146,48 @@ class Trainer:
             return self.log.history
         except BaseException as e:
             error = e
+            if self._signal is not None and not isinstance(e, Interrupted):
+                # the signal came first and took workers down with it (a SIGTERM to the process group)
+                error = self._interrupted()
+                raise error from None
             raise
         finally:
-            self._finish_dashboard(error)  # before shutdown: the dock still answers for the last view
-            if self.log is not None:
-                self.log.close()
-            self.shutdown()
+            self._stopping = True
+            try:
+                self._finish_dashboard(error)  # before shutdown: the dock still answers for the last view
+                if self.log is not None:
+                    self.log.close()
+                self.shutdown()
+            finally:
+                self._restore_signals()
+
+    # ------------------------------------------------------------------ signals
+    def _trap_signals(self) -> None:
+        """SIGINT/SIGTERM only set a flag: the driver raises at its next poll, never in the middle of
+        a dock call (a reply read half-way would desync the channel the final report still reads)."""
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread; the defaults stay
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous = signal.signal(sig, self._on_signal)
+            self._saved_handlers.setdefault(sig, previous)
+
+    def _on_signal(self, signum: int, frame) -> None:
+        if self._signal is None and not self._stopping:
+            self._signal = signum
+
+    def _restore_signals(self) -> None:
+        for sig, handler in self._saved_handlers.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        self._saved_handlers = {}
+
+    def _check_signal(self) -> None:
+        if self._signal is not None and not self._stopping:
+            raise self._interrupted()
+
+    def _interrupted(self) -> Interrupted:
+        t = self.cfg.trainer
+        return Interrupted(self._signal or signal.SIGINT, self.step, self.steps_done, t.total_steps,
+                           read_latest(t.output_dir), t.save_interval)
 
     def train_step(self, step: int, bar=None) -> dict:
         cfg, plan = self.cfg, self.plan
@@ -126,36 +219,47 @@ class Trainer:
 
     # ------------------------------------------------------------------ stages
     def _run_stages(self, step: int, version: int, kl_coef: float, bar) -> list[dict]:
-        calls = [(m.name, w) for m in self.plan.order for w in self.workers[self.plan.group_of(m.name)]]
+        calls = [(m.name, (self.plan.group_of(m.name), rank), w) for m in self.plan.order
+                 for rank, w in enumerate(self.workers[self.plan.group_of(m.name)])]
+
+        def start(name: str, where: tuple[str, int], w) -> tuple[str, tuple[str, int], Any]:
+            return name, where, w.run_stage.remote(name, step, version, kl_coef)
         if self.cfg.rl_config.blocking:
             reports = []
             for m in self.plan.order:
-                group = [(name, w) for name, w in calls if name == m.name]
-                reports += self._wait(step, [(name, w.run_stage.remote(name, step, version, kl_coef))
-                                             for name, w in group], bar)
+                reports += self._wait(step, [start(*c) for c in calls if c[0] == m.name], bar)
             return reports
-        return self._wait(step, [(name, w.run_stage.remote(name, step, version, kl_coef)) for name, w in calls], bar)
+        return self._wait(step, [start(*c) for c in calls], bar)
 
-    def _wait(self, step: int, pending: list[tuple[str, Any]], bar) -> list[dict]:
-        """Wait for stage calls; abort on the first failure or when a stage stops making progress."""
+    def _wait(self, step: int, pending: list[tuple[str, tuple[str, int], Any]], bar) -> list[dict]:
+        """Wait for stage calls (stage, (group, rank), ref); abort on the first failure, when a stage
+        stops making progress, or on SIGINT/SIGTERM."""
         import ray
         from ray.exceptions import RayActorError, RayTaskError
-        stage_of = {ref: name for name, ref in pending}
-        refs = [ref for _, ref in pending]
+
+        from ..workers.stage import StageTimeout
+        stage_of = {ref: name for name, _, ref in pending}
+        worker_of = {ref: where for _, where, ref in pending}
+        refs = [ref for _, _, ref in pending]
         reports: list[dict] = []
         last_taken: dict[str, int] = {}
         last_progress = time.time()
         timeout = self.cfg.trainer.stage_timeout_s
         while refs:
+            self._check_signal()
             done, refs = ray.wait(refs, num_returns=len(refs), timeout=POLL_S)
             for ref in done:
                 try:
                     reports.append(ray.get(ref))
                 except RayTaskError as e:
+                    cause = getattr(e, "cause", None)
+                    if isinstance(cause, StageTimeout):  # who waited is known; who is late is found here
+                        raise TrainingError(f"step {step}: {self._stall(step, [cause.stage])}"
+                                            f"; {cause.stage} (rank {cause.rank}): {cause}") from None
                     raise TrainingError(f"step {step}: {_cause(e)}") from None
                 except RayActorError as e:
-                    raise TrainingError(f"step {step}: the worker running stage '{stage_of[ref]}' died "
-                                        f"({type(e).__name__}): {_first_line(e)}") from None
+                    raise TrainingError(f"step {step}: {self._worker_died(worker_of[ref], stage_of[ref], e)}") \
+                        from None
             if not refs:
                 break
             status = self.dock.get_consumer_status()
@@ -164,13 +268,35 @@ class Trainer:
                 last_taken, last_progress = taken, time.time()
             elif time.time() - last_progress > timeout + 5.0:
                 stuck = sorted({stage_of[r] for r in refs})
-                raise TrainingError(f"step {step}: stages {stuck} made no progress for {timeout:.0f} s "
-                                    f"(trainer.stage_timeout_s); consumption: "
+                raise TrainingError(f"step {step}: {self._stall(step, stuck)}; stages {stuck} made no progress "
+                                    f"for {timeout:.0f} s (trainer.stage_timeout_s); consumption: "
                                     + ", ".join(f"{c} {s['taken']}/{s['total']}" for c, s in status.items()))
             if bar is not None:
                 bar.set_postfix_str(" ".join(f"{c} {taken[c]}/{status[c]['total']}" for c in self.plan.consumers),
                                     refresh=True)
         return reports
+
+    def _stall(self, step: int, waiting: list[str]) -> str:
+        """The late stages behind `waiting`, with their progress, read from the dock now."""
+        try:
+            columns, consumers = self.dock.get_column_status(), self.dock.get_consumer_status()
+        except Exception as e:  # the dock itself is gone: say so rather than hide the stall
+            return f"stages {waiting} stalled (the dock did not answer for details: {_first_line(e)})"
+        groups = {m.name: self.plan.group_of(m.name) for m in self.plan.order}
+        lanes = {name: f"{g}/{_ranks(self.plan.groups[g].resources.dp)}" for name, g in groups.items()}
+        return describe_stall(self.plan.order, waiting, columns, consumers, lanes,
+                              self.cfg.trainer.stage_timeout_s)
+
+    def _worker_died(self, where: tuple[str, int], stage: str, e: Exception) -> str:
+        """A dead worker by group/rank, Ray actor and pid, with every stage it hosted."""
+        group, rank = where
+        info = self.worker_info.get(where, {})
+        actor = getattr(e, "actor_id", None) or info.get("actor_id")
+        ids = ", ".join(x for x in (f"Ray actor {actor}" if actor else "",
+                                    f"pid {info['pid']} on {info.get('host', '?')}" if "pid" in info else "") if x)
+        hosted = [m.name for m in self.plan.groups[group].mfcs]
+        return (f"worker {group}/{rank}{f' ({ids})' if ids else ''} died while running stage '{stage}'; it hosted "
+                f"stages {hosted} ({type(e).__name__}): {_first_line(e)}")
 
     # ------------------------------------------------------------------ weights
     @property
@@ -186,7 +312,7 @@ class Trainer:
         for model, train_mfc in self.plan.trained.items():
             members = self._sync_members[model]
             version = self._versions.get(model, 0)
-            results = ray.get([w.sync_weights.remote(model, version) for w in members], timeout=STARTUP_TIMEOUT_S)
+            results = self._get([w.sync_weights.remote(model, version) for w in members], f"weight sync of '{model}'")
             sent = next(r["sent"] for r in results if "sent" in r)
             received = [c for r in results for c in r["received"]]
             if any(c != sent for c in received):
@@ -385,6 +511,8 @@ class Trainer:
         infos = self._get([w.ping.remote() for w in all_workers], "starting workers")
         for name, ws in self.workers.items():
             self.worker_nodes[name] = [infos[all_workers.index(w)]["node_id"] for w in ws]
+            for rank, w in enumerate(ws):  # named in the message if it dies
+                self.worker_info[(name, rank)] = {**infos[all_workers.index(w)], "actor_id": _actor_id(w)}
         for name, ws in self.workers.items():
             if len(ws) > 1:  # DDP group of the DP ranks
                 host = infos[all_workers.index(ws[0])]["host"]
@@ -417,15 +545,24 @@ class Trainer:
         self.loader = PromptLoader(dataset, tokenizer, cfg.rl_config.prompts_per_step, seed=t.seed,
                                    shuffle=d.shuffle, max_prompt_length=d.max_prompt_length,
                                    apply_chat_template=d.chat_template)
+        truncation = self.loader.truncation_warning()  # once, at start: the count over the whole dataset
+        if truncation:
+            print(truncation, file=sys.stderr, flush=True)
 
     def _get(self, refs, what: str):
+        """ray.get, bounded by STARTUP_TIMEOUT_S, that stops at a signal within POLL_S."""
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+        from ray.exceptions import RayActorError, RayTaskError
+        deadline = time.time() + STARTUP_TIMEOUT_S
+        waiting = list(refs)
+        while waiting:
+            self._check_signal()
+            if time.time() > deadline:
+                raise TrainingError(f"{what}: no answer within {STARTUP_TIMEOUT_S:.0f} s (are the Ray resources "
+                                    "free? see `ray status`)")
+            _, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=POLL_S)
         try:
-            return ray.get(refs, timeout=STARTUP_TIMEOUT_S)
-        except GetTimeoutError:
-            raise TrainingError(f"{what}: no answer within {STARTUP_TIMEOUT_S:.0f} s (are the Ray resources "
-                                "free? see `ray status`)") from None
+            return ray.get(refs, timeout=POLL_S)
         except RayTaskError as e:
             raise TrainingError(f"{what}: {_cause(e)}") from None
         except RayActorError as e:
@@ -441,6 +578,7 @@ class Trainer:
                                       "kl_coef": float(self.kl_ctrl.value), "versions": dict(self._versions),
                                       "config": self.cfg})
         mark_latest(self.cfg.trainer.output_dir, directory, step)
+        prune_checkpoints(self.cfg.trainer.output_dir, self.cfg.trainer.keep_checkpoints)  # only once complete
 
     def _maybe_resume(self) -> int:
         if not self.cfg.trainer.resume:
@@ -497,6 +635,59 @@ class Trainer:
 def _cache_env() -> str:
     from ..models import cache_dir
     return str(cache_dir())
+
+
+def describe_stall(order: Sequence[MFCDef], waiting: Iterable[str], columns: Mapping[str, Mapping[str, int]],
+                   consumers: Mapping[str, Mapping[str, int]], lanes: Mapping[str, str], timeout_s: float) -> str:
+    """Who is late, not only who waited.
+
+    From each waiting stage, follow its input columns not yet fully written back to the stages that
+    produce them (the graph), and on through their own missing inputs, to the first stages whose
+    inputs are all there: those are late. Each is named with its worker and progress (rows taken /
+    total from its consumer status, rows written / total of each output column it still owes).
+    """
+    by_name = {m.name: m for m in order}
+    producer = {c: m.name for m in order for c in m.output_keys}
+
+    def unwritten(cols: Iterable[str]) -> list[str]:
+        return [c for c in cols if c in columns and columns[c]["written"] < columns[c]["total"]]
+
+    late: list[str] = []
+    seen: set[str] = set()
+    todo = [w for w in waiting if w in by_name]
+    while todo:
+        name = todo.pop(0)
+        if name in seen:
+            continue
+        seen.add(name)
+        upstream = [producer[c] for c in unwritten(by_name[name].input_keys) if c in producer]
+        if upstream:
+            todo += upstream
+        else:
+            late.append(name)
+
+    def progress(name: str) -> str:
+        c = consumers.get(name, {})
+        owed = unwritten(by_name[name].output_keys)
+        parts = [f"took {c.get('taken', '?')}/{c.get('total', '?')} rows"]
+        parts += [f"wrote {col} for {columns[col]['written']}/{columns[col]['total']}" for col in owed]
+        return f"stage '{name}' (worker {lanes.get(name, '?')}) {', '.join(parts)}"
+
+    waited = sorted(set(waiting))
+    if late == waited:  # in blocking mode, or a stage with all its inputs that does not finish
+        return f"{' and '.join(progress(n) for n in late)} and is late itself: its inputs are all written"
+    return (f"{' and '.join(progress(n) for n in late)}: late, so {waited} waited "
+            f"{timeout_s:.0f} s (trainer.stage_timeout_s) for its outputs")
+
+
+def _ranks(dp: int) -> str:
+    return "0" if dp == 1 else f"0-{dp - 1}"
+
+
+def _actor_id(handle) -> str | None:
+    """A Ray actor handle's id, for messages (Ray keeps it on a private attribute)."""
+    actor_id = getattr(handle, "_actor_id", None)
+    return actor_id.hex() if actor_id is not None else None
 
 
 def _cause(e: Exception) -> str:

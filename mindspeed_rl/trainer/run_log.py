@@ -4,11 +4,43 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from pathlib import Path
 
 CONSOLE_KEYS = (("reward/mean", "reward", ".3f"), ("actor/pg_loss", "pg_loss", "+.4f"), ("actor/kl", "kl", ".4f"),
                 ("actor/entropy", "entropy", ".3f"), ("response_length/mean", "resp_len", ".2f"),
                 ("timing/step", "step_s", ".2f"), ("throughput/tokens_per_s", "tok/s", ".0f"))
+
+
+class MetricsFileError(ValueError):
+    """metrics.jsonl is damaged where a crash cannot have done it (not its last line)."""
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl, for a resume.
+
+    A driver killed while appending a record leaves a torn last line: it is dropped with a warning
+    (that step is re-run anyway, its checkpoint came before it). A bad line anywhere else is not
+    what a kill does, so the resume is refused, naming the file and the line.
+    """
+    lines = path.read_text().splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if number == len(lines):
+                warnings.warn(f"{path}: dropped its last line {number}, cut short ({e.msg}): the run was killed "
+                              "while writing it", RuntimeWarning, stacklevel=2)
+                break
+            raise MetricsFileError(f"{path} line {number} is not JSON ({e.msg} at column {e.colno}) and it is not "
+                                   f"the last line, so it was not torn by a killed run; fix or delete that line, or "
+                                   "move the file away to resume without the earlier steps' metrics") from None
+    return records
 
 
 class RunLog:
@@ -19,13 +51,8 @@ class RunLog:
         self.path = self.dir / "metrics.jsonl"
         self.history: list[dict] = []
         if self.path.exists():
-            kept = []
-            for line in self.path.read_text().splitlines():
-                if line.strip():
-                    rec = json.loads(line)
-                    if resume_step is not None and rec.get("step", 0) < resume_step:
-                        kept.append(rec)
             # a resumed run keeps the steps before its checkpoint; a fresh run starts a new file
+            kept = [r for r in read_metrics(self.path) if r.get("step", 0) < resume_step] if resume_step else []
             self.history = kept
             self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         self.tensorboard = None

@@ -20,6 +20,17 @@ class StageError(RuntimeError):
     """A stage failed; the message starts with the stage name."""
 
 
+class StageTimeout(StageError):
+    """A stage waited `timeout_s` for its inputs. It is only the stage that noticed: the driver reads
+    `stage` and `input_keys` to find, from the graph and the dock, the stage that is late."""
+
+    def __init__(self, message: str, *, stage: str = "", rank: int = 0, step: int = 0,
+                 input_keys: tuple[str, ...] = ()):
+        super().__init__(message)
+        # kept through Ray's pickling: BaseException pickles its args and its __dict__
+        self.stage, self.rank, self.step, self.input_keys = stage, rank, step, tuple(input_keys)
+
+
 @dataclass
 class StageReport:
     stage: str
@@ -71,8 +82,9 @@ def run_stage_loop(dock, *, stage: str, rank: int, step: int, input_keys, count:
             return dock.get_experience(stage, keys, want, get_n_samples=get_n_samples, blocking=True,
                                        timeout=max(0.0, timeout), copy=False)
         except DockTimeoutError as e:
-            raise StageError(f"stage '{stage}' (rank {rank}, step {step}) timed out after {timeout_s:.0f} s "
-                             f"waiting for its inputs {keys}: {e}") from None
+            raise StageTimeout(f"stage '{stage}' (rank {rank}, step {step}) timed out after {timeout_s:.0f} s "
+                               f"waiting for its inputs {keys}: {e}", stage=stage, rank=rank, step=step,
+                               input_keys=tuple(keys)) from None
 
     def wanted(taken: int) -> int:
         return count if max_rows is None else min(count, max_rows - taken)
