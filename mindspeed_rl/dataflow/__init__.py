@@ -10,6 +10,7 @@ from .graph import (build_graph, data_graph, dataset_readers, describe, dock_col
 from .grpo import DATASET_KEYS as GRPO_DATASET_KEYS
 from .grpo import grpo_mfcs
 from .mfc import InterfaceType, MFCDef
+from .options import AlgorithmOptions, options_from_config, uses_kl_loss
 from .registry import ALGORITHMS, algorithm_graph, get_algorithm, known_algorithms
 
 __all__ = [
@@ -19,4 +20,5 @@ __all__ = [
     "worker_groups", "describe",
     "grpo_mfcs", "GRPO_DATASET_KEYS",
     "ALGORITHMS", "known_algorithms", "get_algorithm", "algorithm_graph",
+    "AlgorithmOptions", "options_from_config", "uses_kl_loss",
 ]

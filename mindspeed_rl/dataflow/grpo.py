@@ -1,31 +1,33 @@
 """GRPO as data: the list of its model function calls (stage names as in MindSpeed-RL).
 
 One step: the actor generates n responses per prompt; a rule reward scores them against the
-reference answers; the frozen reference model and the actor (before the update) give per-token
-log-probs; advantages are normalized within each prompt's n responses; the actor trains.
+reference answers; the frozen reference model (only when the loss has a KL term:
+`AlgorithmOptions.use_reference`) and the actor (before the update) give per-token log-probs;
+advantages are normalized within each prompt's n responses; the actor trains.
 Everything else (dock columns, consumers, order, weight syncs) is derived by `build_graph`.
 """
 from __future__ import annotations
 
 from .mfc import MFCDef
+from .options import FULL, AlgorithmOptions, reference_mfcs, train_inputs
 
 # Columns the dataset puts into the dock: prompt tokens, their length, reference answers.
 DATASET_KEYS = ("prompts", "prompt_length", "labels")
 
 
-def grpo_mfcs() -> list[MFCDef]:
+def grpo_mfcs(options: AlgorithmOptions = FULL) -> list[MFCDef]:
     """GRPO's MFCs. To add a stage or a column, add or edit one line here."""
     return [
         MFCDef("actor_rollout", "actor", "generate",
                ("prompts", "prompt_length"), ("responses", "response_length", "weight_version")),
         MFCDef("rule_reward", "reward", "compute",
                ("prompts", "responses", "labels"), ("rm_scores",), fn="rule_reward"),
-        MFCDef("ref_log_prob", "ref", "inference",
-               ("prompts", "responses"), ("ref_log_prob",), output_key_remap={"log_prob": "ref_log_prob"}),
+        *reference_mfcs(options),
         MFCDef("actor_log_prob", "actor", "inference",
                ("prompts", "responses"), ("old_log_prob",), output_key_remap={"log_prob": "old_log_prob"}),
         MFCDef("compute_advantage", "advantage", "compute",
                ("rm_scores",), ("advantages",), get_n_samples=True, fn="grpo_advantage"),
         MFCDef("actor_train", "actor", "train_step",
-               ("prompts", "responses", "response_length", "old_log_prob", "ref_log_prob", "advantages"), ()),
+               train_inputs(options, "prompts", "responses", "response_length", "old_log_prob", "ref_log_prob",
+                            "advantages"), ()),
     ]

@@ -9,19 +9,19 @@ critic_values), so the trainer syncs both without a line of PPO-specific code.
 from __future__ import annotations
 
 from .mfc import MFCDef
+from .options import FULL, AlgorithmOptions, reference_mfcs, train_inputs
 
 DATASET_KEYS = ("prompts", "prompt_length", "labels")
 
 
-def ppo_mfcs() -> list[MFCDef]:
+def ppo_mfcs(options: AlgorithmOptions = FULL) -> list[MFCDef]:
     """PPO's MFCs (verl's names for the columns)."""
     return [
         MFCDef("actor_rollout", "actor", "generate",
                ("prompts", "prompt_length"), ("responses", "response_length", "weight_version")),
         MFCDef("rule_reward", "reward", "compute",
                ("prompts", "responses", "labels"), ("rm_scores",), fn="rule_reward"),
-        MFCDef("ref_log_prob", "ref", "inference",
-               ("prompts", "responses"), ("ref_log_prob",), output_key_remap={"log_prob": "ref_log_prob"}),
+        *reference_mfcs(options),
         MFCDef("actor_log_prob", "actor", "inference",
                ("prompts", "responses"), ("old_log_prob",), output_key_remap={"log_prob": "old_log_prob"}),
         MFCDef("critic_values", "critic", "inference",
@@ -29,7 +29,7 @@ def ppo_mfcs() -> list[MFCDef]:
         MFCDef("compute_advantage", "advantage", "compute",
                ("rm_scores", "values"), ("advantages", "returns"), fn="gae_advantage"),
         MFCDef("actor_train", "actor", "train_step",
-               ("prompts", "responses", "old_log_prob", "ref_log_prob", "advantages"), ()),
+               train_inputs(options, "prompts", "responses", "old_log_prob", "ref_log_prob", "advantages"), ()),
         MFCDef("critic_train", "critic", "train_step",
                ("prompts", "responses", "values", "returns"), (), fn="value_train"),
     ]

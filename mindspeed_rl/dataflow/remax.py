@@ -9,11 +9,12 @@ remaps, so ReMax needs no new worker code beyond its advantage function.
 from __future__ import annotations
 
 from .mfc import MFCDef
+from .options import FULL, AlgorithmOptions, reference_mfcs, train_inputs
 
 DATASET_KEYS = ("prompts", "prompt_length", "labels")
 
 
-def remax_mfcs() -> list[MFCDef]:
+def remax_mfcs(options: AlgorithmOptions = FULL) -> list[MFCDef]:
     """ReMax's MFCs."""
     return [
         MFCDef("actor_rollout", "actor", "generate",
@@ -27,13 +28,12 @@ def remax_mfcs() -> list[MFCDef]:
                ("prompts", "greedy_responses", "labels"), ("reward_baselines",), fn="rule_reward",
                input_key_remap={"greedy_responses": "responses"},
                output_key_remap={"rm_scores": "reward_baselines"}),
-        MFCDef("ref_log_prob", "ref", "inference",
-               ("prompts", "responses"), ("ref_log_prob",), output_key_remap={"log_prob": "ref_log_prob"}),
+        *reference_mfcs(options),
         MFCDef("actor_log_prob", "actor", "inference",
                ("prompts", "responses"), ("old_log_prob",), output_key_remap={"log_prob": "old_log_prob"}),
         MFCDef("compute_advantage", "advantage", "compute",
                ("rm_scores", "reward_baselines", "response_length"), ("advantages",),
                fn="remax_advantage"),
         MFCDef("actor_train", "actor", "train_step",
-               ("prompts", "responses", "old_log_prob", "ref_log_prob", "advantages"), ()),
+               train_inputs(options, "prompts", "responses", "old_log_prob", "ref_log_prob", "advantages"), ()),
     ]

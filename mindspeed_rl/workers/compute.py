@@ -19,6 +19,7 @@ import torch
 from ..algorithms import (agg_loss, broadcast_to_tokens, gae_advantages, grpo_advantages, kl_penalty,
                           outcome_token_rewards, policy_loss, remax_advantages, value_loss)
 from ..dataflow.mfc import InterfaceType, MFCDef
+from ..dataflow.options import uses_kl_loss
 from ..engines.batching import unpad_rows
 
 
@@ -53,7 +54,8 @@ FUNCTIONS: dict[str, ComputeFn] = {f.name: f for f in (
     ComputeFn("remax_advantage", InterfaceType.COMPUTE, ("rm_scores", "reward_baselines", "response_length"),
               ("advantages", "returns"), doc="reward-to-go minus the greedy response's reward"),
     ComputeFn("policy_train", InterfaceType.TRAIN_STEP, ("prompts", "responses", "old_log_prob", "advantages"), (),
-              optional=("ref_log_prob",), engine="policy", doc="clipped policy loss (+ KL to the reference)"),
+              optional=("ref_log_prob",), engine="policy",
+              doc="clipped policy loss (+ KL to the reference when the KL coefficient is > 0)"),
     ComputeFn("value_train", InterfaceType.TRAIN_STEP, ("prompts", "responses", "values", "returns"), (),
               engine="value", doc="clipped value loss"),
 )}
@@ -219,16 +221,26 @@ def policy_train_micro_batch(batch: dict, *, engine, loss_cfg: PolicyLossConfig,
         ent = agg_loss(entropy, mask, loss_cfg.agg)
         if loss_cfg.entropy_coeff:
             loss = loss - loss_cfg.entropy_coeff * ent
-        kl_value = 0.0
-        if loss_cfg.use_kl_loss and "ref_log_prob" in batch:
+        kl_metric = {}
+        if needs_reference(loss_cfg, kl_coef):
+            if "ref_log_prob" not in batch:
+                raise ValueError(f"the actor loss has a KL term (actor_config.use_kl_loss=true, KL coefficient "
+                                 f"{kl_coef}) but the train MFC gets no ref_log_prob; build the graph with "
+                                 "options_from_config(cfg) so it has the reference stage")
             ref = _rows_to_matrix(batch["ref_log_prob"], width).to(logp.device)
             kl = agg_loss(kl_penalty(logp, ref, loss_cfg.kl_type), mask, loss_cfg.agg)
             loss = loss + kl_coef * kl
-            kl_value = float(kl.detach())
+            kl_metric = {"kl": float(kl.detach())}
         (loss * loss_scale).backward()
-    return {"pg_loss": float(pg_loss.detach()), "kl": kl_value, "entropy": float(ent.detach()),
+    return {"pg_loss": float(pg_loss.detach()), **kl_metric, "entropy": float(ent.detach()),
             "pg_clipfrac": pg_metrics["pg_clipfrac"], "ppo_kl": pg_metrics["ppo_kl"],
             "pg_clipfrac_lower": pg_metrics["pg_clipfrac_lower"], "micro_batches": 1.0}
+
+
+def needs_reference(loss_cfg: PolicyLossConfig, kl_coef: float) -> bool:
+    """Does this micro-batch's loss have a KL term? Not when the coefficient is 0: then nothing reads
+    ref_log_prob, and the graph has no reference stage to write it (dataflow/options.py)."""
+    return uses_kl_loss(loss_cfg.use_kl_loss, kl_coef)
 
 
 def advantage_matrix(rows: Sequence[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,63 @@
+"""The config decides which stages exist: no KL term, no reference stage (verl's use_reference_policy)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mindspeed_rl.config import config_from_dict
+from mindspeed_rl.dataflow import (AlgorithmOptions, algorithm_graph, dock_columns, get_algorithm, known_algorithms,
+                                   options_from_config, uses_kl_loss)
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo", "remax"])
+def test_without_reference_no_ref_stage_and_train_does_not_read_it(algorithm):
+    full = algorithm_graph(algorithm)
+    g = algorithm_graph(algorithm, AlgorithmOptions(use_reference=False))
+    assert set(full.nodes) - set(g.nodes) == {"ref_log_prob"}
+    assert "ref_log_prob" not in dock_columns(g)
+    assert "ref_log_prob" not in g.nodes["actor_train"]["mfc"].input_keys
+    assert "ref_log_prob" in full.nodes["actor_train"]["mfc"].input_keys
+    assert "ref" not in {m.model_name for m in get_algorithm(algorithm, AlgorithmOptions(False))[0]}
+
+
+def test_every_algorithm_builds_both_ways():
+    for name in known_algorithms():
+        for use in (True, False):
+            algorithm_graph(name, AlgorithmOptions(use_reference=use))
+
+
+@pytest.mark.parametrize("use_kl_loss,coef,adaptive,expected", [
+    (True, 0.0, False, False), (True, 0.0, True, False), (False, 0.1, False, False), (True, 0.001, False, True),
+    (True, 0.001, True, True)])
+def test_reference_needed_only_for_a_kl_term(use_kl_loss, coef, adaptive, expected):
+    cfg = config_from_dict({"actor_config": {"use_kl_loss": use_kl_loss, "kl_loss_coef": coef,
+                                             "kl_ctrl": "adaptive" if adaptive else "fixed"}})
+    assert options_from_config(cfg).use_reference is expected
+    assert uses_kl_loss(use_kl_loss, coef) is expected
+
+
+def _loss_inputs(with_ref: bool):
+    from mindspeed_rl.engines import OptimConfig, TorchTrainEngine
+    from tests.engines._common import PAD, random_rows, tiny_qwen2
+    engine = TorchTrainEngine(tiny_qwen2(seed=0), PAD, OptimConfig())
+    prompts, responses = random_rows(3, [2, 3, 1], seed=1), random_rows(3, [2, 1, 3], seed=2)
+    old = engine.log_probs(prompts, responses, 8)
+    batch = {"prompts": prompts, "responses": responses, "old_log_prob": old,
+             "advantages": [torch.tensor([a]) for a in (1.0, -1.0, 0.5)]}
+    if with_ref:
+        batch["ref_log_prob"] = [o.clone() for o in old]
+    return engine, batch
+
+
+def test_loss_without_kl_needs_no_ref_log_prob_and_reports_no_kl():
+    from mindspeed_rl.workers import compute as C
+    cfg = C.PolicyLossConfig(clip_low=0.2, clip_high=0.2, clip_c=3.0, agg="token-mean", use_kl_loss=True,
+                             kl_type="k3", entropy_coeff=0.0)
+    engine, batch = _loss_inputs(with_ref=False)
+    out = C.policy_train_micro_batch(batch, engine=engine, loss_cfg=cfg, kl_coef=0.0, loss_scale=1.0, sync=True)
+    assert "kl" not in out and out["micro_batches"] == 1.0
+    with pytest.raises(ValueError, match="has a KL term .* but the train MFC gets no ref_log_prob"):
+        C.policy_train_micro_batch(batch, engine=engine, loss_cfg=cfg, kl_coef=0.01, loss_scale=1.0, sync=True)
+    engine, batch = _loss_inputs(with_ref=True)
+    out = C.policy_train_micro_batch(batch, engine=engine, loss_cfg=cfg, kl_coef=0.01, loss_scale=1.0, sync=True)
+    assert out["kl"] == pytest.approx(0.0, abs=1e-6)  # the reference equals the policy here
