@@ -6,8 +6,9 @@
 
 configs/grpo_tiny.yaml as it is (the 75k-parameter Qwen2, 16 prompts x 8 samples = 128 rows a
 step, the real models, rewards, optimizer and weight sync), with `placement.mode=disaggregated`:
-rollout, actor (log-probs + train), ref and rule (reward + advantage) each get their own Ray actor
-(0.5 CPU each, `torch_threads: 1`, so four stages fit the 2 cores without fighting over them).
+rollout, actor (log-probs + train) and rule (reward + advantage) each get their own Ray actor
+(0.5 CPU each, `torch_threads: 1`), and so does ref when the config has a KL term (grpo_tiny has
+none, `kl_loss_coef: 0`, so it runs no reference stage). The groups and stages are the plan's.
 
 One trainer runs every step; `rl_config.blocking` flips per step in ABBA order after one warm-up
 pair (`steptrace.py`), with a fixed seed. With `guarantee_order` both modes compute the same
@@ -34,21 +35,25 @@ import torch
 import yaml
 
 from mindspeed_rl.config import config_from_dict
+from mindspeed_rl.trainer.plan import make_plan
 
 from steptrace import TracingTrainer, abba_schedule, measured, median
 
 REPO = Path(__file__).resolve().parents[1]
-GROUPS = ("rollout", "actor", "ref", "rule")  # placement.mode=disaggregated
-STAGES = ("actor_rollout", "rule_reward", "ref_log_prob", "actor_log_prob", "compute_advantage", "actor_train")
 
 
 def make_config(steps: int, output_dir: str, seed: int) -> dict:
     cfg = yaml.safe_load((REPO / "configs" / "grpo_tiny.yaml").read_text())
     cfg["trainer"].update({"total_steps": steps, "output_dir": output_dir, "seed": seed, "progress": False,
                            "logger": [], "plot": False, "dashboard": False, "report": False, "save_interval": 0})
-    cfg["placement"].update({"mode": "disaggregated",
-                             "groups": {g: {"torch_threads": 1, "num_cpus": 0.5} for g in GROUPS}})
+    cfg["placement"].update({"mode": "disaggregated"})
+    groups = make_plan(config_from_dict(cfg), check_files=False).groups  # the graph's groups (ref: only with KL)
+    cfg["placement"]["groups"] = {g: {"torch_threads": 1, "num_cpus": 0.5} for g in groups}
     return cfg
+
+
+def stages(plan) -> tuple[str, ...]:
+    return tuple(m.name for m in plan.order)
 
 
 def run(rounds: int, seed: int) -> dict:
@@ -75,7 +80,7 @@ def run(rounds: int, seed: int) -> dict:
             "median_step_s": median(r["timing/step"] for r in recs),
             "tokens_per_s": median(r["throughput/tokens_per_s"] for r in recs),
             "weight_sync_s": median(r["timing/weight_sync"] for r in recs),
-            "busy_s": {s: median(r[f"busy/{s}"] for r in recs) for s in STAGES},
+            "busy_s": {s: median(r[f"busy/{s}"] for r in recs) for s in stages(trainer.plan)},
             "reward_mean": [r["reward/mean"] for r in recs],
         }
     b, nb = out["modes"]["blocking"], out["modes"]["non-blocking"]
@@ -97,9 +102,10 @@ def print_table(res: dict) -> None:
         print(f"  {name:<13} {m['median_step_s']:>13.3f} {m['tokens_per_s']:>9.0f} {m['weight_sync_s']:>13.3f} "
               f"{sp:>8}")
     print("\n  busy time per stage (median s per step: its compute, summed over micro-batches)")
-    print("  " + " ".join(f"{s:>17}" for s in ("mode",) + STAGES))
+    names = tuple(next(iter(res["modes"].values()))["busy_s"])
+    print("  " + " ".join(f"{s:>17}" for s in ("mode",) + names))
     for name, m in res["modes"].items():
-        print("  " + f"{name:>17} " + " ".join(f"{m['busy_s'][s]:>17.3f}" for s in STAGES))
+        print("  " + f"{name:>17} " + " ".join(f"{m['busy_s'][s]:>17.3f}" for s in names))
     print(f"\nspeedup (blocking / non-blocking step time): {res['speedup']:.3f}; total wall {res['wall_s']:.0f} s")
 
 

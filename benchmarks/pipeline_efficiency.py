@@ -86,9 +86,10 @@ def make_config(microbatches: int, steps: int, output_dir: str, placement: str) 
                     "simulate_cost_s_per_row": dict(COSTS)},
         "rl_config": {"prompts_per_step": ROWS_PER_STEP // N_SAMPLES, "n_samples_per_prompt": N_SAMPLES,
                       "dock_micro_batch_size": m, "guarantee_order": True},
-        "generate_config": {"micro_batch_size": m},
-        "actor_config": {"micro_batch_size": m, "mini_batch_size": None, "log_prob_micro_batch_size": m},
-        "ref_config": {"micro_batch_size": m},
+        "generate_config": {"micro_batch_size_per_device": m},
+        "actor_config": {"ppo_micro_batch_size_per_device": m, "ppo_mini_batch_size": None,
+                         "log_prob_micro_batch_size_per_device": m},
+        "ref_config": {"log_prob_micro_batch_size_per_device": m},
         "placement": {"mode": placement},
     }
 

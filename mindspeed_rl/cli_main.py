@@ -19,6 +19,8 @@ def train_main(raw_cfg, algorithm: str | None = None) -> list[dict]:
         print(f"mindspeed_rl: {cfg.rl_config.algorithm} on {cfg.data.dataset}, {cfg.trainer.total_steps} steps, "
               f"{'blocking' if cfg.rl_config.blocking else 'non-blocking'}, placement {cfg.placement.mode}; "
               f"output in {cfg.trainer.output_dir}", file=sys.stderr)
+        for note in trainer.plan.size_notes:  # sizes rounded to what they must divide, said once
+            print(f"batch size: {note}", file=sys.stderr)
     from .trainer.driver import Interrupted
     try:
         return trainer.run()

@@ -8,7 +8,7 @@ import math
 import typing
 from typing import Any, Mapping
 
-from .schema import Config, GroupConfig
+from .schema import Config, GroupConfig, renamed_keys_error
 
 
 class ConfigError(ValueError):
@@ -143,6 +143,9 @@ def config_from_dict(data: Mapping[str, Any] | Any) -> Config:
     data = dict(data)
     data.pop("hydra", None)
     data.pop("defaults", None)
+    renamed = renamed_keys_error(data)  # old size keys: say what they became, not "unknown key"
+    if renamed:
+        raise ConfigError(renamed)
     known = [f.name for f in dataclasses.fields(Config)]
     for key in data:
         if key not in known:

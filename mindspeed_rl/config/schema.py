@@ -10,6 +10,54 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 
+_PROMPTS = ("counted in prompts (verl's ppo_mini_batch_size: x rl_config.n_samples_per_prompt rows inside, so it "
+            "stays valid when n changes); set {new}={converted}")
+_ROWS = "the same rows per device (verl's *_micro_batch_size_per_gpu); set {new}={value}"
+
+# Old key -> (new key, how its value converts). The loader refuses an old key with this message
+# instead of "unknown key", so a config written for the old names says exactly what to change.
+RENAMED_KEYS: dict[str, tuple[str, str]] = {
+    "actor_config.mini_batch_size": ("actor_config.ppo_mini_batch_size", _PROMPTS),
+    "actor_config.micro_batch_size": ("actor_config.ppo_micro_batch_size_per_device", _ROWS),
+    "actor_config.log_prob_micro_batch_size": ("actor_config.log_prob_micro_batch_size_per_device", _ROWS),
+    "ref_config.micro_batch_size": ("ref_config.log_prob_micro_batch_size_per_device", _ROWS),
+    "critic_config.mini_batch_size": ("critic_config.ppo_mini_batch_size", _PROMPTS),
+    "critic_config.micro_batch_size": ("critic_config.ppo_micro_batch_size_per_device", _ROWS),
+    "critic_config.infer_micro_batch_size": ("critic_config.forward_micro_batch_size_per_device", _ROWS),
+    "generate_config.micro_batch_size": ("generate_config.micro_batch_size_per_device",
+                                         _ROWS + " (now rounded down to whole prompt groups instead of refused)"),
+}
+
+
+def renamed_key_message(old: str, value, n_samples_per_prompt: int = 8) -> str | None:
+    """The refusal of old key `old` set to `value` (its new value worked out for n), or None if not renamed."""
+    if old not in RENAMED_KEYS:
+        return None
+    new, how = RENAMED_KEYS[old]
+    n = n_samples_per_prompt if isinstance(n_samples_per_prompt, int) and n_samples_per_prompt > 0 else 8
+    if value is None:
+        converted = "null"
+    elif isinstance(value, int) and value % n == 0:
+        converted = f"{value // n} ({value} rows / rl_config.n_samples_per_prompt={n})"
+    else:
+        converted = (f"<old value / n_samples_per_prompt> ({value} rows are not whole groups of {n}: pick a number "
+                     f"of prompts that divides rl_config.prompts_per_step)")
+    shown = "null" if value is None else value
+    return f"{old}={shown}: renamed: it is now {new}, " + how.format(new=new, value=shown, converted=converted)
+
+
+def renamed_keys_error(data) -> str | None:
+    """Every old key name in a raw config mapping, each with what it became; None when there is none."""
+    rl = data.get("rl_config") if isinstance(data.get("rl_config"), dict) else {}
+    n = rl.get("n_samples_per_prompt", RLConfig.n_samples_per_prompt)
+    found = []
+    for old in RENAMED_KEYS:
+        section, key = old.split(".")
+        if isinstance(data.get(section), dict) and key in data[section]:
+            found.append(renamed_key_message(old, data[section][key], n))
+    return "; ".join(found) + " (see docs/configs.md)" if found else None
+
+
 @dataclass
 class TrainerConfig:
     total_steps: int = 200               # RL steps (one batch of prompts each)
@@ -39,8 +87,9 @@ class ActorConfig:
     weight_decay: float = 0.0
     betas: list = field(default_factory=lambda: [0.9, 0.999])
     grad_clip: float = 1.0
-    micro_batch_size: int = 32           # rows per forward/backward (gradient accumulation unit)
-    mini_batch_size: Optional[int] = 32  # rows per optimizer step; null: one step over the whole batch
+    # sizes (verl's convention): *_per_device count rows on one DP rank, ppo_mini_batch_size counts prompts
+    ppo_mini_batch_size: Optional[int] = 4  # prompts per optimizer step (x n_samples_per_prompt rows); null: 1 step
+    ppo_micro_batch_size_per_device: int = 32  # rows per forward/backward; rounded to divide the mini-batch
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0            # dual-clip bound for negative advantages
@@ -52,13 +101,13 @@ class ActorConfig:
     kl_target: float = 0.1               # adaptive only
     kl_horizon: int = 10000              # adaptive only
     entropy_coeff: float = 0.0
-    log_prob_micro_batch_size: int = 64  # rows per forward when computing old log-probs
+    log_prob_micro_batch_size_per_device: int = 64  # rows per get and forward of old log-probs
 
 
 @dataclass
 class RefConfig:
     model_path: Optional[str] = None     # null: the actor's initial checkpoint
-    micro_batch_size: int = 64
+    log_prob_micro_batch_size_per_device: int = 64  # rows per get and forward of reference log-probs
 
 
 @dataclass
@@ -68,11 +117,11 @@ class CriticConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    micro_batch_size: int = 32           # rows per forward/backward of the critic update
-    mini_batch_size: Optional[int] = 32  # rows per critic optimizer step; null: one step per RL step
+    ppo_mini_batch_size: Optional[int] = 4  # prompts per critic optimizer step; null: one step per RL step
+    ppo_micro_batch_size_per_device: int = 32  # rows per forward/backward; rounded to divide the mini-batch
     cliprange_value: float = 0.5         # new values stay within +-this of the old ones in the loss
     loss_agg_mode: str = "token-mean"
-    infer_micro_batch_size: int = 64     # rows per forward of critic_values
+    forward_micro_batch_size_per_device: int = 64  # rows per get and forward of critic_values
 
 
 @dataclass
@@ -83,7 +132,7 @@ class GenerateConfig:
     top_p: float = 1.0
     top_k: int = 0                       # 0: off
     stop_tokens: list = field(default_factory=lambda: ["<eos>"])  # token strings that end a response
-    micro_batch_size: int = 64           # rows per generate call (a multiple of n_samples_per_prompt)
+    micro_batch_size_per_device: int = 64  # rows per generate call; rounded down to whole prompt groups
 
 
 @dataclass
@@ -97,7 +146,7 @@ class RLConfig:
     adv_eps: float = 1e-6
     norm_adv_by_std: bool = True
     max_weight_staleness: int = 0        # rollout may use weights at most this many versions old
-    dock_micro_batch_size: int = 32      # rows per get for stages that set none (reward, advantage)
+    dock_micro_batch_size: int = 32      # rows per get of reward/advantage; whole groups: rounded down to them
     gamma: float = 1.0                   # PPO's GAE discount
     lam: float = 1.0                     # PPO's GAE lambda
 

@@ -6,6 +6,7 @@ graph and the Ray cluster) run in `mindspeed_rl.trainer.plan`, still before any 
 from __future__ import annotations
 
 import importlib.util
+from typing import Collection
 
 from .load import ConfigError
 from .schema import Config
@@ -38,8 +39,30 @@ def installed(module: str) -> bool:
         return False
 
 
-def validate_config(cfg: Config) -> None:
-    """Raise one ConfigError listing every problem found (so a user fixes them in one go)."""
+def _mini_batch(errors: list, section: str, mini, prompts_per_step: int) -> None:
+    """A mini-batch counted in prompts must divide the step's prompts, so every optimizer step sees as many
+    (and it stays valid for any n_samples_per_prompt, which multiplies both)."""
+    key = f"{section}.ppo_mini_batch_size"
+    if mini is None:
+        return
+    _positive(errors, key, mini, "or null for one update per step")
+    if mini > 0 and prompts_per_step > 0 and prompts_per_step % mini:
+        divisors = [d for d in range(1, prompts_per_step + 1) if prompts_per_step % d == 0]
+        errors.append(f"{key}={mini} prompts does not divide rl_config.prompts_per_step={prompts_per_step}; every "
+                      f"optimizer step must see as many prompts: set it to one of {divisors} (it counts prompts, "
+                      f"x n_samples_per_prompt rows), or null for one update per step")
+
+
+def validate_config(cfg: Config, models: Collection[str] | None = None) -> None:
+    """Raise one ConfigError listing every problem found (so a user fixes them in one go).
+
+    `models`: the model roles of the algorithm's graph (`actor`, `ref`, `critic`, ...). The section
+    `<role>_config` of a model that is not in the graph is not checked: nothing reads it (GRPO has no
+    critic; a run without a KL term loads no reference). None checks every section.
+    """
+    def used(role: str) -> bool:
+        return models is None or role in models
+
     e: list[str] = []
     t, a, g, rl, d = cfg.trainer, cfg.actor_config, cfg.generate_config, cfg.rl_config, cfg.data
     _positive(e, "trainer.total_steps", t.total_steps, allow_zero=True)
@@ -64,29 +87,21 @@ def validate_config(cfg: Config) -> None:
         e.append(f"rl_config.n_samples_per_prompt={rl.n_samples_per_prompt}: must be >= 1 (GRPO needs 2 or more: "
                  "set it to 2 or more, 8 is common)")
     _positive(e, "rl_config.prompts_per_step", rl.prompts_per_step)
-    _positive(e, "rl_config.max_weight_staleness", rl.max_weight_staleness, "0 = strictly on-policy", allow_zero=True)
+    if rl.max_weight_staleness != 0:
+        e.append(f"rl_config.max_weight_staleness={rl.max_weight_staleness}: only 0 runs: cross-step asynchrony "
+                 "(rollout of step i+1 with weights older than the policy) is not built yet, the driver syncs the "
+                 "weights at every step boundary; set rl_config.max_weight_staleness=0")
     _positive(e, "rl_config.dock_micro_batch_size", rl.dock_micro_batch_size)
-    rows = rl.prompts_per_step * rl.n_samples_per_prompt
-    group_ok = rl.n_samples_per_prompt >= 1 and rl.prompts_per_step > 0  # else the divisibility checks mislead
-    _positive(e, "actor_config.micro_batch_size", a.micro_batch_size)
-    _positive(e, "actor_config.log_prob_micro_batch_size", a.log_prob_micro_batch_size)
-    _positive(e, "ref_config.micro_batch_size", cfg.ref_config.micro_batch_size)
-    _positive(e, "generate_config.micro_batch_size", g.micro_batch_size)
-    if a.mini_batch_size is not None:
-        _positive(e, "actor_config.mini_batch_size", a.mini_batch_size, "or null for one update per step")
-        if group_ok and a.mini_batch_size > 0 and rows % a.mini_batch_size:
-            e.append(f"actor_config.mini_batch_size={a.mini_batch_size} does not divide the {rows} rows of a step "
-                     f"(rl_config.prompts_per_step={rl.prompts_per_step} x n_samples_per_prompt="
-                     f"{rl.n_samples_per_prompt}); pick a divisor of {rows} so every optimizer step sees as many rows")
-        if a.micro_batch_size > 0 and a.mini_batch_size > 0 and a.mini_batch_size % a.micro_batch_size:
-            e.append(f"actor_config.micro_batch_size={a.micro_batch_size} does not divide actor_config."
-                     f"mini_batch_size={a.mini_batch_size}; gradient accumulation needs whole micro-batches")
-    elif group_ok and a.micro_batch_size > 0 and rows % a.micro_batch_size:
-        e.append(f"actor_config.micro_batch_size={a.micro_batch_size} does not divide the {rows} rows of a step; "
-                 f"pick a divisor of {rows}")
-    if group_ok and g.micro_batch_size > 0 and g.micro_batch_size % rl.n_samples_per_prompt:
-        e.append(f"generate_config.micro_batch_size={g.micro_batch_size} is not a multiple of "
-                 f"rl_config.n_samples_per_prompt={rl.n_samples_per_prompt}; rollout takes whole prompt groups")
+    # row sizes (*_per_device, dock_micro_batch_size) only need to be > 0: what they must divide they are rounded
+    # to (config/sizes.py, printed by the plan); prompt sizes must divide the step's prompts
+    if used("actor"):
+        _positive(e, "actor_config.ppo_micro_batch_size_per_device", a.ppo_micro_batch_size_per_device)
+        _positive(e, "actor_config.log_prob_micro_batch_size_per_device", a.log_prob_micro_batch_size_per_device)
+        _mini_batch(e, "actor_config", a.ppo_mini_batch_size, rl.prompts_per_step)
+    if used("ref"):
+        _positive(e, "ref_config.log_prob_micro_batch_size_per_device",
+                  cfg.ref_config.log_prob_micro_batch_size_per_device)
+    _positive(e, "generate_config.micro_batch_size_per_device", g.micro_batch_size_per_device)
     _positive(e, "generate_config.max_new_tokens", g.max_new_tokens)
     _positive(e, "generate_config.temperature", g.temperature, "0 means greedy", allow_zero=True)
     if not 0 < g.top_p <= 1:
@@ -115,21 +130,15 @@ def validate_config(cfg: Config) -> None:
         _positive(e, "actor_config.kl_target", a.kl_target, "the adaptive controller steers the KL towards it")
         _positive(e, "actor_config.kl_horizon", a.kl_horizon, "the adaptive controller's time constant in rows")
     c = cfg.critic_config
-    _positive(e, "critic_config.lr", c.lr)
-    _positive(e, "critic_config.grad_clip", c.grad_clip)
-    _positive(e, "critic_config.weight_decay", c.weight_decay, allow_zero=True)
-    _positive(e, "critic_config.micro_batch_size", c.micro_batch_size)
-    _positive(e, "critic_config.infer_micro_batch_size", c.infer_micro_batch_size)
-    _positive(e, "critic_config.cliprange_value", c.cliprange_value)
-    _one_of(e, "critic_config.loss_agg_mode", c.loss_agg_mode, AGG_MODES)
-    if c.mini_batch_size is not None:
-        _positive(e, "critic_config.mini_batch_size", c.mini_batch_size, "or null for one update per step")
-        if group_ok and c.mini_batch_size > 0 and rows % c.mini_batch_size:
-            e.append(f"critic_config.mini_batch_size={c.mini_batch_size} does not divide the {rows} rows of a step; "
-                     f"pick a divisor of {rows}")
-        if c.micro_batch_size > 0 and c.mini_batch_size > 0 and c.mini_batch_size % c.micro_batch_size:
-            e.append(f"critic_config.micro_batch_size={c.micro_batch_size} does not divide critic_config."
-                     f"mini_batch_size={c.mini_batch_size}; gradient accumulation needs whole micro-batches")
+    if used("critic"):
+        _positive(e, "critic_config.lr", c.lr)
+        _positive(e, "critic_config.grad_clip", c.grad_clip)
+        _positive(e, "critic_config.weight_decay", c.weight_decay, allow_zero=True)
+        _positive(e, "critic_config.ppo_micro_batch_size_per_device", c.ppo_micro_batch_size_per_device)
+        _positive(e, "critic_config.forward_micro_batch_size_per_device", c.forward_micro_batch_size_per_device)
+        _positive(e, "critic_config.cliprange_value", c.cliprange_value)
+        _one_of(e, "critic_config.loss_agg_mode", c.loss_agg_mode, AGG_MODES)
+        _mini_batch(e, "critic_config", c.ppo_mini_batch_size, rl.prompts_per_step)
     for key, value in (("rl_config.gamma", rl.gamma), ("rl_config.lam", rl.lam)):
         if not 0 <= value <= 1:
             e.append(f"{key}={value}: must be in [0, 1] (1.0 is verl's default for outcome rewards)")

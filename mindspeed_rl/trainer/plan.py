@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 import networkx as nx
 
 from ..config import Config, ConfigError, GroupConfig, validate_config
-from ..dataflow import (MFCDef, algorithm_graph, dock_columns, dock_consumers, get_algorithm, same_step_readers,
-                        topological_order, trained_models, weight_sync_targets)
+from ..config.sizes import group_size_note, train_size_note
+from ..dataflow import (MFCDef, algorithm_graph, dock_columns, dock_consumers, get_algorithm, options_from_config,
+                        same_step_readers, topological_order, trained_models, weight_sync_targets)
 from ..dataflow.mfc import InterfaceType
 from ..parallel import ClusterSpec, PlacementPlan, plan_placement
 
@@ -40,6 +41,7 @@ class Plan:
     rows_per_step: int
     notes: list[str] = field(default_factory=list)
     placement: PlacementPlan | None = None        # placement.mode=mesh: meshes, groups, devices
+    size_notes: list[str] = field(default_factory=list)  # row sizes rounded to what they must divide
 
     def group_of(self, mfc_name: str) -> str:
         return next(g for g, p in self.groups.items() if any(m.name == mfc_name for m in p.mfcs))
@@ -76,14 +78,20 @@ def preset_groups(mode: str, mfcs: list[MFCDef]) -> dict[str, list[str]]:
 
 
 def make_plan(cfg: Config, check_files: bool = True) -> Plan:
-    """Validate `cfg` and derive everything the trainer needs; raises ConfigError."""
-    validate_config(cfg)
+    """Validate `cfg` and derive everything the trainer needs; raises ConfigError.
+
+    The graph comes first: the config decides which stages exist (no KL term, no reference stage:
+    `options_from_config`), and only the sections of the graph's models are validated.
+    """
     rl = cfg.rl_config
+    options = options_from_config(cfg)
     try:
-        mfcs, dataset_keys = get_algorithm(rl.algorithm)
-        graph = algorithm_graph(rl.algorithm)
+        mfcs, dataset_keys = get_algorithm(rl.algorithm, options)
+        graph = algorithm_graph(rl.algorithm, options)
     except ValueError as e:
+        validate_config(cfg)  # value problems first, with every section: a bad algorithm name must not hide them
         raise ConfigError(f"rl_config.algorithm={rl.algorithm!r}: {e}") from None
+    validate_config(cfg, models={m.model_name for m in mfcs})
     order = topological_order(graph)
     trained = trained_models(graph)
     by_name = {m.name: m for m in order}
@@ -145,24 +153,45 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
                               f"{cfg.placement.mode!r} (groups: {list(groups)}); give it mfcs: [...] to create it")
 
     rows = rl.prompts_per_step * rl.n_samples_per_prompt
+    n = rl.n_samples_per_prompt
+    size_notes: list[str] = []
     for g, p in groups.items():
         dp = p.resources.dp
-        if dp > 1:
-            for m in p.mfcs:
-                if InterfaceType(m.interface_type) is not InterfaceType.TRAIN_STEP:
-                    continue
-                section = "critic_config" if functions[m.name].engine == "value" else "actor_config"
-                a = getattr(cfg, section)
-                mini = a.mini_batch_size or rows
-                what = (f"{section}.mini_batch_size={mini}" if a.mini_batch_size else
-                        f"the step's {rows} rows ({section}.mini_batch_size=null)")
-                if mini % dp or (mini // dp) % min(a.micro_batch_size, mini // dp):
-                    raise ConfigError(f"placement.groups.{g}.dp={dp}: {what} must split into {dp} equal shares of "
-                                      f"whole micro-batches (micro_batch_size={a.micro_batch_size}); DDP ranks "
-                                      "step together")
-    model_paths = {"actor": cfg.actor_config.model_path,
-                   "ref": cfg.ref_config.model_path or cfg.actor_config.model_path,
-                   "critic": cfg.critic_config.model_path or cfg.actor_config.model_path}
+        for m in p.mfcs:
+            if InterfaceType(m.interface_type) is not InterfaceType.TRAIN_STEP:
+                continue
+            section = "critic_config" if functions[m.name].engine == "value" else "actor_config"
+            a = getattr(cfg, section)
+            mini_rows = a.ppo_mini_batch_size * n if a.ppo_mini_batch_size else rows
+            if mini_rows % dp:
+                what = (f"{section}.ppo_mini_batch_size={a.ppo_mini_batch_size} prompts x n_samples_per_prompt={n} "
+                        f"= {mini_rows} rows" if a.ppo_mini_batch_size else
+                        f"the step's {rows} rows ({section}.ppo_mini_batch_size=null)")
+                fits = [d for d in range(1, rl.prompts_per_step + 1)
+                        if rl.prompts_per_step % d == 0 and (d * n) % dp == 0]
+                divisors = [d for d in range(1, mini_rows + 1) if mini_rows % d == 0]
+                fix = (f"set {section}.ppo_mini_batch_size to one of {fits} (prompts), or the dp to one of "
+                       f"{divisors}" if fits else f"set the dp to one of {divisors}")
+                raise ConfigError(f"{_dp_key(cfg, g)}={dp}: {what} must split into {dp} equal shares, since DDP "
+                                  f"ranks step together; {fix}")
+            note = train_size_note(section, a.ppo_mini_batch_size, a.ppo_micro_batch_size_per_device,
+                                   rl.prompts_per_step, n, dp)
+            if note and note not in size_notes:
+                size_notes.append(note)
+    if any(InterfaceType(m.interface_type) is InterfaceType.GENERATE for m in order):
+        size_notes.append(group_size_note("generate_config.micro_batch_size_per_device",
+                                          cfg.generate_config.micro_batch_size_per_device, n,
+                                          "a rollout micro-batch holds whole prompt groups"))
+    grouped_default = [m.name for m in order if m.get_n_samples and not m.micro_batch_size]
+    if grouped_default:
+        size_notes.append(group_size_note("rl_config.dock_micro_batch_size", rl.dock_micro_batch_size, n,
+                                          f"for {', '.join(grouped_default)}, which takes whole prompt groups"))
+    size_notes = [s for s in size_notes if s]
+    used = {m.model_name for m in order}
+    model_paths = {role: path for role, path in (
+        ("actor", cfg.actor_config.model_path),
+        ("ref", cfg.ref_config.model_path or cfg.actor_config.model_path),
+        ("critic", cfg.critic_config.model_path or cfg.actor_config.model_path)) if role in used or role == "actor"}
     for m in order:
         if InterfaceType(m.interface_type) is not InterfaceType.COMPUTE and m.model_name not in model_paths:
             raise ConfigError(f"MFC {m.name!r} runs model {m.model_name!r}, which has no model_path in the config "
@@ -175,7 +204,7 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
         from ..models import check_model_path
         try:
             check_model_path("actor_config.model_path", cfg.actor_config.model_path)
-            if cfg.ref_config.model_path:
+            if cfg.ref_config.model_path and "ref" in used:
                 check_model_path("ref_config.model_path", cfg.ref_config.model_path)
             if cfg.critic_config.model_path and "critic" in {m.model_name for m in order}:
                 check_model_path("critic_config.model_path", cfg.critic_config.model_path)
@@ -206,7 +235,12 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
     return Plan(graph=graph, order=order, columns=dock_columns(graph), consumers=dock_consumers(graph),
                 dataset_keys=tuple(dataset_keys), groups=groups, trained=trained,
                 sync_targets=weight_sync_targets(graph), same_step_outputs=same_step, model_paths=model_paths,
-                rows_per_step=rows, notes=notes, placement=placement)
+                rows_per_step=rows, notes=notes, placement=placement, size_notes=size_notes)
+
+
+def _dp_key(cfg: Config, group: str) -> str:
+    """The key that sets a worker group's dp: its placement.groups entry, or (mode mesh) its MFCs' meshes."""
+    return "placement.mfcs (dp)" if cfg.placement.mode == "mesh" else f"placement.groups.{group}.dp"
 
 
 def mesh_groups(cfg: Config, order: list[MFCDef], check_files: bool):
@@ -295,6 +329,11 @@ def _check_dataset(cfg: Config) -> None:
         raise ConfigError(f"data.dataset={spec!r}: unsupported file type {Path(spec).suffix!r}; give a "
                           f"{'/'.join(SUFFIXES)} file (see cli/preprocess_data.py) or a built-in task such as "
                           "builtin:copy")
+    from ..data.prompts import check_prompt_file
+    try:  # every row, now: the trainer reads the file only after the workers have loaded their models
+        check_prompt_file(spec, cfg.data.prompt_key, cfg.data.answer_key, setting_prefix="data.")
+    except (ValueError, ImportError) as e:
+        raise ConfigError(f"data.dataset={spec!r}: {e}") from None
 
 
 def check_cluster(plan: Plan, available: dict[str, float]) -> None:
@@ -344,4 +383,5 @@ def _format_groups(plan: Plan) -> str:
         lines.append(f"weight sync after each optimizer step of '{plan.trained[model]}': {model} -> {targets}")
     lines.append("dock columns: " + ", ".join(plan.columns))
     lines.extend(plan.notes)
+    lines.extend(f"batch size: {s}" for s in plan.size_notes)
     return "\n".join(lines)

@@ -54,9 +54,11 @@ def train_micro_batch(worker: "Worker", mfc: MFCDef) -> tuple[int, int]:
     f = C.FUNCTIONS[C.fn_name(mfc)]
     cfg = worker.cfg
     o = cfg.critic_config if f.engine == "value" else cfg.actor_config
-    dp, rows = worker.spec.dp, worker.spec.rows_per_step
-    mini = (o.mini_batch_size or rows) // dp
-    return min(o.micro_batch_size, mini), rows // dp
+    from ..config.sizes import train_sizes
+    rl = cfg.rl_config
+    sizes = train_sizes(o.ppo_mini_batch_size, o.ppo_micro_batch_size_per_device, rl.prompts_per_step,
+                        rl.n_samples_per_prompt, worker.spec.dp)
+    return sizes.micro_rows, sizes.rows_per_device
 
 
 def run_simulated_stage(worker: "Worker", mfc: MFCDef, step: int) -> StageReport:

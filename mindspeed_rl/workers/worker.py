@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ..config import Config
+from ..config.sizes import group_rows, train_sizes
 from ..dataflow import MFCDef
 from ..dataflow.mfc import InterfaceType
 from . import compute as C
@@ -186,19 +187,23 @@ class Worker:
         return self.cfg.critic_config if f.engine == "value" else self.cfg.actor_config
 
     def _count(self, mfc: MFCDef) -> int:
-        if mfc.micro_batch_size:
-            return mfc.micro_batch_size
-        f = C.FUNCTIONS[C.fn_name(mfc)]
-        if f.interface is InterfaceType.GENERATE:
-            return self.cfg.generate_config.micro_batch_size
-        if f.interface is InterfaceType.INFERENCE:
-            if f.engine == "value":
-                return self.cfg.critic_config.infer_micro_batch_size
-            return (self.cfg.ref_config.micro_batch_size if mfc.model_name not in self.spec.trained_models
-                    else self.cfg.actor_config.log_prob_micro_batch_size)
+        """Rows per dock get of a non-train MFC, rounded down to whole prompt groups where it needs them
+        (the same rounding the plan prints: config/sizes.py)."""
         n = self.cfg.rl_config.n_samples_per_prompt
-        count = self.cfg.rl_config.dock_micro_batch_size
-        return max(n, count - count % n) if mfc.get_n_samples else count
+        f = C.FUNCTIONS[C.fn_name(mfc)]
+        if mfc.micro_batch_size:
+            count = mfc.micro_batch_size
+        elif f.interface is InterfaceType.GENERATE:
+            return group_rows(self.cfg.generate_config.micro_batch_size_per_device, n)
+        elif f.interface is InterfaceType.INFERENCE:
+            if f.engine == "value":
+                return self.cfg.critic_config.forward_micro_batch_size_per_device
+            return (self.cfg.ref_config.log_prob_micro_batch_size_per_device
+                    if mfc.model_name not in self.spec.trained_models
+                    else self.cfg.actor_config.log_prob_micro_batch_size_per_device)
+        else:
+            count = self.cfg.rl_config.dock_micro_batch_size
+        return group_rows(count, n) if mfc.get_n_samples else count
 
     def _compute_fn(self, mfc: MFCDef, step: int, policy_version: int):
         """The MFC's function on a micro-batch, with the MFC's key remaps applied on both sides."""
@@ -250,10 +255,10 @@ class Worker:
         f = C.FUNCTIONS[C.fn_name(mfc)]
         o = self._train_config(f)
         engine = self.train[mfc.model_name]
-        dp, rows_total = self.spec.dp, self.spec.rows_per_step
-        per_rank = rows_total // dp
-        mini = (o.mini_batch_size or rows_total) // dp
-        micro = min(o.micro_batch_size, mini)
+        rl = self.cfg.rl_config
+        sizes = train_sizes(o.ppo_mini_batch_size, o.ppo_micro_batch_size_per_device, rl.prompts_per_step,
+                            rl.n_samples_per_prompt, self.spec.dp)
+        per_rank, mini, micro = sizes.rows_per_device, sizes.mini_rows_per_device, sizes.micro_rows
         if f.name == "value_train":
             v_cfg = C.ValueLossConfig(clip_value=o.cliprange_value, agg=o.loss_agg_mode)
 

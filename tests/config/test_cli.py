@@ -37,10 +37,10 @@ def run_cli(tmp_path, *overrides: str) -> tuple[subprocess.CompletedProcess, flo
 
 
 def test_bad_config_fails_fast_without_ray(tmp_path):
-    proc, seconds = run_cli(tmp_path, "actor_config.mini_batch_size=48", "generate_config.top_p=2")
+    proc, seconds = run_cli(tmp_path, "actor_config.ppo_mini_batch_size=6", "generate_config.top_p=2")
     assert proc.returncode == 2, proc.stderr
     assert "config error: invalid config:" in proc.stderr
-    assert "actor_config.mini_batch_size=48" in proc.stderr and "generate_config.top_p=2.0" in proc.stderr
+    assert "actor_config.ppo_mini_batch_size=6" in proc.stderr and "generate_config.top_p=2.0" in proc.stderr
     assert "[ray-probe] initialized=False" in proc.stderr, proc.stderr
     assert seconds < FAST_S, f"took {seconds:.1f} s"
     assert not any((tmp_path / "cwd").iterdir()), "a failed config must write nothing"
@@ -57,8 +57,8 @@ def test_misspelled_key_added_with_plus_gets_did_you_mean(tmp_path):
 
 
 def test_dry_run_prints_graph_and_plan_and_exits_0(tmp_path):
-    proc, seconds = run_cli(tmp_path, "trainer.dry_run=true", "placement.mode=disaggregated",
-                            "+placement.groups.actor.dp=2")
+    proc, seconds = run_cli(tmp_path, "trainer.dry_run=true", "actor_config.kl_loss_coef=0.001",
+                            "placement.mode=disaggregated", "+placement.groups.actor.dp=2")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "dataflow graph 'grpo': 6 MFCs" in out

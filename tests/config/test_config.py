@@ -13,7 +13,8 @@ from mindspeed_rl.trainer.plan import check_cluster, format_plan, make_plan
 
 from .helpers import DEFAULT_YAML, REPO, error_of, run_stage, with_overrides
 
-GRPO_MFCS = ["actor_rollout", "rule_reward", "ref_log_prob", "actor_log_prob", "compute_advantage", "actor_train"]
+GRPO_MFCS = ["actor_rollout", "rule_reward", "actor_log_prob", "compute_advantage", "actor_train"]  # no KL: no ref
+KL = {"actor_config.kl_loss_coef": 0.001}  # a KL term in the loss: the reference stage is in the graph
 
 
 # ---------------------------------------------------------------------------------------------- the default
@@ -52,11 +53,11 @@ def test_hydra_overrides_compose_as_documented():
 
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
         raw = compose("grpo_tiny", overrides=["rl_config.n_samples_per_prompt=4", "trainer.logger=[console]",
-                                              "actor_config.mini_batch_size=null", "actor_config.kl_ctrl=adaptive",
+                                              "actor_config.ppo_mini_batch_size=null", "actor_config.kl_ctrl=adaptive",
                                               "+placement.groups.integrated.dp=2"])
         cfg = config_from_dict(raw)
         assert cfg.rl_config.n_samples_per_prompt == 4 and cfg.trainer.logger == ["console"]
-        assert cfg.actor_config.mini_batch_size is None and cfg.actor_config.kl_ctrl == "adaptive"
+        assert cfg.actor_config.ppo_mini_batch_size is None and cfg.actor_config.kl_ctrl == "adaptive"
         assert cfg.placement.groups["integrated"].dp == 2
         make_plan(cfg, check_files=True)
         with pytest.raises(ConfigCompositionException, match=r"\+trainer\.total_step=3"):
@@ -80,12 +81,17 @@ def _groups(overrides):
 
 
 def test_colocated_mode_groups():
-    assert _groups({}) == {"integrated": ["actor_rollout", "ref_log_prob", "actor_log_prob", "actor_train"],
+    assert _groups(KL) == {"integrated": ["actor_rollout", "ref_log_prob", "actor_log_prob", "actor_train"],
+                           "rule": ["rule_reward", "compute_advantage"]}
+    assert _groups({}) == {"integrated": ["actor_rollout", "actor_log_prob", "actor_train"],
                            "rule": ["rule_reward", "compute_advantage"]}
 
 
 def test_disaggregated_mode_groups():
-    assert _groups({"placement.mode": "disaggregated"}) == {
+    assert _groups({"placement.mode": "disaggregated"}) == {  # no KL term: no ref group
+        "rollout": ["actor_rollout"], "rule": ["rule_reward", "compute_advantage"],
+        "actor": ["actor_log_prob", "actor_train"]}
+    assert _groups({**KL, "placement.mode": "disaggregated"}) == {
         "rollout": ["actor_rollout"], "rule": ["rule_reward", "compute_advantage"],
         "ref": ["ref_log_prob"], "actor": ["actor_log_prob", "actor_train"]}
 
@@ -94,7 +100,7 @@ def test_custom_mode_groups_and_resources():
     groups = {"gen": {"mfcs": ["actor_rollout"], "num_gpus": 1, "device": "cuda"},
               "train": {"mfcs": ["ref_log_prob", "actor_log_prob", "actor_train"], "dp": 2},
               "cpu": {"mfcs": ["rule_reward", "compute_advantage"]}}
-    plan = make_plan(config_from_dict(with_overrides({"placement.mode": "custom", "placement.groups": groups})),
+    plan = make_plan(config_from_dict(with_overrides({**KL, "placement.mode": "custom", "placement.groups": groups})),
                      check_files=False)
     assert {g: [m.name for m in p.mfcs] for g, p in plan.groups.items()} == {
         "gen": ["actor_rollout"], "cpu": ["rule_reward", "compute_advantage"],
@@ -103,7 +109,7 @@ def test_custom_mode_groups_and_resources():
 
 
 def test_group_entry_moves_an_mfc_in_a_preset_mode():
-    assert _groups({"placement.groups.gen.mfcs": ["actor_rollout"]}) == {
+    assert _groups({**KL, "placement.groups.gen.mfcs": ["actor_rollout"]}) == {
         "gen": ["actor_rollout"], "rule": ["rule_reward", "compute_advantage"],
         "integrated": ["ref_log_prob", "actor_log_prob", "actor_train"]}
 
@@ -148,44 +154,38 @@ LOAD_ERRORS = {
 }
 
 VALIDATE_ERRORS = {
-    "mini does not divide rows": ({"actor_config.mini_batch_size": 48},
-                                  ["actor_config.mini_batch_size=48", "does not divide the 128 rows",
-                                   "rl_config.prompts_per_step=16", "n_samples_per_prompt=8",
-                                   "pick a divisor of 128"]),
-    "micro does not divide mini": ({"actor_config.micro_batch_size": 24},
-                                   ["actor_config.micro_batch_size=24",
-                                    "does not divide actor_config.mini_batch_size=32", "whole micro-batches"]),
-    "micro larger than mini": ({"actor_config.micro_batch_size": 64},
-                               ["actor_config.micro_batch_size=64", "actor_config.mini_batch_size=32"]),
-    "micro does not divide rows (mini null)": ({"actor_config.micro_batch_size": 24,
-                                                "actor_config.mini_batch_size": None},
-                                               ["actor_config.micro_batch_size=24", "does not divide the 128 rows",
-                                                "pick a divisor of 128"]),
-    "generate micro vs group size": ({"generate_config.micro_batch_size": 60},
-                                     ["generate_config.micro_batch_size=60",
-                                      "not a multiple of rl_config.n_samples_per_prompt=8", "whole prompt groups"]),
+    "mini does not divide the step's prompts": ({"actor_config.ppo_mini_batch_size": 6},
+                                                ["actor_config.ppo_mini_batch_size=6 prompts",
+                                                 "does not divide rl_config.prompts_per_step=16",
+                                                 "set it to one of [1, 2, 4, 8, 16]", "or null"]),
     "group of zero": ({"rl_config.n_samples_per_prompt": 0},
                       ["rl_config.n_samples_per_prompt=0", "must be >= 1", "set it to 2 or more"]),
-    "critic mini does not divide rows": ({"critic_config.mini_batch_size": 48},
-                                         ["critic_config.mini_batch_size=48", "does not divide the 128 rows"]),
+    "critic mini does not divide the step's prompts": ({"critic_config.ppo_mini_batch_size": 6},
+                                                       ["critic_config.ppo_mini_batch_size=6 prompts",
+                                                        "does not divide rl_config.prompts_per_step=16"]),
     "gae lambda out of range": ({"rl_config.lam": 1.5}, ["rl_config.lam=1.5", "must be in [0, 1]"]),
     "negative steps": ({"trainer.total_steps": -1}, ["trainer.total_steps=-1: must be >= 0"]),
     "negative save interval": ({"trainer.save_interval": -5},
                                ["trainer.save_interval=-5: must be >= 0", "0 turns periodic checkpoints off"]),
     "zero timeout": ({"trainer.stage_timeout_s": 0}, ["trainer.stage_timeout_s=0.0: must be > 0"]),
     "zero prompts": ({"rl_config.prompts_per_step": 0}, ["rl_config.prompts_per_step=0: must be > 0"]),
-    "zero mini": ({"actor_config.mini_batch_size": 0},
-                  ["actor_config.mini_batch_size=0: must be > 0", "or null for one update per step"]),
-    "negative mini": ({"actor_config.mini_batch_size": -4}, ["actor_config.mini_batch_size=-4: must be > 0"]),
-    "zero micro": ({"actor_config.micro_batch_size": 0}, ["actor_config.micro_batch_size=0: must be > 0"]),
-    "zero log-prob micro": ({"actor_config.log_prob_micro_batch_size": 0},
-                            ["actor_config.log_prob_micro_batch_size=0: must be > 0"]),
-    "zero ref micro": ({"ref_config.micro_batch_size": 0}, ["ref_config.micro_batch_size=0: must be > 0"]),
-    "zero generate micro": ({"generate_config.micro_batch_size": 0},
-                            ["generate_config.micro_batch_size=0: must be > 0"]),
+    "zero mini": ({"actor_config.ppo_mini_batch_size": 0},
+                  ["actor_config.ppo_mini_batch_size=0: must be > 0", "or null for one update per step"]),
+    "negative mini": ({"actor_config.ppo_mini_batch_size": -4}, ["actor_config.ppo_mini_batch_size=-4: must be > 0"]),
+    "zero micro": ({"actor_config.ppo_micro_batch_size_per_device": 0},
+                   ["actor_config.ppo_micro_batch_size_per_device=0: must be > 0"]),
+    "zero log-prob micro": ({"actor_config.log_prob_micro_batch_size_per_device": 0},
+                            ["actor_config.log_prob_micro_batch_size_per_device=0: must be > 0"]),
+    "zero ref micro": ({"ref_config.log_prob_micro_batch_size_per_device": 0},
+                       ["ref_config.log_prob_micro_batch_size_per_device=0: must be > 0"]),
+    "zero generate micro": ({"generate_config.micro_batch_size_per_device": 0},
+                            ["generate_config.micro_batch_size_per_device=0: must be > 0"]),
     "zero dock micro": ({"rl_config.dock_micro_batch_size": 0}, ["rl_config.dock_micro_batch_size=0: must be > 0"]),
     "negative staleness": ({"rl_config.max_weight_staleness": -1},
-                           ["rl_config.max_weight_staleness=-1: must be >= 0", "0 = strictly on-policy"]),
+                           ["rl_config.max_weight_staleness=-1: only 0 runs", "set rl_config.max_weight_staleness=0"]),
+    "staleness not built": ({"rl_config.max_weight_staleness": 1},
+                            ["rl_config.max_weight_staleness=1: only 0 runs",
+                             "cross-step asynchrony", "is not built yet", "set rl_config.max_weight_staleness=0"]),
     "negative lr": ({"actor_config.lr": -1e-3}, ["actor_config.lr=-0.001: must be > 0"]),
     "zero grad clip": ({"actor_config.grad_clip": 0}, ["actor_config.grad_clip=0.0: must be > 0"]),
     "negative kl coef": ({"actor_config.kl_loss_coef": -0.1}, ["actor_config.kl_loss_coef=-0.1: must be >= 0"]),
@@ -246,7 +246,7 @@ PLAN_ERRORS = {
     "model dir missing": ({"actor_config.model_path": "/nonexistent/model_dir"},
                           ["actor_config.model_path='/nonexistent/model_dir'", "no config.json",
                            "give a local checkpoint directory or 'builtin:tiny-qwen2'"]),
-    "ref model dir missing": ({"ref_config.model_path": "/nonexistent/ref_dir"},
+    "ref model dir missing": ({**KL, "ref_config.model_path": "/nonexistent/ref_dir"},
                               ["ref_config.model_path='/nonexistent/ref_dir'", "no config.json",
                                "'builtin:tiny-qwen2'"]),
     "unknown built-in model": ({"actor_config.model_path": "builtin:huge"},
@@ -273,12 +273,14 @@ PLAN_ERRORS = {
                                        ["placement.groups.actor", "no such worker group in placement.mode="
                                         "'colocated'", "['integrated', 'rule']", "give it mfcs: [...]"]),
     "dp does not split the mini-batch": ({"placement.groups.integrated.dp": 3},
-                                         ["placement.groups.integrated.dp=3", "actor_config.mini_batch_size=32",
-                                          "3 equal shares of whole micro-batches", "micro_batch_size=32"]),
-    "dp share not whole micro-batches": ({"rl_config.prompts_per_step": 12, "actor_config.mini_batch_size": 96,
-                                          "placement.groups.integrated.dp": 2},
-                                         ["placement.groups.integrated.dp=2", "actor_config.mini_batch_size=96",
-                                          "2 equal shares of whole micro-batches", "micro_batch_size=32"]),
+                                         ["placement.groups.integrated.dp=3",
+                                          "actor_config.ppo_mini_batch_size=4 prompts x n_samples_per_prompt=8 = 32 "
+                                          "rows", "3 equal shares", "set the dp to one of [1, 2, 4, 8, 16, 32]"]),
+    "odd group, dp 2": ({"rl_config.n_samples_per_prompt": 3, "actor_config.ppo_mini_batch_size": 1,
+                         "placement.groups.integrated.dp": 2},
+                        ["placement.groups.integrated.dp=2", "actor_config.ppo_mini_batch_size=1 prompts x "
+                         "n_samples_per_prompt=3 = 3 rows", "2 equal shares",
+                         "set actor_config.ppo_mini_batch_size to one of [2, 4, 8, 16]"]),
     "dp of the trainer group, disaggregated": ({"placement.mode": "disaggregated",
                                                 "placement.groups.actor.dp": 5},
                                                ["placement.groups.actor.dp=5", "5 equal shares"]),
@@ -395,3 +397,112 @@ def test_cluster_without_npus():
 
 def test_config_error_is_a_value_error():
     assert issubclass(ConfigError, ValueError)
+
+
+# ------------------------------------------------------------------- sizes that survive a change of n
+
+
+@pytest.mark.parametrize("n", range(2, 9))
+def test_tiny_default_with_only_n_changed_validates_and_plans(n):
+    """`python cli/train_grpo.py rl_config.n_samples_per_prompt=N` needs no other key: the mini-batch
+    counts prompts, the row sizes are rounded to what they must divide, and the plan says so."""
+    plan = make_plan(config_from_dict(with_overrides({"rl_config.n_samples_per_prompt": n})), check_files=True)
+    assert plan.rows_per_step == 16 * n
+    from mindspeed_rl.config.sizes import group_rows, train_sizes
+    sizes = train_sizes(4, 32, 16, n, 1)
+    assert sizes.mini_rows_per_device == 4 * n and (4 * n) % sizes.micro_rows == 0 and sizes.micro_rows <= 32
+    assert group_rows(64, n) % n == 0 and group_rows(32, n) % n == 0
+    rounded = "\n".join(plan.size_notes)
+    assert ("actor_config.ppo_micro_batch_size_per_device=32 ->" in rounded) == (n != 8)
+    assert ("generate_config.micro_batch_size_per_device=64 ->" in rounded) == (64 % n != 0)
+
+
+def test_sizes_round_to_what_they_must_divide():
+    from mindspeed_rl.config.sizes import group_rows, largest_divisor_at_most, train_sizes
+    assert largest_divisor_at_most(28, 32) == 28 and largest_divisor_at_most(28, 10) == 7
+    assert largest_divisor_at_most(13, 4) == 1
+    assert group_rows(64, 3) == 63 and group_rows(2, 3) == 3 and group_rows(32, 8) == 32
+    s = train_sizes(None, 32, 16, 3, 2)  # whole step (48 rows) over 2 ranks
+    assert (s.rows_per_device, s.mini_rows_per_device, s.micro_rows) == (24, 24, 24)
+    s = train_sizes(2, 5, 16, 7, 1)
+    assert (s.mini_rows_per_device, s.micro_rows) == (14, 2)
+
+
+def test_dp_two_splits_a_mini_batch_of_odd_groups_when_the_prompts_are_even():
+    make_plan(config_from_dict(with_overrides({"rl_config.n_samples_per_prompt": 3,
+                                                "placement.groups.integrated.dp": 2})), check_files=False)
+
+
+RENAMED = {
+    "actor_config.mini_batch_size": (32, "actor_config.ppo_mini_batch_size, counted in prompts",
+                                     "set actor_config.ppo_mini_batch_size=4 (32 rows / rl_config.n_samples_per_prompt=8)"),
+    "actor_config.micro_batch_size": (16, "actor_config.ppo_micro_batch_size_per_device",
+                                      "set actor_config.ppo_micro_batch_size_per_device=16"),
+    "actor_config.log_prob_micro_batch_size": (64, "actor_config.log_prob_micro_batch_size_per_device",
+                                               "set actor_config.log_prob_micro_batch_size_per_device=64"),
+    "ref_config.micro_batch_size": (64, "ref_config.log_prob_micro_batch_size_per_device",
+                                    "set ref_config.log_prob_micro_batch_size_per_device=64"),
+    "critic_config.mini_batch_size": (None, "critic_config.ppo_mini_batch_size, counted in prompts",
+                                      "set critic_config.ppo_mini_batch_size=null"),
+    "critic_config.micro_batch_size": (8, "critic_config.ppo_micro_batch_size_per_device", "=8"),
+    "critic_config.infer_micro_batch_size": (8, "critic_config.forward_micro_batch_size_per_device", "=8"),
+    "generate_config.micro_batch_size": (64, "generate_config.micro_batch_size_per_device",
+                                         "rounded down to whole prompt groups"),
+}
+
+
+@pytest.mark.parametrize("old", list(RENAMED))
+def test_old_size_keys_are_refused_with_what_they_became(old):
+    value, *expected = RENAMED[old]
+    msg = error_of({old: value}, "load")
+    _check(msg, [f"{old}={'null' if value is None else value}: renamed: it is now", *expected])
+
+
+def test_old_mini_batch_key_converts_for_the_configs_n():
+    msg = error_of({"actor_config.mini_batch_size": 24, "rl_config.n_samples_per_prompt": 3}, "load")
+    _check(msg, ["set actor_config.ppo_mini_batch_size=8 (24 rows / rl_config.n_samples_per_prompt=3)"])
+    msg = error_of({"actor_config.mini_batch_size": 20}, "load")
+    _check(msg, ["20 rows are not whole groups of 8"])
+
+
+def test_old_key_through_hydra_with_plus_gets_the_rename_message():
+    from hydra import compose, initialize_config_dir
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+        raw = compose("grpo_tiny", overrides=["+actor_config.mini_batch_size=32"])
+    with pytest.raises(ConfigError, match="renamed: it is now actor_config.ppo_mini_batch_size"):
+        config_from_dict(raw)
+
+
+def test_sections_of_models_not_in_the_graph_are_not_validated():
+    """GRPO has no critic, and with no KL term no reference: their sections are not checked (nor needed)."""
+    bad_critic = {"critic_config.ppo_mini_batch_size": 5, "critic_config.lr": -1.0}
+    make_plan(config_from_dict(with_overrides({**bad_critic, "rl_config.prompts_per_step": 12})), check_files=False)
+    make_plan(config_from_dict(with_overrides({"ref_config.log_prob_micro_batch_size_per_device": 0})),
+              check_files=False)
+    _check(error_of({**KL, "ref_config.log_prob_micro_batch_size_per_device": 0}, "plan"),
+           ["ref_config.log_prob_micro_batch_size_per_device=0: must be > 0"])
+    _check(error_of({**bad_critic, "rl_config.algorithm": "ppo"}, "plan"),
+           ["critic_config.ppo_mini_batch_size=5 prompts", "critic_config.lr=-1.0: must be > 0"])
+    # a reference path that does not exist is not opened when no reference is loaded
+    make_plan(config_from_dict(with_overrides({"ref_config.model_path": "/nonexistent/ref_dir"})), check_files=True)
+
+
+# --------------------------------------------------------------------------------- no wasted stage
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo", "remax"])
+def test_no_kl_term_no_reference_stage_nor_model(algorithm):
+    base = {"rl_config.algorithm": algorithm}
+    if algorithm == "ppo":
+        base.update({"rl_config.n_samples_per_prompt": 1, "rl_config.prompts_per_step": 128})
+    for overrides in ({"actor_config.kl_loss_coef": 0.0}, {"actor_config.use_kl_loss": False, **KL}):
+        plan = make_plan(config_from_dict(with_overrides({**base, **overrides})), check_files=False)
+        assert "ref" not in {m.model_name for m in plan.order} and "ref" not in plan.model_paths
+        assert "ref_log_prob" not in plan.columns and "ref_log_prob" not in plan.consumers
+        train = next(m for m in plan.order if m.name == "actor_train")
+        assert "ref_log_prob" not in train.input_keys
+        assert all(m.model_name != "ref" for g in plan.groups.values() for m in g.mfcs)
+    plan = make_plan(config_from_dict(with_overrides({**base, **KL, "placement.mode": "disaggregated"})),
+                     check_files=False)
+    assert [m.name for m in plan.groups["ref"].mfcs] == ["ref_log_prob"] and "ref" in plan.model_paths
+    assert "ref_log_prob" in next(m for m in plan.order if m.name == "actor_train").input_keys

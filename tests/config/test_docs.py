@@ -141,7 +141,8 @@ def test_documented_error_examples_are_real(tmp_path):
     from .helpers import with_overrides
 
     cases = [({"rl_config.blocking": "yes"}, "load"),
-             ({"generate_config.micro_batch_size": 60}, "validate"),
+             ({"actor_config.mini_batch_size": 32}, "load"),
+             ({"rl_config.max_weight_staleness": 1}, "validate"),
              ({"actor_config.loss_agg_mode": "mean"}, "validate"),
              ({"placement.groups.integrated.dp": 3}, "plan"),
              ({"placement.mode": "custom", "placement.groups": {"gen": {"mfcs": ["actor_rollout"]}}}, "plan"),

@@ -68,10 +68,12 @@ def _expected_when_held(cfg) -> tuple[dict, dict]:
 def _micro_batches(cfg) -> dict[str, int]:
     """Micro-batches (non-empty gets) per stage per step, from the batch sizes in the config."""
     rows = cfg.rl_config.prompts_per_step * cfg.rl_config.n_samples_per_prompt
-    size = {"actor_rollout": cfg.generate_config.micro_batch_size, "rule_reward": cfg.rl_config.dock_micro_batch_size,
-            "ref_log_prob": cfg.ref_config.micro_batch_size,
-            "actor_log_prob": cfg.actor_config.log_prob_micro_batch_size,
-            "compute_advantage": cfg.rl_config.dock_micro_batch_size, "actor_train": cfg.actor_config.micro_batch_size}
+    size = {"actor_rollout": cfg.generate_config.micro_batch_size_per_device,
+            "rule_reward": cfg.rl_config.dock_micro_batch_size,
+            "ref_log_prob": cfg.ref_config.log_prob_micro_batch_size_per_device,
+            "actor_log_prob": cfg.actor_config.log_prob_micro_batch_size_per_device,
+            "compute_advantage": cfg.rl_config.dock_micro_batch_size,
+            "actor_train": cfg.actor_config.ppo_micro_batch_size_per_device}
     return {stage: math.ceil(rows / s) for stage, s in size.items()}
 
 

@@ -130,3 +130,34 @@ def test_dry_run_starts_nothing(capsys):
     out = capsys.readouterr().out
     assert "placement plan" in out and "actor_train" in out
     assert not ray.is_initialized() or True  # a dry run never calls ray.init itself
+
+
+CLI = Path(__file__).resolve().parents[2] / "cli" / "train_grpo.py"
+
+
+@pytest.mark.parametrize("n,blocking", [(3, False), (5, True)])
+def test_cli_runs_the_tiny_default_with_only_n_changed(ray_session, tmp_path, n, blocking):
+    """`python cli/train_grpo.py rl_config.n_samples_per_prompt=N` needs no other key: the mini-batch
+    counts prompts, the rounded row sizes are printed once. Joins the session's Ray (ray_address)."""
+    import os
+    import subprocess
+    import sys
+    out = tmp_path / "run"
+    address = ray_session.get_runtime_context().gcs_address
+    proc = subprocess.run([sys.executable, str(CLI), f"rl_config.n_samples_per_prompt={n}", "trainer.total_steps=3",
+                           f"rl_config.blocking={str(blocking).lower()}", f"trainer.output_dir={out}",
+                           "trainer.progress=false", "trainer.dashboard=false", "trainer.report=false",
+                           "trainer.plot=false", "trainer.save_interval=0", f"placement.ray_address={address}"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(CLI.parents[1])})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    notes = [line for line in proc.stderr.splitlines() if line.startswith("batch size:")]
+    assert f"batch size: actor_config.ppo_micro_batch_size_per_device=32 -> {4 * n} rows" in notes[0]
+    assert len(notes) == len(set(notes)) == 3  # micro, generate and advantage rounding, each said once
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [0, 1, 2]
+    assert [r["weight_version"] for r in lines] == [4, 8, 12]  # 16 prompts in mini-batches of 4 prompts
+    assert all(r["actor/updates"] == 4 for r in lines)
+    # the tiny default has no KL term: no reference stage ran, no KL was computed
+    assert not any(k.startswith(("timing/ref_log_prob", "actor/kl")) and k != "actor/kl_coef" for k in lines[0])
+

@@ -26,9 +26,9 @@ def run(tmp: Path, blocking: bool, steps: int = 3) -> list[dict]:
                     "logger": ["jsonl"], "plot": False, "dashboard": False, "report": False, "save_interval": 0,
                     "stage_timeout_s": 60, "simulate_cost_s_per_row": COSTS},
         "rl_config": {"blocking": blocking, "dock_micro_batch_size": 16},
-        "generate_config": {"micro_batch_size": 16},
-        "actor_config": {"micro_batch_size": 16, "log_prob_micro_batch_size": 16},
-        "ref_config": {"micro_batch_size": 16},
+        "generate_config": {"micro_batch_size_per_device": 16},
+        "actor_config": {"ppo_micro_batch_size_per_device": 16, "log_prob_micro_batch_size_per_device": 16},
+        "ref_config": {"log_prob_micro_batch_size_per_device": 16},
         "placement": {"mode": "disaggregated"},
     })
     return Trainer(cfg).run()
