@@ -21,7 +21,9 @@ def run(tmp: Path, name: str, algorithm: str, **sections) -> list[dict]:
                         "plot": False, "save_interval": 0, "stage_timeout_s": 60, "dashboard": False,
                         "report": False},
             "rl_config": {"algorithm": algorithm, "n_samples_per_prompt": 1, "prompts_per_step": 64,
-                          "guarantee_order": True}}
+                          "guarantee_order": True},
+            # mini-batches count prompts: 32 of 64 (x 1 sample) = 2 optimizer steps per RL step
+            "actor_config": {"ppo_mini_batch_size": 32}, "critic_config": {"ppo_mini_batch_size": 32}}
     for section, values in sections.items():
         base.setdefault(section, {}).update(values)
     return Trainer(config_from_dict(base)).run()
