@@ -65,6 +65,16 @@ def truncate_left(ids: list[np.ndarray], max_prompt_length: int | None) -> tuple
     return [x[-max_prompt_length:] if len(x) > max_prompt_length else x for x in ids], cut
 
 
+def truncation_warning(cut: int, total: int, longest: int, limit: int, source: str,
+                       setting: str = "data.max_prompt_length") -> str | None:
+    """The start-up line about prompts longer than the limit, or None when no prompt is."""
+    if not cut:
+        return None
+    return (f"warning: {cut} of {total} prompts of {source} are longer than {setting}={limit} tokens "
+            f"(the longest has {longest}); they lose their first tokens. Raise {setting} to keep them "
+            f"whole (the count per step is the metric data/prompts_truncated)")
+
+
 def _check_tokenizer_chat_template(tokenizer) -> None:
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"apply_chat_template is on but the tokenizer "
@@ -110,6 +120,7 @@ class PromptLoader:
         self.epoch = 0
         self.offset = 0
         self.truncated = 0  # prompts cut to max_prompt_length so far
+        self.last_truncated = 0  # prompts of the last batch cut (the trainer's data/prompts_truncated)
         self._order_epoch = -1
         self._order = np.arange(0)
         self._vocab_size = len(tokenizer) if hasattr(tokenizer, "__len__") else None
@@ -162,6 +173,7 @@ class PromptLoader:
                                  f"tokenizes to nothing: {r['prompt']!r}")
         ids, cut = truncate_left(ids, self.max_prompt_length)
         self.truncated += cut
+        self.last_truncated = cut
         return {
             "prompts": ids,
             "prompt_length": [np.array([len(x)], dtype=np.int64) for x in ids],
@@ -169,6 +181,34 @@ class PromptLoader:
             "prompt_text": [prompt_text(r["prompt"]) for r in records],
             "answer_text": [r["answer"] for r in records],
         }
+
+    def prompt_lengths(self, chunk: int = 1024) -> Iterator[int]:
+        """Each record's prompt length in tokens before truncation, in dataset order, encoded as
+        `next_batch` encodes it (tokenized `chunk` prompts at a time, so memory stays flat)."""
+        n = len(self.dataset)
+        for start in range(0, n, chunk):
+            part = [self.dataset[i] for i in range(start, min(start + chunk, n))]
+            texts = [r["prompt"] for r in part if "prompt_ids" not in r]
+            encoded = iter(encode_prompts(self.tokenizer, texts, self.apply_chat_template)[0] if texts else [])
+            for r in part:
+                yield len(r["prompt_ids"]) if "prompt_ids" in r else len(next(encoded))
+
+    def truncation_warning(self, setting: str = "data.max_prompt_length") -> str | None:
+        """One line saying how many of the dataset's prompts `max_prompt_length` cuts (None: none).
+
+        Why up front: a cut prompt loses its start (often the question itself) without any error,
+        so the user hears it once at start, with the count, the limit and the longest prompt; the
+        per-step count is `last_truncated`. Tokenizes the whole dataset once.
+        """
+        if self.max_prompt_length is None:
+            return None
+        cut, longest, total = 0, 0, 0
+        for length in self.prompt_lengths():
+            total += 1
+            cut += length > self.max_prompt_length
+            longest = max(longest, length)
+        return truncation_warning(cut, total, longest, self.max_prompt_length,
+                                  getattr(self.dataset, "source", "the dataset"), setting)
 
     def state_dict(self) -> dict[str, Any]:
         """The data position (and what it depends on), for checkpoints."""

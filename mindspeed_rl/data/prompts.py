@@ -13,13 +13,22 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from .base import PromptDataset, Record
 
 BUILTIN_PREFIX = "builtin:"
 SUFFIXES = (".jsonl", ".json", ".parquet")
+MAX_REPORTED = 5  # bad rows a file check names one by one (it counts them all)
+PARQUET_BATCH_ROWS = 4096
 _MISSING = object()
+
+
+class BadRow:
+    """A source row that does not parse: it carries why, so a check can go on past it and count them all."""
+
+    def __init__(self, problem: str):
+        self.problem = problem
 
 
 def _lookup(raw: dict, key: str) -> Any:
@@ -35,8 +44,14 @@ def _lookup(raw: dict, key: str) -> Any:
 
 
 def make_record(raw: Any, where: str, prompt_key: str = "prompt", answer_key: str = "answer",
-                preprocessed: bool = False) -> Record:
-    """Turn one source row into a record; errors start with `where` (file and line or row)."""
+                preprocessed: bool = False, setting_prefix: str = "") -> Record:
+    """Turn one source row into a record; errors start with `where` (file and line or row).
+
+    `setting_prefix` is how the caller names the key settings (`data.` for the trainer's config), so
+    the fix in a message is the setting the user actually has.
+    """
+    if isinstance(raw, BadRow):
+        raise ValueError(f"{where}: {raw.problem}")
     if not isinstance(raw, dict):
         raise ValueError(f"{where}: expected an object with {prompt_key!r} and {answer_key!r}, "
                          f"got {type(raw).__name__}")
@@ -47,7 +62,7 @@ def make_record(raw: Any, where: str, prompt_key: str = "prompt", answer_key: st
         value = _lookup(raw, key)
         if value is _MISSING:
             raise ValueError(f"{where}: missing key {key!r} (the row has keys {sorted(raw)}); "
-                             f"set {role} to the field that holds the "
+                             f"set {setting_prefix}{role} to the field that holds the "
                              f"{role.split('_')[0]}")
         fields[role] = value
     prompt, answer = fields["prompt_key"], fields["answer_key"]
@@ -79,29 +94,75 @@ def _check_file(path: Path) -> None:
         raise ValueError(f"prompt dataset {str(path)!r} is not a file")
 
 
+def _starts_with_array(path: Path) -> bool:
+    """Is the file one JSON array (its first non-blank byte `[`) rather than JSON lines?"""
+    with path.open("rb") as f:
+        while chunk := f.read(4096):
+            head = chunk.lstrip()
+            if head:
+                return head.startswith(b"[")
+    return False
+
+
+def _json_error(exc: ValueError) -> str:
+    if isinstance(exc, json.JSONDecodeError):  # its own "line 1 column 9" would read as the file's line 1
+        return f"{exc.msg} at character {exc.pos + 1}"
+    return str(exc)  # a UnicodeDecodeError: the line is not UTF-8
+
+
+def json_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    """(where, parsed row) per record of a JSONL file, streaming line by line (blank lines skipped),
+    or per item of a file holding one JSON array; a line that does not parse comes as a `BadRow`.
+
+    Lines are split at newline bytes only: a JSON string cannot hold a raw newline, but it may hold a
+    raw U+2028 or form feed, where `str.splitlines` would cut a record in two.
+    """
+    if _starts_with_array(path):
+        try:
+            items = json.loads(path.read_bytes())
+        except ValueError as exc:
+            yield str(path), BadRow(f"not valid JSON: {_json_error(exc)}")
+            return
+        for i, item in enumerate(items):
+            yield f"{path} item {i}", item
+        return
+    with path.open("rb") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row: Any = json.loads(line.rstrip(b"\r\n"))
+            except ValueError as exc:
+                row = BadRow(f"not a JSON object: {_json_error(exc)}")
+            yield f"{path}:{lineno}", row
+
+
+def parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    """(where, row dict) per row of a parquet file, read in batches of PARQUET_BATCH_ROWS rows."""
+    pq = _import_parquet(path)
+    try:
+        table = pq.ParquetFile(path)
+    except Exception as exc:  # pyarrow's ArrowInvalid & co.: not a parquet file, or a truncated one
+        raise ValueError(f"{path}: not a readable parquet file: {exc}") from exc
+    i = 0
+    for batch in table.iter_batches(batch_size=PARQUET_BATCH_ROWS):
+        for raw in batch.to_pylist():
+            yield f"{path} row {i}", raw
+            i += 1
+
+
+def _is_preprocessed(first_row: Any) -> bool:
+    return isinstance(first_row, dict) and "prompt_ids" in first_row
+
+
 class JsonlPromptDataset(PromptDataset):
     """One JSON object per line (blank lines skipped); a `.json` file holding one array also works."""
 
     def __init__(self, path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer"):
         path = Path(path)
         _check_file(path)
-        text = path.read_text(encoding="utf-8")
-        rows: list[tuple[str, Any]] = []
-        if text.lstrip().startswith("["):
-            try:
-                items = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}: not valid JSON: {exc}") from exc
-            rows = [(f"{path} item {i}", item) for i, item in enumerate(items)]
-        else:
-            for lineno, line in enumerate(text.splitlines(), start=1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append((f"{path}:{lineno}", json.loads(line)))
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{lineno}: not a JSON object: {exc}") from exc
-        preprocessed = bool(rows) and isinstance(rows[0][1], dict) and "prompt_ids" in rows[0][1]
+        rows = list(json_rows(path))
+        preprocessed = bool(rows) and _is_preprocessed(rows[0][1])
         super().__init__([make_record(raw, where, prompt_key, answer_key, preprocessed)
                           for where, raw in rows], source=str(path))
 
@@ -121,11 +182,44 @@ class ParquetPromptDataset(PromptDataset):
     def __init__(self, path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer"):
         path = Path(path)
         _check_file(path)
-        pq = _import_parquet(path)
-        rows = pq.read_table(path).to_pylist()
-        preprocessed = bool(rows) and "prompt_ids" in rows[0]
-        super().__init__([make_record(raw, f"{path} row {i}", prompt_key, answer_key, preprocessed)
-                          for i, raw in enumerate(rows)], source=str(path))
+        rows = list(parquet_rows(path))
+        preprocessed = bool(rows) and _is_preprocessed(rows[0][1])
+        super().__init__([make_record(raw, where, prompt_key, answer_key, preprocessed)
+                          for where, raw in rows], source=str(path))
+
+
+def check_prompt_file(spec: str | Path, prompt_key: str = "prompt", answer_key: str = "answer",
+                      setting_prefix: str = "") -> int:
+    """Read a dataset file once, streaming, and check every row as the loader will; return the count.
+
+    Why: the trainer loads its dataset after every worker has loaded its model (minutes for a 7B
+    model), so a bad line found there wastes all of that. This pass parses each row and keeps none,
+    so it costs one read of the file. Raises ValueError for a file without records, or listing the
+    first MAX_REPORTED bad rows (file:line or row, the problem, the key) and how many are bad in all.
+    """
+    path = Path(spec).expanduser()
+    _check_file(path)
+    rows = parquet_rows(path) if path.suffix.lower() == ".parquet" else json_rows(path)
+    count, bad, problems, preprocessed = 0, 0, [], False
+    for where, raw in rows:
+        if count == 0:
+            preprocessed = _is_preprocessed(raw)
+        count += 1
+        try:
+            make_record(raw, where, prompt_key, answer_key, preprocessed, setting_prefix)
+        except ValueError as exc:
+            bad += 1
+            if len(problems) < MAX_REPORTED:
+                problems.append(str(exc))
+    if count == 0:
+        raise ValueError(f"no records in {path} (the file is empty or has only blank lines, or is an empty "
+                         f"array or table); give a file with one {{{prompt_key!r}: ..., {answer_key!r}: ...}} record "
+                         f"per line, or a built-in task such as builtin:copy")
+    if bad:
+        shown = f", the first {len(problems)} of them" if bad > len(problems) else ""
+        raise ValueError(f"{bad} of {count} records cannot be read (fix or drop them: the trainer would stop at the "
+                         f"first){shown}:\n  " + "\n  ".join(problems))
+    return count
 
 
 def load_prompt_dataset(spec: str | Path, prompt_key: str = "prompt", answer_key: str = "answer",

@@ -213,6 +213,7 @@ class Trainer:
                                             "t_start": r["t_start"], "t_end": r["t_end"]} for r in reports])
         self.dock.clear()
         record = self._metrics(step, reports, time.perf_counter() - t0, t_stages - t0, sync)
+        record["data/prompts_truncated"] = self.loader.last_truncated  # this step's prompts cut to max_prompt_length
         if record.get("actor/kl") is not None:
             self.kl_ctrl.update(record["actor/kl"], plan.rows_per_step)
         return record
