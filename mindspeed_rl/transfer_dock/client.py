@@ -358,6 +358,9 @@ def _source_rows(source, src_pos, fetched: list, copy: bool) -> list:
     """Rows `src_pos` of one source, in that order, copied at most once."""
     if src_pos is None:  # inline: the reply carries exactly these rows
         return unpack(source, copy)
+    if isinstance(source, ShmBlock) and not copy:  # zero-copy views of the segment, cut at once
+        views = shm.reader().rows(source)
+        return views if list(src_pos) == list(range(len(views))) else [views[p] for p in src_pos]
     block = shm.reader().block(source) if isinstance(source, ShmBlock) else fetched[source[0]][source[1]]
     if list(src_pos) == list(range(len(block))):
         return unpack(block, copy)

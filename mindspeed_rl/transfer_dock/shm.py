@@ -25,11 +25,13 @@ import glob
 import mmap
 import os
 import threading
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
-from .codec import ColumnBlock
+from .codec import ColumnBlock, unpack
 from .errors import DockValueError
 
 SHM_DIR = "/dev/shm"
@@ -64,6 +66,19 @@ class ShmBlock:
     @property
     def kind(self) -> str:
         return f"torch.{self.torch_dtype}" if self.torch_dtype else f"numpy.{self.dtype}"
+
+    def __reduce__(self):
+        """Pickle as plain values: a dataclass holding a numpy array pickles in ~35 us and loads in
+        ~40 us, and the dock pickles one descriptor per consumer's get (each unpickles one); as
+        bytes and strings, both take a few microseconds."""
+        numel = np.ascontiguousarray(self.numel, dtype=np.int64).tobytes()
+        return _shm_block, (self.segment, self.offset, numel, self.dtype, self.torch_dtype, self.generation,
+                            self.node_id)
+
+
+def _shm_block(segment: str, offset: int, numel: bytes, dtype: str, torch_dtype: str | None, generation: int,
+               node_id: str) -> ShmBlock:
+    return ShmBlock(segment, offset, np.frombuffer(numel, dtype=np.int64), dtype, torch_dtype, generation, node_id)
 
 
 def available() -> bool:
@@ -211,10 +226,40 @@ class ShmReader:
 
     def __init__(self) -> None:
         self._maps: dict[str, mmap.mmap] = {}
+        self._tensors: dict[str, torch.Tensor] = {}  # segment -> all its bytes, as one uint8 tensor
         self._lock = threading.Lock()
 
     def block(self, desc: ShmBlock) -> ColumnBlock:
         """The described rows as a `ColumnBlock` whose buffer is a read-only view of the segment."""
+        m = self._map(desc)
+        offsets = np.zeros(len(desc.numel) + 1, dtype=np.int64)
+        np.cumsum(desc.numel, out=offsets[1:])
+        flat = np.frombuffer(m, dtype=desc.dtype, count=int(offsets[-1]), offset=desc.offset)
+        return ColumnBlock(flat, offsets, desc.torch_dtype)
+
+    def rows(self, desc: ShmBlock) -> list:
+        """The described rows, zero-copy, as `codec.unpack(self.block(desc), copy=False)` gives
+        them, for a fraction of its cost: a get on the fast path (`copy=False`) does this once per
+        column, and with several consumers each does it while the others wait for the CPU.
+
+        Torch rows are views of one uint8 tensor per segment, made once (with its read-only
+        warning silenced once, not per get), cut by one `split`."""
+        if desc.torch_dtype is None:
+            return unpack(self.block(desc), copy=False)
+        base = self._tensors.get(desc.segment)
+        if base is None:
+            m = self._map(desc)
+            with warnings.catch_warnings():  # read-only by design: see codec.unpack
+                warnings.simplefilter("ignore", UserWarning)
+                base = torch.frombuffer(m, dtype=torch.uint8)
+            self._tensors[desc.segment] = base
+        sizes = desc.numel.tolist()
+        nbytes = sum(sizes) * desc.itemsize
+        flat = base[desc.offset:desc.offset + nbytes].view(getattr(torch, desc.torch_dtype))
+        return list(torch.split(flat, sizes))
+
+    def _map(self, desc: ShmBlock) -> mmap.mmap:
+        """This process's map of the segment `desc` lies in, made at the first sight of it."""
         m = self._maps.get(desc.segment)
         if m is None:
             with self._lock:
@@ -222,6 +267,7 @@ class ShmReader:
                 if m is None:
                     for path in [p for p in self._maps if not os.path.exists(p)]:
                         del self._maps[path]  # segments of closed docks
+                        self._tensors.pop(path, None)
                     try:
                         fd = os.open(desc.segment, os.O_RDONLY)
                     except FileNotFoundError:
@@ -234,10 +280,7 @@ class ShmReader:
                                                                  prot=mmap.PROT_READ)
                     finally:
                         os.close(fd)
-        offsets = np.zeros(len(desc.numel) + 1, dtype=np.int64)
-        np.cumsum(desc.numel, out=offsets[1:])
-        flat = np.frombuffer(m, dtype=desc.dtype, count=int(offsets[-1]), offset=desc.offset)
-        return ColumnBlock(flat, offsets, desc.torch_dtype)
+        return m
 
 
 # One arena per (process, dock) and one reader per process: clients are pickled to every worker,
