@@ -3,15 +3,18 @@
     python benchmarks/dock_throughput.py            # full run (~10 min on 2 cores)
     python benchmarks/dock_throughput.py --quick    # fewer repetitions (~5 min)
     python benchmarks/dock_throughput.py --json out.json
+    python benchmarks/dock_throughput.py --handoff-only   # only the one-micro-batch handoff (~3 min)
 
 Every number is timed inside worker processes, as in training, not from the driver:
 - latency: a bare no-op call to a plain Ray actor; a no-op call to the dock actor and a small get
   (one 1 KB micro-batch of 8 rows) through the dock client, over the dock's local channel (the
   default on the dock's node) and as Ray actor calls (`local_channel=False`). Medians of many calls.
 - handoff: the latency of one micro-batch (1 KB, 1 MB, 16 MB) alone, from a producer process to
-  a consumer process: plain `ray.put`/`ray.get` (of the numpy array: zero-copy; and of the torch
-  tensor, which Ray pickles) alternated with the dock (client defaults; fast path; fast path by
-  Ray object reference; fast path with Ray actor calls instead of the local channel), medians.
+  1 and to 4 consumer processes, each taking the whole micro-batch, their gets begun together:
+  put, then the gets, until the last consumer holds the rows. Plain `ray.put`/`ray.get` (of the
+  numpy array: zero-copy; with 1 consumer also of the torch tensor, which Ray pickles)
+  alternated with the dock (client defaults; fast path; with 1 consumer also fast path by Ray
+  object reference and fast path with Ray actor calls instead of the local channel), medians.
 - transfer: a producer streams micro-batches to 1, 4 and 8 consumer processes. Systems: the dock
   with the client's defaults (puts wait for the answer, gets copy rows into private memory) and
   on the fast path the trainer's stage loops use (`wait=False` puts, `copy=False` gets, the next
@@ -29,7 +32,9 @@ Every number is timed inside worker processes, as in training, not from the driv
 
 The target ratios are printed at the end and written to JSON as `small_get_over_noop_call`,
 `bw_16mb_over_plain_ray` (fast path; also `_client_defaults`, `_by_ref` and `_ray_calls`),
-`handoff_16mb_over_plain_ray` and `get_1m_over_1k_rows`.
+`handoff_16mb_over_plain_ray`, `handoff_4c_1mb_over_plain_ray`, `handoff_4c_16mb_over_plain_ray`
+(plain Ray's time over the dock fast path's, > 1: the dock is faster; each also as `_paired`, the
+median of per-round ratios) and `get_1m_over_1k_rows`.
 """
 from __future__ import annotations
 
@@ -163,11 +168,12 @@ class Worker:
         ref = ray.put(arr)
         return time.perf_counter() - t, [ref]
 
-    def one_plain_get(self, refs: list) -> float:
-        t = time.perf_counter()
+    def one_plain_get(self, refs: list, start_at: float) -> tuple[float, float]:
+        """Zero-copy `ray.get` of the numpy array (or the pickled tensor), begun at `start_at`."""
+        t = _sleep_until(start_at)
         arr = ray.get(refs[0])
         assert arr.shape[0] > 0
-        return time.perf_counter() - t
+        return t, time.perf_counter()
 
     def one_dock_put(self, client, payload_bytes: int, k: int, wait: bool) -> float:
         batch = self._batch(payload_bytes)
@@ -175,11 +181,13 @@ class Worker:
         client.put_experience({"x": batch}, range(k * ROWS_PER_MB, (k + 1) * ROWS_PER_MB), wait=wait)
         return time.perf_counter() - t
 
-    def one_dock_get(self, client, copy: bool) -> float:
-        t = time.perf_counter()
-        data, rows = client.get_experience("c", ["x"], ROWS_PER_MB, blocking=True, timeout=60, copy=copy)
+    def one_dock_get(self, client, consumer: str, copy: bool, start_at: float) -> tuple[float, float]:
+        """The whole micro-batch for `consumer`, begun at `start_at`: (start, end) on the machine's
+        monotonic clock, which every process on the node shares."""
+        t = _sleep_until(start_at)
+        data, rows = client.get_experience(consumer, ["x"], ROWS_PER_MB, blocking=True, timeout=60, copy=copy)
         assert len(rows) == ROWS_PER_MB and data["x"][0].numel() > 0
-        return time.perf_counter() - t
+        return t, time.perf_counter()
 
     def flush(self, client) -> None:
         client.flush()
@@ -217,6 +225,15 @@ class Worker:
         while (batch := ray.get(buffer.get.remote())) is not None:
             rows_seen += batch["x"].shape[0]
         return rows_seen, time.perf_counter() - t
+
+
+def _sleep_until(start_at: float) -> float:
+    """Sleep until `start_at` (time.perf_counter, CLOCK_MONOTONIC: one clock for all processes of
+    the node), so that consumers called one after another by the driver start their gets together."""
+    left = start_at - time.perf_counter()
+    if left > 0:
+        time.sleep(left)
+    return time.perf_counter()
 
 
 def _median_ms(xs: list[float]) -> float:
@@ -328,41 +345,63 @@ def measure_naive(workers, payload: int, consumers: int, n_mb: int) -> dict:
     return {"put_s": put_s, "get_s": get_s}
 
 
-def measure_handoff(workers, payload: int, reps: int) -> dict[str, float]:
-    """Median time to hand one micro-batch from a producer process to a consumer process.
+# One micro-batch, alone: name -> (create_transfer_dock kwargs, put wait, get copy).
+HANDOFF_DOCKS = {"dock": ({}, True, True), "dock fast path": ({}, False, False),
+                 "dock by-ref": ({"data_plane": "ray"}, False, False),
+                 "dock Ray calls": ({"local_channel": False}, False, False)}
+# With several consumers, the systems the issue compares (the client's defaults and the fast path).
+HANDOFF_FANOUT_DOCKS = ("dock", "dock fast path")
+GET_START_DELAY_S = 0.02  # the driver's calls to every consumer arrive well within this
 
-    The systems alternate micro-batch by micro-batch, each timed inside the workers (the
-    producer's put plus the consumer's get), so machine noise and page-fault warmth hit them
-    alike. `dock` uses the client's defaults (each put waits for its answer; rows are copied
-    into private memory). `dock fast path` is what a stage that collates its micro-batch at once
-    uses (the trainer's stage loops do): puts with `wait=False` (the consumer's blocking get
-    still waits until the rows are in) and gets with `copy=False`. `dock by-ref` is the fast path
-    with large columns as Ray object references instead of shared memory. Each dock is cleared
-    after every micro-batch (not timed), as a step ends.
+
+def measure_handoff(workers, payload: int, reps: int, consumers: int = 1) -> dict[str, float]:
+    """Median time to hand one micro-batch from a producer process to `consumers` consumer
+    processes, each of which takes the whole micro-batch (as the stages that read one column do).
+
+    One round: the producer puts (timed in the producer); then every consumer starts its get at
+    one instant (a shared monotonic clock), in parallel; the hand-off ends when the last consumer
+    holds the rows. Time = put + (last get's end - first get's start). Plain Ray is `ray.put` of
+    the numpy array, its ref passed to the consumers, which `ray.get` it zero-copy (and, with one
+    consumer, of the torch tensor, which Ray pickles). The systems alternate micro-batch by
+    micro-batch, so machine noise and page-fault warmth hit them alike. `dock` uses the client's
+    defaults (each put waits for its answer; rows are copied into private memory). `dock fast path`
+    is what a stage that collates its micro-batch at once uses (the trainer's stage loops do):
+    puts with `wait=False` (the consumers' blocking gets still wait until the rows are in) and
+    gets with `copy=False`. `dock by-ref` is the fast path with large columns as Ray object
+    references instead of shared memory. Each dock is cleared after every micro-batch (not
+    timed), as a step ends. Also returns each system's per-round ratio to plain Ray, paired.
     """
-    producer, consumer = workers[0], workers[1]
-    docks = {"dock": ({}, True, True), "dock fast path": ({}, False, False),
-             "dock by-ref": ({"data_plane": "ray"}, False, False),
-             "dock Ray calls": ({"local_channel": False}, False, False)}
-    clients = {name: make_dock(ROWS_PER_MB, kw) for name, (kw, _, _) in docks.items()}
-    times: dict[str, list[float]] = {"plain-ray": [], "plain-ray torch": [], **{name: [] for name in docks}}
+    producer, cons = workers[0], workers[1:1 + consumers]
+    names = [f"c{i}" for i in range(consumers)]
+    docks = HANDOFF_DOCKS if consumers == 1 else {d: HANDOFF_DOCKS[d] for d in HANDOFF_FANOUT_DOCKS}
+    clients = {name: create_transfer_dock(["x"], names, prompts_num=ROWS_PER_MB, **kw)
+               for name, (kw, _, _) in docks.items()}
+    plain = ["plain-ray", "plain-ray torch"] if consumers == 1 else ["plain-ray"]
+    times: dict[str, list[float]] = {**{p: [] for p in plain}, **{name: [] for name in docks}}
     for r in range(reps + 1):
         for system in times:
             if system.startswith("plain-ray"):
                 put_s, refs = ray.get(producer.one_plain_put.remote(payload, system == "plain-ray torch"))
-                get_s = ray.get(consumer.one_plain_get.remote(refs))
+                start_at = time.perf_counter() + GET_START_DELAY_S
+                spans = ray.get([c.one_plain_get.remote(refs, start_at) for c in cons])
                 del refs
             else:
                 client, (_, wait, copy) = clients[system], docks[system]
                 put_s = ray.get(producer.one_dock_put.remote(client, payload, 0, wait))
-                get_s = ray.get(consumer.one_dock_get.remote(client, copy))
+                start_at = time.perf_counter() + GET_START_DELAY_S
+                spans = ray.get([c.one_dock_get.remote(client, n, copy, start_at) for c, n in zip(cons, names)])
                 ray.get(producer.flush.remote(client))
                 client.clear()
             if r > 0:  # the first round warms connections and caches
-                times[system].append(put_s + get_s)
+                times[system].append(put_s + max(end for _, end in spans) - min(start for start, _ in spans))
     for client in clients.values():
         drop_dock(client)
-    return {f"{system}_ms": _median_ms(ts) for system, ts in times.items()}
+    out: dict[str, float | list] = {f"{system}_ms": _median_ms(ts) for system, ts in times.items()}
+    out["consumers"] = consumers
+    out["paired_over_plain_ray"] = {  # per round: plain Ray's time / this system's (> 1: faster)
+        system: statistics.median(p / d for p, d in zip(times["plain-ray"], ts))
+        for system, ts in times.items() if system.startswith("dock")}
+    return out
 
 
 def measure_scaling(gets: int) -> dict[str, float]:
@@ -390,7 +429,30 @@ def measure_scaling(gets: int) -> dict[str, float]:
     return out
 
 
-def run(quick: bool, only_handoff: bool = False) -> dict:
+HANDOFF_CONSUMERS = (1, 4)
+
+
+def handoff_key(consumers: int) -> str:
+    """The results key of the handoff to `consumers` consumers ("handoff" for one, as before)."""
+    return "handoff" if consumers == 1 else f"handoff_{consumers}c"
+
+
+def handoff_ratios(results: dict) -> dict[str, float]:
+    """Plain Ray's handoff time over the dock fast path's (> 1: the dock is faster), from the
+    medians; `_paired` is the median of the per-round ratios instead."""
+    out = {}
+    for consumers in HANDOFF_CONSUMERS:
+        infix = "" if consumers == 1 else f"_{consumers}c"
+        for name, h in results[handoff_key(consumers)].items():
+            if consumers == 1 and name != "16MB" or name == "1KB":
+                continue
+            key = f"handoff{infix}_{name.lower()}_over_plain_ray"
+            out[key] = h["plain-ray_ms"] / h["dock fast path_ms"]
+            out[f"{key}_paired"] = h["paired_over_plain_ray"]["dock fast path"]
+    return out
+
+
+def run(quick: bool, only_handoff: bool = False, handoff_reps: int | None = None) -> dict:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              object_store_memory=2 * 1024 ** 3)
     workers = [Worker.remote() for _ in range(1 + max(CONSUMER_COUNTS))]
@@ -398,13 +460,18 @@ def run(quick: bool, only_handoff: bool = False) -> dict:
     results: dict = {"machine": {"python": sys.version.split()[0], "torch": torch.__version__, "ray": ray.__version__,
                                  "cpus": os.cpu_count(), "platform": platform.platform()},
                      "quick": quick, "rows_per_microbatch": ROWS_PER_MB}
-    results["latency"] = measure_latency(workers, 200 if quick else 1000)
+    if not only_handoff:
+        results["latency"] = measure_latency(workers, 200 if quick else 1000)
     rounds = 3 if quick else 5
     ray.get(workers[0].warm_object_store.remote(2 * 16 * max(PAYLOADS.values())))
-    results["handoff"] = {name: measure_handoff(workers, payload, 20 if quick else 60)
-                          for name, payload in PAYLOADS.items()}
+    reps = handoff_reps or (20 if quick else 60)
+    for consumers in HANDOFF_CONSUMERS:
+        results[handoff_key(consumers)] = {name: measure_handoff(workers, payload, reps, consumers)
+                                           for name, payload in PAYLOADS.items()}
+        print(f"  measured the handoff to {consumers} consumer(s)", file=sys.stderr, flush=True)
     if only_handoff:
         ray.shutdown()
+        results["ratios"] = handoff_ratios(results)
         return results
     rows = []
     for name, payload in PAYLOADS.items():
@@ -445,7 +512,7 @@ def run(quick: bool, only_handoff: bool = False) -> dict:
     results["scaling"] = measure_scaling(2_000 if quick else 20_000)
     ray.shutdown()
 
-    lat, sc, ho = results["latency"], results["scaling"], results["handoff"]["16MB"]
+    lat, sc = results["latency"], results["scaling"]
     runs16 = {r["system"]: r["runs"] for r in rows if r["payload"] == "16MB" and r["consumers"] == 1}
 
     def paired(system: str) -> float:
@@ -467,7 +534,7 @@ def run(quick: bool, only_handoff: bool = False) -> dict:
         "bw_16mb_over_plain_ray_each_round": [
             (p["put_s"] + p["get_s"]) / d["overlapped_s"]
             for d, p in zip(runs16["dock fast path"], runs16["plain-ray"])],
-        "handoff_16mb_over_plain_ray": ho["plain-ray_ms"] / ho["dock fast path_ms"],
+        **handoff_ratios(results),
         "get_1m_over_1k_rows": sc["get_ms_1000000_rows"] / sc["get_ms_1000_rows"],
     }
     return results
@@ -490,12 +557,7 @@ def print_table(results: dict) -> None:
     for r in results["transfer"]:
         print(f"  {r['payload']:>7} {r['consumers']:>4}  {r['system']:<16} {r['rows_per_s']:>10.0f} "
               f"{r['mb_per_s']:>9.1f} {r['seq_mb_per_s']:>9.1f}")
-    print("\none micro-batch from producer to consumer (median ms, systems alternated; see measure_handoff)")
-    print(f"  {'payload':>7}  {'plain-ray':>10} {'plain-ray torch':>16} {'dock':>10} {'dock fast path':>15} "
-          f"{'dock by-ref':>12} {'dock Ray calls':>15}")
-    for name, h in results["handoff"].items():
-        print(f"  {name:>7}  {h['plain-ray_ms']:>10.2f} {h['plain-ray torch_ms']:>16.2f} {h['dock_ms']:>10.2f} "
-              f"{h['dock fast path_ms']:>15.2f} {h['dock by-ref_ms']:>12.2f} {h['dock Ray calls_ms']:>15.2f}")
+    print_handoff(results)
     print("\ntargets")
     print(f"  small_get_over_noop_call          {ratios['small_get_over_noop_call']:6.2f}  (target <= 2; "
           "over the local channel)")
@@ -509,21 +571,45 @@ def print_table(results: dict) -> None:
           "(fast path, data_plane='ray')")
     print(f"    ... with Ray actor calls        {ratios['bw_16mb_over_plain_ray_ray_calls']:6.2f}  "
           "(fast path, shared memory, local_channel=False)")
-    print(f"  handoff_16mb_over_plain_ray       {ratios['handoff_16mb_over_plain_ray']:6.2f}  "
-          "(latency of one micro-batch alone, fast path)")
+    print_handoff_ratios(ratios)
     print(f"  get_1m_over_1k_rows               {ratios['get_1m_over_1k_rows']:6.2f}  (target <= 2)")
+
+
+def print_handoff(results: dict) -> None:
+    for consumers in HANDOFF_CONSUMERS:
+        table = results[handoff_key(consumers)]
+        systems = [k[:-3] for k in next(iter(table.values())) if k.endswith("_ms")]
+        print(f"\none micro-batch from a producer to {consumers} consumer(s), each taking all of it "
+              "(median ms, systems alternated; see measure_handoff)")
+        print(f"  {'payload':>7}  " + " ".join(f"{s:>15}" for s in systems))
+        for name, h in table.items():
+            print(f"  {name:>7}  " + " ".join(f"{h[s + '_ms']:>15.2f}" for s in systems))
+
+
+def print_handoff_ratios(ratios: dict) -> None:
+    for key, value in ratios.items():
+        if key.startswith("handoff") and not key.endswith("_paired"):
+            target = "target >= 1.0; " if "_4c_" in key else ""
+            print(f"  {key:<34}{value:6.2f}  ({target}median of rounds paired: {ratios[key + '_paired']:.2f}; "
+                  "latency of one micro-batch alone, fast path)")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="fewer repetitions (about a minute)")
+    p.add_argument("--quick", action="store_true", help="fewer repetitions (~5 min)")
     p.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
     p.add_argument("--handoff-only", action="store_true",
-                   help="only the latency and one-micro-batch handoff figures (quick look at the data path)")
+                   help="only the one-micro-batch handoff to 1 and 4 consumers (~3 min)")
+    p.add_argument("--handoff-reps", type=int, metavar="N",
+                   help="micro-batches per system and payload in the handoff (default 60, 20 with --quick)")
     args = p.parse_args()
-    results = run(args.quick, only_handoff=args.handoff_only)
+    if args.handoff_reps is not None and args.handoff_reps < 1:
+        p.error(f"--handoff-reps={args.handoff_reps}: give at least 1 micro-batch")
+    results = run(args.quick, only_handoff=args.handoff_only, handoff_reps=args.handoff_reps)
     if args.handoff_only:
-        print(json.dumps({k: results[k] for k in ("latency", "handoff")}, indent=1))
+        print_handoff(results)
+        print()
+        print_handoff_ratios(results["ratios"])
     else:
         print_table(results)
     if args.json:
