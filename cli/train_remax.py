@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import hydra  # noqa: E402
 
-from mindspeed_rl.cli_main import train_main  # noqa: E402
+from mindspeed_rl.cli_main import refuse_renamed_overrides, train_main  # noqa: E402
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
@@ -22,4 +22,5 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
+    refuse_renamed_overrides(sys.argv[1:])
     main()

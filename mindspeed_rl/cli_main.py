@@ -4,6 +4,35 @@ from __future__ import annotations
 import sys
 
 
+def refuse_renamed_overrides(argv: list[str]) -> None:
+    """Exit 2 naming what an old size key became, when the command line sets one.
+
+    Why here: Hydra refuses `actor_config.mini_batch_size=32` as "not in struct" before the loader
+    ever sees it, which tells the user nothing about the rename (verl's sizes counted in prompts)."""
+    from .config.schema import renamed_key_message
+
+    n = 8
+    for arg in argv:
+        key, eq, value = arg.lstrip("+~").partition("=")
+        if eq and key == "rl_config.n_samples_per_prompt" and value.strip().isdigit():
+            n = int(value)
+    found = []
+    for arg in argv:
+        key, eq, value = arg.lstrip("+~").partition("=")
+        if not eq:
+            continue
+        try:
+            parsed = int(value)
+        except ValueError:
+            parsed = None if value.strip().lower() == "null" else value
+        message = renamed_key_message(key, parsed, n)
+        if message:
+            found.append(message)
+    if found:
+        print("config error: " + "; ".join(found) + " (see docs/configs.md)", file=sys.stderr)
+        sys.exit(2)
+
+
 def train_main(raw_cfg, algorithm: str | None = None) -> list[dict]:
     """Build the typed config, fail fast on bad input, run the trainer; exit 1 with a clear error."""
     from .config import ConfigError, config_from_dict

@@ -56,6 +56,19 @@ def test_misspelled_key_added_with_plus_gets_did_you_mean(tmp_path):
     assert seconds < FAST_S
 
 
+def test_old_size_key_on_the_command_line_says_what_it_became(tmp_path):
+    """Without `+`, Hydra would refuse an old key as 'not in struct' before our loader saw it."""
+    proc, _ = run_cli(tmp_path, "rl_config.n_samples_per_prompt=4", "actor_config.mini_batch_size=16",
+                      "generate_config.micro_batch_size=64")
+    assert proc.returncode == 2, proc.stderr
+    assert "not in struct" not in proc.stderr and "Traceback" not in proc.stderr
+    assert "actor_config.mini_batch_size=16: renamed: it is now actor_config.ppo_mini_batch_size" in proc.stderr
+    assert "set actor_config.ppo_mini_batch_size=4 (16 rows / rl_config.n_samples_per_prompt=4)" in proc.stderr
+    assert "generate_config.micro_batch_size=64: renamed: it is now generate_config.micro_batch_size_per_device" \
+        in proc.stderr
+    assert "[ray-probe] initialized=False" in proc.stderr
+
+
 def test_dry_run_prints_graph_and_plan_and_exits_0(tmp_path):
     proc, seconds = run_cli(tmp_path, "trainer.dry_run=true", "actor_config.kl_loss_coef=0.001",
                             "placement.mode=disaggregated", "+placement.groups.actor.dp=2")
