@@ -89,3 +89,21 @@ def test_cli_png(tmp_path):
     assert r.returncode == 0, r.stderr
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_a_config_draws_the_graph_it_runs(tmp_path):
+    """grpo_tiny has no KL term (kl_loss_coef 0): its picture has no reference stage, as its run has
+    none; the algorithm's name alone draws the full graph; a config with a KL term draws the stage."""
+    def mfcs(arg):
+        out = tmp_path / "g.svg"
+        proc = subprocess.run([sys.executable, CLI, arg, "--out", str(out)], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        root = ET.fromstring(out.read_text())
+        return {t for t in _texts(root) if t in algorithm_graph("grpo").nodes}
+
+    assert "ref_log_prob" not in mfcs("grpo_tiny")
+    assert "ref_log_prob" in mfcs("grpo")
+    with_kl = tmp_path / "kl.yaml"
+    with_kl.write_text("rl_config: {algorithm: grpo}\nactor_config: {use_kl_loss: true, kl_loss_coef: 0.001}\n")
+    assert "ref_log_prob" in mfcs(str(with_kl))
