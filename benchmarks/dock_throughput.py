@@ -175,7 +175,16 @@ class Worker:
         assert arr.shape[0] > 0
         return t, time.perf_counter()
 
+    def held(self, client):
+        """The client this worker was first given for `client`'s dock. A training worker is given
+        its client once (`WorkerSpec.dock`) and keeps it, with its connection to the dock's local
+        channel and its unchecked puts; a client sent with every call would open a new connection
+        in every timed get and let `flush()` see none of the puts sent before."""
+        clients = self.__dict__.setdefault("_clients", {})
+        return clients.setdefault(client.actor._ray_actor_id.hex(), client)
+
     def one_dock_put(self, client, payload_bytes: int, k: int, wait: bool) -> float:
+        client = self.held(client)
         batch = self._batch(payload_bytes)
         t = time.perf_counter()
         client.put_experience({"x": batch}, range(k * ROWS_PER_MB, (k + 1) * ROWS_PER_MB), wait=wait)
@@ -184,13 +193,14 @@ class Worker:
     def one_dock_get(self, client, consumer: str, copy: bool, start_at: float) -> tuple[float, float]:
         """The whole micro-batch for `consumer`, begun at `start_at`: (start, end) on the machine's
         monotonic clock, which every process on the node shares."""
+        client = self.held(client)
         t = _sleep_until(start_at)
         data, rows = client.get_experience(consumer, ["x"], ROWS_PER_MB, blocking=True, timeout=60, copy=copy)
         assert len(rows) == ROWS_PER_MB and data["x"][0].numel() > 0
         return t, time.perf_counter()
 
     def flush(self, client) -> None:
-        client.flush()
+        self.held(client).flush()
 
     def _batch(self, payload_bytes: int) -> torch.Tensor:
         if getattr(self, "_batch_cache", (None,))[0] != payload_bytes:

@@ -1,8 +1,7 @@
 """The dock as a Ray actor: one `TransferDock` served to many workers at once.
 
-It is an async actor: every call runs on one event loop, so the dock needs no lock contention,
-and a blocking get awaits a put without holding a thread, so one stalled consumer never stalls
-the others. Data comes in three forms (see `docs/transfer_dock.md` for the measurements behind it):
+It is an async actor: Ray calls run on one event loop, and a blocking get awaits a put there
+without holding a thread, so one stalled consumer never stalls the others. Data comes in three forms (see `docs/transfer_dock.md` for the measurements behind it):
 - inline: the rows travel in the call (`ColumnBlock`) and the actor keeps them;
 - in shared memory (same node): the producer copies its block into a segment it owns and the actor
   keeps only a descriptor (`ShmBlock`, see `shm.py`), so the bytes go producer -> consumer once;
@@ -11,14 +10,17 @@ the others. Data comes in three forms (see `docs/transfer_dock.md` for the measu
 Workers use it through `TransferDockClient`, which picks the form by size and by node.
 
 Calls come two ways: as Ray actor calls, and, from callers on the dock's node, over the dock's
-local channel (`channel.py`), a Unix socket served on this actor's event loop, ~20x cheaper than
-a Ray call. Both ways run the same methods on the same loop.
+local channel (`channel.py`), a Unix socket, ~20x cheaper than a Ray call. The channel's
+connection threads answer what need not wait themselves (`_channel_direct`), every dock access
+under the dock's lock; a get that must wait goes to the loop. A put or clear on either path wakes
+the waiting gets of both (`_changed_now`).
 """
 from __future__ import annotations
 
 import asyncio
 import os
 import pickle
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -123,6 +125,12 @@ class TransferDockActor:
         self._generation = shm.Generation(shm_tag) if shm_tag else None
         self._puts = 0  # bumped by every put and clear; blocked gets wait for it to change
         self._changed: asyncio.Condition | None = None
+        self._waiting = 0  # gets waiting on the loop: a put from a channel thread wakes the loop only then
+        # Puts, clears and held replies run on the loop and on the channel's threads: this lock
+        # makes each whole (a put's generation check and its store, a clear and its generation
+        # bump); taken before the dock's own `_cond`, never after.
+        self._lock = threading.RLock()
+        self._loop: asyncio.AbstractEventLoop | None = None
         # the local channel (a Unix socket, served from the first `local_info` call on)
         self._channel_path = channel.socket_path(shm.SHM_DIR, channel_tag, os.getpid()) if channel_tag else None
         self._channel: asyncio.AbstractServer | None = None
@@ -135,9 +143,18 @@ class TransferDockActor:
         return self._changed
 
     async def _notify(self) -> None:
-        self._puts += 1
+        """Wake the gets waiting on the loop (call on the loop, after `_changed_now`)."""
         async with self._condition():
             self._condition().notify_all()
+
+    def _changed_now(self) -> None:
+        """Count a put or clear (under `_lock`) and, from a channel thread, wake the loop's
+        waiting gets. A get that begins to wait reads `_puts` before its attempt and counts itself
+        in `_waiting` before it sleeps, so a put that sees `_waiting == 0` cannot leave it asleep."""
+        self._puts += 1
+        loop = self._loop
+        if self._waiting and loop is not None and not _on_loop(loop):
+            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._notify()))
 
     async def noop(self) -> None:
         """An empty call: the floor any dock call is measured against."""
@@ -173,28 +190,39 @@ class TransferDockActor:
         await self._put(pickle.loads(blob), refs)
 
     async def _put(self, payload: tuple, refs: list | None = None) -> None:
-        blocks, indexes, overwrite, producer, *worker = payload  # worker: a label, may be absent
         if self._export_task is None:
             self._start_export()
-        for column, block in blocks.items():
-            if isinstance(block, RefBlock):
-                if refs is None:
-                    raise DockValueError(f"put_experience: column '{column}' names a Ray object, which must come "
-                                         "with a Ray actor call (the client sends such puts that way), not over "
-                                         "the local channel")
-                block.ref = refs[block.ref]
-            elif isinstance(block, ShmBlock) and (self._generation is None
-                                                  or block.generation != self._generation.value):
-                now = "no shared memory" if self._generation is None else f"generation {self._generation.value}"
-                raise DockValueError(
-                    f"put_experience: column '{column}' (rows {indexes[:8]}{'...' if len(indexes) > 8 else ''}) was "
-                    f"written to shared memory in generation {block.generation}, but the dock has {now}: the "
-                    "dock was cleared after the rows were made, so their bytes may be reused; put a step's rows "
-                    "before clear() ends it")
-        kinds = {c: b.kind for c, b in blocks.items()}
-        self._dock.put_cells({c: _cells(b) for c, b in blocks.items()}, indexes, overwrite=overwrite,
-                             producer=producer, kinds=kinds, worker=worker[0] if worker else None)
+        self._put_now(payload, refs)
         await self._notify()
+
+    def _put_direct(self, payload: tuple) -> None:
+        """A put from the local channel, on its connection's thread."""
+        if self._export_task is None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._start_export)
+        self._put_now(payload, None)
+
+    def _put_now(self, payload: tuple, refs: list | None) -> None:
+        blocks, indexes, overwrite, producer, *worker = payload  # worker: a label, may be absent
+        with self._lock:  # the generation checked and the cells stored with no clear() between
+            for column, block in blocks.items():
+                if isinstance(block, RefBlock):
+                    if refs is None:
+                        raise DockValueError(f"put_experience: column '{column}' names a Ray object, which must come "
+                                             "with a Ray actor call (the client sends such puts that way), not over "
+                                             "the local channel")
+                    block.ref = refs[block.ref]
+                elif isinstance(block, ShmBlock) and (self._generation is None
+                                                      or block.generation != self._generation.value):
+                    now = "no shared memory" if self._generation is None else f"generation {self._generation.value}"
+                    raise DockValueError(
+                        f"put_experience: column '{column}' (rows {indexes[:8]}{'...' if len(indexes) > 8 else ''}) was "
+                        f"written to shared memory in generation {block.generation}, but the dock has {now}: the "
+                        "dock was cleared after the rows were made, so their bytes may be reused; put a step's rows "
+                        "before clear() ends it")
+            kinds = {c: b.kind for c, b in blocks.items()}
+            self._dock.put_cells({c: _cells(b) for c, b in blocks.items()}, indexes, overwrite=overwrite,
+                                 producer=producer, kinds=kinds, worker=worker[0] if worker else None)
+            self._changed_now()
 
     async def get(self, blob: bytes):
         """Answers the pickled `(parts_by_column, rows)`, with the list of refs they name if any."""
@@ -209,19 +237,41 @@ class TransferDockActor:
         return reply, refs
 
     async def _channel_get(self, request: tuple):
-        reply, refs = await self._reply(request)
+        return self._channel_reply(*(await self._reply(request)))
+
+    def _channel_reply(self, reply: bytes, refs: list):
         if not refs:
             return channel.Raw(reply)
-        self._next_token += 1
-        self._held[self._next_token] = (reply, refs)
-        return HeldReply(self._next_token)
+        with self._lock:
+            self._next_token += 1
+            self._held[self._next_token] = (reply, refs)
+            return HeldReply(self._next_token)
+
+    def _get_direct(self, request: tuple):
+        """A get from the local channel, on its connection's thread: answered here when it need
+        not wait; a blocking get that finds no rows goes to the loop (`channel.LATER`), which
+        waits for a put without holding this connection's later calls."""
+        consumer, columns, count, indexes, get_n_samples, blocking, timeout, worker = _get_args(*request)
+        dock = self._dock
+        columns, idx = dock.checked_get(consumer, columns, count, indexes, get_n_samples, timeout)
+        t_start = time.time()
+        with dock._cond:
+            got = dock.try_take(consumer, columns, count, idx, get_n_samples, raise_missing=not blocking)
+            if got is None and blocking:
+                return channel.LATER
+            data, rows = dock.finish_get(consumer, columns, count, idx, got, t_start, worker=worker)
+        refs: list = []
+        reply = pickle.dumps(({c: reply_parts(cells, refs) for c, cells in data.items()}, rows),
+                             protocol=pickle.HIGHEST_PROTOCOL)
+        return self._channel_reply(reply, refs)
 
     async def take_held(self, token: int):
         """A get reply that the local channel could not carry (it names Ray objects)."""
-        if token not in self._held:
-            raise DockValueError(f"take_held: no reply held under token {token}: the dock was cleared after the "
-                                 "get took its rows, which are then lost to that caller; fetch before clear()")
-        return self._held.pop(token)
+        with self._lock:
+            if token not in self._held:
+                raise DockValueError(f"take_held: no reply held under token {token}: the dock was cleared after "
+                                     "the get took its rows, which are then lost to that caller; fetch before clear()")
+            return self._held.pop(token)
 
     async def _get(self, consumer: str, columns: Sequence[str], count: int, indexes: Sequence[int] | None = None,
                    get_n_samples: bool = False, blocking: bool = False, timeout: float | None = None,
@@ -231,8 +281,8 @@ class TransferDockActor:
         t_start = time.time()
         deadline = t_start + (dock.default_timeout if timeout is None else float(timeout))
         while True:
-            seen = self._puts
-            with dock._cond:  # uncontended: every call runs on this one event loop
+            with dock._cond:  # the channel's threads take it too
+                seen = self._puts
                 got = dock.try_take(consumer, columns, count, idx, get_n_samples, raise_missing=not blocking)
             if got is not None or not blocking:
                 break
@@ -241,11 +291,15 @@ class TransferDockActor:
                 with dock._cond:
                     dock.finish_get(consumer, columns, count, idx, None, t_start, timed_out=True, worker=worker)
             cond = self._condition()
-            async with cond:
-                try:
-                    await asyncio.wait_for(cond.wait_for(lambda: self._puts != seen), timeout=max(left, 0.0))
-                except asyncio.TimeoutError:
-                    pass
+            self._waiting += 1  # before the predicate is first checked: see _changed_now
+            try:
+                async with cond:
+                    try:
+                        await asyncio.wait_for(cond.wait_for(lambda: self._puts != seen), timeout=max(left, 0.0))
+                    except asyncio.TimeoutError:
+                        pass
+            finally:
+                self._waiting -= 1
         with dock._cond:
             return dock.finish_get(consumer, columns, count, idx, got, t_start, worker=worker)
 
@@ -253,11 +307,16 @@ class TransferDockActor:
         return self._dock.all_consumed(consumer)
 
     async def clear(self) -> None:
-        self._dock.clear()
-        self._held.clear()  # replies nobody fetched: let their objects go with the step
-        if self._generation is not None:
-            self._generation.bump()  # producers reuse their segments from offset 0
+        self._clear_now()
         await self._notify()
+
+    def _clear_now(self) -> None:
+        with self._lock:
+            self._dock.clear()
+            self._held.clear()  # replies nobody fetched: let their objects go with the step
+            if self._generation is not None:
+                self._generation.bump()  # producers reuse their segments from offset 0
+            self._changed_now()
 
     async def shm_info(self) -> dict | None:
         """Where producers find the generation counter, or None without shared memory."""
@@ -271,8 +330,10 @@ class TransferDockActor:
         (None for either that this dock does not have). Starts the channel at the first call."""
         node_id = ray.get_runtime_context().get_node_id()
         if self._channel is None and self._channel_path is not None:
+            self._loop = asyncio.get_running_loop()
             try:
-                self._channel = await channel.serve(self._channel_path, self._channel_handlers())
+                self._channel = await channel.serve(self._channel_path, self._channel_handlers(),
+                                                    self._channel_direct())
             except OSError as e:  # no socket here (another node without /dev/shm): Ray calls only
                 warnings.warn(f"TransferDock: no local channel at {self._channel_path} ({e}); callers use "
                               "Ray calls", RuntimeWarning)
@@ -288,6 +349,16 @@ class TransferDockActor:
             "get_event_log", "metrics_export_status", "state_dict", "load_state_dict", "layout")}
         handlers.update(put=self._put, get=self._channel_get)
         return handlers
+
+    def _channel_direct(self) -> dict:
+        """What the channel's connection threads answer themselves (each dock access under the
+        dock's lock): the calls that never wait, and gets that need not. The rest (a get that
+        must wait, state_dict, load_state_dict, layout, metrics_export_status) runs on the loop."""
+        dock = self._dock
+        return {"noop": _noop, "all_consumed": dock.all_consumed, "clear": self._clear_now,
+                "get_consumer_status": dock.get_consumer_status, "get_column_status": dock.get_column_status,
+                "get_metrics": dock.get_metrics, "get_event_log": dock.get_event_log,
+                "put": self._put_direct, "get": self._get_direct}
 
     async def close(self) -> None:
         """Remove this dock's shared-memory files (the segments of every producer) and its
@@ -351,8 +422,28 @@ class TransferDockActor:
             else:
                 cells[column] = {}
         state["cells"] = cells
-        self._dock.restore_state(state, kinds)
+        with self._lock:
+            self._dock.restore_state(state, kinds)
+            self._changed_now()
         await self._notify()
+
+
+def _noop() -> None:
+    return None
+
+
+def _get_args(consumer: str, columns: Sequence[str], count: int, indexes: Sequence[int] | None = None,
+              get_n_samples: bool = False, blocking: bool = False, timeout: float | None = None,
+              worker: str | None = None) -> tuple:
+    """A get request's fields with `_get`'s defaults (a bad count of fields raises TypeError)."""
+    return consumer, columns, count, indexes, get_n_samples, blocking, timeout, worker
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
 
 
 def remote_actor_class(num_cpus: float = 0.0):

@@ -30,6 +30,7 @@ except ImportError:  # pragma: no cover
     torch = None
 
 STATE_VERSION = 1
+SMALL_TAKE = 64  # rows up to which a take updates the consumer's arrays row by row
 
 
 def _is_tensor(v: Any) -> bool:
@@ -563,13 +564,26 @@ class TransferDock:
     def _take(self, state: _ConsumerState, rows: list[int]) -> None:
         if not rows:
             return
-        fresh = np.asarray(rows, dtype=np.int64)[~state.taken[rows]]  # callers pass untaken rows; count only those
-        state.taken_count += len(fresh)
-        groups = fresh // self.n_samples_per_prompt
-        state.untouched_groups -= int(np.count_nonzero(state.group_taken[np.unique(groups)] == 0))
-        np.add.at(state.group_taken, groups, 1)
-        state.taken[rows] = True
-        state.blocked[rows] = True
+        if len(rows) <= SMALL_TAKE:  # a micro-batch: per-row Python beats numpy's per-call cost (~40 us)
+            taken, blocked, group_taken, n = state.taken, state.blocked, state.group_taken, self.n_samples_per_prompt
+            fresh = [r for r in rows if not taken[r]]  # callers pass untaken rows; count only those
+            for r in fresh:
+                g = r // n
+                if group_taken[g] == 0:
+                    state.untouched_groups -= 1
+                group_taken[g] += 1
+            state.taken_count += len(fresh)
+            for r in rows:
+                taken[r] = True
+                blocked[r] = True
+        else:
+            fresh = np.asarray(rows, dtype=np.int64)[~state.taken[rows]]
+            state.taken_count += len(fresh)
+            groups = fresh // self.n_samples_per_prompt
+            state.untouched_groups -= int(np.count_nonzero(state.group_taken[np.unique(groups)] == 0))
+            np.add.at(state.group_taken, groups, 1)
+            state.taken[rows] = True
+            state.blocked[rows] = True
         state.reserved.difference_update(rows)
         for view in state.views.values():
             view.discard(rows)

@@ -24,12 +24,12 @@ pytestmark = pytest.mark.skipif(not shm.available(), reason="needs a writable /d
 class LoopServer:
     """`channel.serve` on an event loop in a background thread (as the dock actor runs it)."""
 
-    def __init__(self, handlers: dict) -> None:
+    def __init__(self, handlers: dict, direct: dict | None = None) -> None:
         self.path = channel.socket_path(shm.SHM_DIR, f"test{os.getpid()}x{id(self):x}", os.getpid())
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.server = asyncio.run_coroutine_threadsafe(channel.serve(self.path, handlers), self.loop).result(10)
+        self.server = asyncio.run_coroutine_threadsafe(channel.serve(self.path, handlers, direct), self.loop).result(10)
 
     def stop(self) -> None:
         async def shut():  # end every connection's task while the loop still runs
@@ -125,6 +125,34 @@ def test_a_wait_past_its_timeout_raises_and_the_connection_stays_usable(server):
     assert 0.25 < time.monotonic() - t0 < 5.0
     conn.result(conn.send("open_gate", ()), 5.0)
     assert conn.result(held, 5.0) == "late", "the answer that came late is still delivered"
+
+
+def test_direct_calls_are_answered_on_the_connection_thread_while_the_loop_is_busy():
+    """Why the dock answers most calls on the connection's own thread: no turn of the event loop
+    per call. A direct handler's `LATER` hands the call to the loop's handler of that name, and
+    the calls behind it are still answered at once."""
+    async def maybe(x):
+        return ("loop", x)
+
+    srv = LoopServer({"maybe": maybe}, direct={"twice": lambda x: 2 * x,
+                                               "maybe": lambda x: channel.LATER if x < 0 else ("thread", x)})
+    try:
+        conn = channel.Connection(srv.path)
+        assert conn.result(conn.send("maybe", (-1,)), 5.0) == ("loop", -1)
+        busy = srv.loop.call_soon_threadsafe(time.sleep, 1.5)  # the loop thread is stuck for 1.5 s
+        time.sleep(0.1)
+        t0 = time.monotonic()
+        later = conn.send("maybe", (-2,))  # goes to the loop: answered once it is free
+        assert conn.result(conn.send("twice", (21,)), 5.0) == 42
+        assert conn.result(conn.send("maybe", (3,)), 5.0) == ("thread", 3)
+        assert time.monotonic() - t0 < 1.0, "direct calls must not wait for the event loop"
+        assert not conn.done(later)
+        assert conn.result(later, 10.0) == ("loop", -2)
+        with pytest.raises(DockError, match=r"no method 'nope'.*maybe, twice"):
+            conn.result(conn.send("nope", ()), 5.0)
+        busy.cancel()
+    finally:
+        srv.stop()
 
 
 SERVER_PROCESS = """
@@ -236,6 +264,28 @@ def test_calls_keep_their_order_across_the_channel_and_ray_and_refs_come_back_th
         assert sorted(rows) == [0, 1, 2, 3]
         for r, s_, b in zip(rows, out["small"], out["big"]):
             assert torch.equal(s_, small[r]) and torch.equal(b, big[r])
+    finally:
+        dock.close()
+        ray_session.kill(dock.actor, no_restart=True)
+
+
+@pytest.mark.ray
+def test_a_get_waiting_on_the_loop_wakes_at_a_put_answered_on_a_connection_thread(ray_session):
+    """A blocking get that finds no rows waits on the actor's event loop; puts over the channel are
+    stored by a connection thread, which must wake it (or it would sleep to its timeout)."""
+    from mindspeed_rl.transfer_dock import create_transfer_dock
+
+    dock = create_transfer_dock(["x"], ["c"], prompts_num=4)
+    try:
+        pending = dock.get_experience_async("c", ["x"], 4, blocking=True, timeout=20.0)
+        time.sleep(0.5)  # the get reaches the dock and waits there
+        producer = threading.Thread(target=dock.put_experience, args=({"x": [torch.ones(2)] * 4}, range(4)))
+        t0 = time.monotonic()
+        producer.start()  # its own connection (one per thread)
+        producer.join(30)
+        _, rows = pending.result()
+        assert sorted(rows) == [0, 1, 2, 3] and time.monotonic() - t0 < 10.0
+        assert dock.get_experience("c", ["x"], 4) == ({}, []), "each row once"
     finally:
         dock.close()
         ray_session.kill(dock.actor, no_restart=True)
