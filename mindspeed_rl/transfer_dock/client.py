@@ -120,7 +120,7 @@ class TransferDockClient:
         self._check_pending(before="ray")
         return self._unwrap(ray.get, getattr(self.actor, method).remote(*args), timeout=timeout)
 
-    def _check_pending(self, wait_all: bool = False, before: str | None = None) -> None:
+    def _check_pending(self, wait_all: bool = False, before: str | None = None, keep_newest: bool = False) -> None:
         """Raise the error of an earlier `wait=False` put, if one failed; keep at most
         `max_pending_puts` in flight.
 
@@ -128,7 +128,9 @@ class TransferDockClient:
         a caller's calls in order, but the two paths do not keep order with each other, so puts
         pending on the other path are waited for first. A channel answer is looked at whenever it
         has come (a `select`, a few microseconds); a Ray answer only once half of
-        `max_pending_puts` are pending (each look is a `ray.wait`, ~0.3 ms)."""
+        `max_pending_puts` are pending (each look is a `ray.wait`, ~0.3 ms). `keep_newest`: the
+        put just sent is not looked at (its error belongs to a later call or `flush()`, as documented,
+        however fast the dock answered)."""
         pending = self._pending
         if not pending:
             return
@@ -137,6 +139,8 @@ class TransferDockClient:
         if not wait_all and pending[0][0] == "ray" and len(pending) < max(1, self.max_pending_puts // 2):
             return
         while pending:
+            if keep_newest and len(pending) == 1:
+                return
             path, handle = pending[0]
             must = wait_all or len(pending) > self.max_pending_puts
             if path == "channel":
@@ -206,7 +210,7 @@ class TransferDockClient:
         if wait:
             self._check_pending(wait_all=True)
         else:
-            self._check_pending()
+            self._check_pending(keep_newest=True)
 
     def get_experience(self, consumer: str, columns: Sequence[str], count: int,
                        indexes: Sequence[int] | None = None, get_n_samples: bool = False,

@@ -308,6 +308,30 @@ def test_a_failed_put_without_waiting_is_raised_by_flush(make_dock):
     assert dock.get_column_status()["prompts"]["written"] == 2
 
 
+def test_a_failed_put_is_not_raised_by_itself_however_fast_the_dock_answers(make_dock):
+    """The documented rule: a `wait=False` put's error comes from a later call or `flush()`. The
+    dock answering before `put_experience` returns (its connection threads can) must not change
+    that: here every send waits until the answer is in the socket."""
+    import select
+    dock = make_dock(["prompts", "responses"], ["x"], 4)
+    conn = dock._connection()
+    if conn is None:
+        pytest.skip("this data path sends puts through Ray calls")
+    send = conn.send
+
+    def send_then_wait_for_the_answer(method, args):
+        rid = send(method, args)
+        assert select.select([conn._sock], [], [], 10)[0], "the dock did not answer in 10 s"
+        return rid
+
+    conn.send = send_then_wait_for_the_answer
+    dock.put_experience({"prompts": [prompt_row(0)]}, [0])
+    dock.put_experience({"prompts": [prompt_row(0)]}, [0], wait=False)  # written twice: returns all the same
+    with pytest.raises(DockValueError, match="already written"):
+        dock.flush()
+    assert dock.get_column_status()["prompts"]["written"] == 1
+
+
 # ---------------------------------------------------------------------- checkpoints
 def test_state_dict_has_real_tensors_and_a_fresh_dock_resumes_mid_step(make_dock, actors):
     columns, consumers = ["prompts", "responses"], ["x", "y"]
