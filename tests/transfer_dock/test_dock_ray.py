@@ -82,6 +82,26 @@ def check_rows(out: dict, rows: list[int]) -> list[int]:
                 bad.append(r)
     return bad
 
+def refusal_problems(dock, calls: dict) -> list[str]:
+    """Run each `name -> (call, error, text)`: every call must raise exactly `error`, with `text` in
+    its message, and leave the dock's snapshot as it was. Returns what went wrong ([] if nothing)."""
+    problems, before = [], snapshot(dock)
+    for name, (call, error, text) in calls.items():
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 -- sorted out below
+            if type(e) is not error:
+                problems.append(f"{name}: raised {type(e).__name__} ({e}), expected {error.__name__}")
+            elif text not in str(e):
+                problems.append(f"{name}: message {str(e)!r} does not mention {text!r}")
+        else:
+            problems.append(f"{name}: raised nothing")
+        if snapshot(dock) != before:
+            problems.append(f"{name}: changed the dock")
+            before = snapshot(dock)
+    return problems
+
+
 
 @ray.remote(num_cpus=0.1)
 class DockWorker:
@@ -271,22 +291,9 @@ def test_bad_input_raises_the_dock_error_in_the_caller_and_changes_nothing(make_
     dock.put_experience({"responses": [response_row(r) for r in (0, 1)]}, [0, 1])
     dock.get_experience("y", ["prompts"], 1, indexes=[3])
     dock.get_experience("y", ["prompts"], 2)
-    before = snapshot(dock)
 
-    problems = []
-    for name, (fn, error, text) in BAD_CALLS.items():
-        try:
-            fn(dock)
-        except Exception as e:  # noqa: BLE001 -- sorted out below
-            if type(e) is not error:
-                problems.append(f"{name}: raised {type(e).__name__} ({e}), expected {error.__name__}")
-            elif text not in str(e):
-                problems.append(f"{name}: message {str(e)!r} does not mention {text!r}")
-        else:
-            problems.append(f"{name}: raised nothing")
-        if snapshot(dock) != before:
-            problems.append(f"{name}: changed the dock")
-            before = snapshot(dock)
+    problems = refusal_problems(dock, {name: (lambda fn=fn: fn(dock), error, text)
+                                       for name, (fn, error, text) in BAD_CALLS.items()})
     assert not problems, "\n".join(problems)
 
     dock.put_experience({"responses": [response_row(5)]}, [5])  # the dock still works
@@ -401,24 +408,14 @@ def test_load_state_dict_rejects_a_bad_state_and_changes_nothing(make_dock):
     good = dock.state_dict()
     good["cells"]["prompts"] = {r: prompt_row(r) for r in range(8)}  # unlike the dock's state
     good["taken"] = {"x": [4, 5], "y": []}
-    before = snapshot(dock)
 
-    problems = []
-    for name, (spoil, error, text) in BAD_STATES.items():
+    def load_spoiled(spoil):
         state = pickle.loads(pickle.dumps(good))  # a fresh copy to spoil
         spoil(state)
-        try:
-            dock.load_state_dict(state)
-        except Exception as e:  # noqa: BLE001 -- sorted out below
-            if type(e) is not error:
-                problems.append(f"{name}: raised {type(e).__name__} ({e}), expected {error.__name__}")
-            elif text not in str(e):
-                problems.append(f"{name}: message {str(e)!r} does not mention {text!r}")
-        else:
-            problems.append(f"{name}: raised nothing")
-        if snapshot(dock) != before:
-            problems.append(f"{name}: changed the dock")
-            before = snapshot(dock)
+        dock.load_state_dict(state)
+
+    problems = refusal_problems(dock, {name: (lambda spoil=spoil: load_spoiled(spoil), error, text)
+                                       for name, (spoil, error, text) in BAD_STATES.items()})
     assert not problems, "\n".join(problems)
 
     dock.load_state_dict(good)  # the good state still loads, cell by cell
