@@ -9,6 +9,7 @@ Per-token tensors are ``[batch, response_len]`` with a response mask (1 = real t
 * ``remax``: reward-to-go minus the greedy response's reward (no critic).
 * ``losses``: loss aggregation and the clipped policy loss shared by all of them.
 * ``kl``: KL penalty estimators and coefficient controllers.
+* ``off_policy``: behaviour importance weights (none / TIS / decoupled) for training on stale rollouts.
 """
 from .functional import (
     entropy_from_logits,
@@ -29,6 +30,7 @@ from .kl import (
     make_kl_controller,
 )
 from .losses import AGG_MODES, agg_loss, policy_loss
+from .off_policy import OFF_POLICY_CORRECTIONS, behaviour_weights, corrected_policy_loss
 from .ppo import gae_advantages, value_loss
 from .remax import remax_advantages
 
@@ -36,10 +38,13 @@ __all__ = [
     "AGG_MODES",
     "KL_CONTROLLER_KINDS",
     "KL_KINDS",
+    "OFF_POLICY_CORRECTIONS",
     "AdaptiveKLController",
     "FixedKLController",
     "agg_loss",
+    "behaviour_weights",
     "broadcast_to_tokens",
+    "corrected_policy_loss",
     "entropy_from_logits",
     "gae_advantages",
     "grpo_advantages",

@@ -5,7 +5,7 @@ token, 0 for padding).
 """
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, NamedTuple, Tuple
 
 import torch
 
@@ -108,16 +108,51 @@ def policy_loss(
     Raises:
         ValueError: ``clip_c <= 1``, an unknown ``agg`` mode, or mismatched shapes.
     """
+    _check_policy_loss_inputs(clip_c, agg, log_prob, old_log_prob, advantages, mask)
+    terms = policy_loss_terms(log_prob, old_log_prob, advantages, clip_low, clip_high, clip_c)
+    loss = agg_loss(terms.per_token, mask, agg)
+    return loss, policy_loss_metrics(terms, advantages, mask)
+
+
+class PolicyLossTerms(NamedTuple):
+    """The unreduced pieces of ``policy_loss``, all ``[batch, len]``.
+
+    Split out so a caller can reweight tokens before aggregating (the off-policy corrections in
+    ``off_policy.py`` multiply ``per_token`` by behaviour importance weights) and still share
+    every line of the clipping arithmetic and its metrics with ``policy_loss``.
+    """
+
+    per_token: torch.Tensor  # the clipped, dual-clipped loss of each token (carries the gradient)
+    log_ratio: torch.Tensor  # log_prob - old_log_prob, clamped to [-20, 20]
+    pg_losses1: torch.Tensor  # -A * r
+    pg_losses2: torch.Tensor  # -A * clamp(r, 1 - clip_low, 1 + clip_high)
+    pg_losses3: torch.Tensor  # -A * clip_c
+    clip_pg_losses1: torch.Tensor  # max(pg_losses1, pg_losses2)
+
+
+def _check_policy_loss_inputs(clip_c: float, agg: str, *tensors: torch.Tensor) -> None:
+    """``policy_loss``'s argument checks: clip_c > 1, a known ``agg``, one shared shape."""
     if not clip_c > 1.0:
         raise ValueError(f"clip_c (dual-clip lower bound of the ratio) must be > 1.0, got {clip_c}")
     _check_agg_mode(agg)
-    shapes = {t.shape for t in (log_prob, old_log_prob, advantages, mask)}
+    shapes = {t.shape for t in tensors}
     if len(shapes) != 1:
         raise ValueError(
             "log_prob, old_log_prob, advantages and mask must share one [batch, len] shape; got "
-            f"{[tuple(t.shape) for t in (log_prob, old_log_prob, advantages, mask)]}"
+            f"{[tuple(t.shape) for t in tensors]}"
         )
 
+
+def policy_loss_terms(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    clip_c: float,
+) -> PolicyLossTerms:
+    """Per-token clipped + dual-clipped surrogate of ``policy_loss`` (see there for the formulas),
+    not yet masked or aggregated. No argument checks: ``policy_loss`` does them."""
     negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
     ratio = torch.exp(negative_approx_kl)
 
@@ -129,15 +164,18 @@ def policy_loss(
     clip_pg_losses2 = torch.minimum(pg_losses3, clip_pg_losses1)
 
     pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
-    loss = agg_loss(pg_losses, mask, agg)
+    return PolicyLossTerms(pg_losses, negative_approx_kl, pg_losses1, pg_losses2, pg_losses3, clip_pg_losses1)
 
+
+def policy_loss_metrics(terms: PolicyLossTerms, advantages: torch.Tensor, mask: torch.Tensor) -> Dict[str, float]:
+    """``pg_clipfrac``, ``ppo_kl`` and ``pg_clipfrac_lower`` of ``policy_loss`` (masked means, floats)."""
     with torch.no_grad():
-        is_negative = (advantages < 0).to(pg_losses.dtype)
-        metrics = {
-            "pg_clipfrac": masked_mean(torch.gt(pg_losses2, pg_losses1).to(pg_losses.dtype), mask).item(),
-            "ppo_kl": masked_mean(-negative_approx_kl, mask).item(),
+        dtype = terms.per_token.dtype
+        is_negative = (advantages < 0).to(dtype)
+        return {
+            "pg_clipfrac": masked_mean(torch.gt(terms.pg_losses2, terms.pg_losses1).to(dtype), mask).item(),
+            "ppo_kl": masked_mean(-terms.log_ratio, mask).item(),
             "pg_clipfrac_lower": masked_mean(
-                torch.gt(clip_pg_losses1, pg_losses3).to(pg_losses.dtype) * is_negative, mask
+                torch.gt(terms.clip_pg_losses1, terms.pg_losses3).to(dtype) * is_negative, mask
             ).item(),
         }
-    return loss, metrics
