@@ -1,0 +1,313 @@
+"""Training with FSDP2 (`torch.distributed.fsdp.fully_shard`): parameters, gradients and AdamW
+state sharded over the DP ranks, gathered a decoder layer at a time for each forward and backward.
+
+`actor_config.backend: fsdp` (also reference and critic models). Each decoder layer (the classes in
+the HF model's `_no_split_modules`) and then the root is a `fully_shard` unit over a 1-D
+`DeviceMesh` of the DP group; parameters are `DTensor`s sharded on dim 0, so AdamW's state is
+sharded too, `clip_grad_norm_` computes the global norm (an all-reduce over the shards), and DCP
+writes each rank's shards. Runs over gloo on the CPU and NCCL/HCCL on devices.
+
+Collectives: every forward gathers parameters, so every rank of the DP group must make the same
+calls in the same order: `log_probs`/`values` (these pad a rank that has fewer micro-batches with
+dummy forwards, after an all-reduce of the counts), `train_step` (the same number of micro-batches
+on every rank, `last=True` on the final one), `export_weights` (every rank iterates to the end),
+`save_checkpoint`/`load_checkpoint`. `update_weights` is local (every rank is given the full
+tensors and keeps its slice).
+
+Dtypes: trained models keep fp32 parameters (the sharded master weights); on a device with
+`dtype: bfloat16`/`float16` the forward and backward run in that dtype (`MixedPrecisionPolicy`,
+gradients reduced in fp32). On the CPU everything is fp32. An inference-only engine on a device
+holds its parameters in `dtype` directly. `export_weights` casts to `dtype` (what rollout engines
+load). docs/engines.md has the options and what was run where.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from typing import Iterable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..algorithms import entropy_from_logits, log_probs_from_logits
+from .base import Bucket, LossFn, MicroBatch, ModelOutput, NamedTensors, TrainEngine, TrainSpec, bucketed
+from .batching import SequenceBatch, collate, unpad_rows
+from .torch_train import response_logits, response_values
+
+OPTIONS = {"reshard_after_forward"}   # TrainSpec.options keys this backend reads
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules to shard one by one: instances of the HF model's `_no_split_modules` classes
+    (Qwen2DecoderLayer, LlamaDecoderLayer, ...), else the children of a ModuleList named `layers`."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    found = [m for m in model.modules() if type(m).__name__ in names]
+    if found:
+        return found
+    for name, m in model.named_modules():
+        if name.split(".")[-1] in ("layers", "h") and isinstance(m, torch.nn.ModuleList):
+            return list(m)
+    return []
+
+
+@contextlib.contextmanager
+def _quiet_no_dist():
+    """DCP warns on each single-process save/load that it assumes one process: we asked for that."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+    return isinstance(t, DTensor)
+
+
+class FSDPTrainEngine(TrainEngine):
+    def __init__(self, model: torch.nn.Module, spec: TrainSpec):
+        self.spec = spec
+        self.device = torch.device(spec.device)
+        self.model_kind = spec.model_kind
+        self.pad_token_id = int(spec.pad_token_id)
+        self.temperature = float(spec.temperature)
+        self.export_dtype = DTYPES[spec.dtype]
+        self.optim_config = spec.optim
+        unknown = set(spec.options) - OPTIONS
+        if unknown:
+            raise ValueError(f"fsdp backend options {sorted(unknown)} unknown; known: {sorted(OPTIONS)}")
+        self.version = 0
+        self._own_group = None
+        self.mesh, self.group = self._mesh(spec.process_group)
+        self.rank = dist.get_rank(self.group) if self.group is not None else 0
+        self.world = dist.get_world_size(self.group) if self.group is not None else 1
+
+        if spec.optim is None:
+            model.eval()
+            for p in model.parameters():
+                p.requires_grad_(False)
+        else:
+            model.train()
+        if self.mesh is None:   # one rank, no process group: the plain module, same members
+            self.model = model.to(self.device)
+        else:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            compute = self.export_dtype if self.device.type != "cpu" else torch.float32
+            stored = next(model.parameters()).dtype
+            mp = (MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+                  if compute != stored else MixedPrecisionPolicy())
+            reshard = spec.options.get("reshard_after_forward", True)
+            for layer in decoder_layers(model):
+                fully_shard(layer, mesh=self.mesh, mp_policy=mp, reshard_after_forward=reshard)
+            fully_shard(model, mesh=self.mesh, mp_policy=mp)  # root: auto (kept gathered for backward)
+            self.model = model
+        self.optimizer = None
+        if spec.optim is not None:
+            o = spec.optim
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas),
+                                               eps=o.eps, weight_decay=o.weight_decay)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def build(cls, spec: TrainSpec) -> "FSDPTrainEngine":
+        from ..models import load_causal_lm, load_value_model
+
+        device = torch.device(spec.device)
+        if device.type != "cpu" and device.index is not None:
+            getattr(torch, device.type).set_device(device)  # torch.cuda / torch.npu
+        # trained models keep fp32 master weights; a device computes in `dtype` (mixed precision)
+        stored = "float32" if spec.optim is not None or device.type == "cpu" else spec.dtype
+        torch.manual_seed(spec.seed)  # a value model's fresh head: the same on every rank
+        loader = load_value_model if spec.model_kind == "value" else load_causal_lm
+        if spec.model_kind not in ("causal_lm", "value"):
+            raise ValueError(f"model_kind={spec.model_kind!r}: expected causal_lm or value")
+        return cls(loader(spec.model_path, stored), spec)
+
+    def _mesh(self, group):
+        """A 1-D DeviceMesh over the DP group (None when single-rank without a process group)."""
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+        device_type = self.device.type
+        if group is None:
+            if not dist.is_initialized():
+                return None, None
+            # a one-rank group of our own (no other rank takes part in creating it)
+            group = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+            self._own_group = group
+        if group is dist.group.WORLD or group == dist.group.WORLD:
+            mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+            return mesh, mesh.get_group()
+        return DeviceMesh.from_group(group, device_type), group
+
+    # ------------------------------------------------------------------ batches and forwards
+    def batch(self, prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor]) -> SequenceBatch:
+        b = collate(prompts, responses, self.pad_token_id)
+        if self.device.type != "cpu":
+            b = SequenceBatch(*(x.to(self.device) for x in
+                                (b.input_ids, b.attention_mask, b.position_ids, b.responses, b.response_mask)),
+                              prompt_width=b.prompt_width)
+        return b
+
+    def forward(self, batch: SequenceBatch, with_entropy: bool = True) -> ModelOutput:
+        """The model's outputs over the response tokens, with grad when grad is enabled."""
+        if self.model_kind == "value":
+            return ModelOutput(response_mask=batch.response_mask, values=response_values(self.model, batch))
+        logits = response_logits(self.model, batch, self.temperature)
+        return ModelOutput(response_mask=batch.response_mask,
+                           log_probs=log_probs_from_logits(logits, batch.responses),
+                           entropy=entropy_from_logits(logits) if with_entropy else None)
+
+    def _reshard(self) -> None:
+        """Back to sharded parameters (the root stays gathered after a forward without backward)."""
+        if self.mesh is not None:
+            self.model.reshard()
+
+    def _max_over_ranks(self, n: int) -> int:
+        if self.world == 1:
+            return n
+        dev = self.device if self.device.type != "cpu" else torch.device("cpu")
+        t = torch.tensor([n], dtype=torch.long, device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return int(t.item())
+
+    @torch.no_grad()
+    def _infer(self, prompts, responses, micro_batch_size: int, column: str) -> list[torch.Tensor]:
+        if micro_batch_size <= 0:
+            raise ValueError(f"micro_batch_size={micro_batch_size}: must be > 0")
+        starts = range(0, len(prompts), micro_batch_size)
+        # every rank runs the same number of forwards (each gathers parameters): pad with dummies
+        total = self._max_over_ranks(len(starts))
+        out: list[torch.Tensor] = []
+        for s in starts:
+            b = self.batch(prompts[s:s + micro_batch_size], responses[s:s + micro_batch_size])
+            o = self.forward(b, with_entropy=False)
+            out.extend(r.float().cpu() for r in unpad_rows(getattr(o, column), b.response_mask))
+        pad = torch.tensor([self.pad_token_id])
+        for _ in range(total - len(starts)):
+            self.forward(self.batch([pad], [pad]), with_entropy=False)
+        self._reshard()
+        return out
+
+    def log_probs(self, prompts, responses, micro_batch_size: int) -> list[torch.Tensor]:
+        if self.model_kind == "value":
+            raise NotImplementedError("log_probs of a value model")
+        return self._infer(prompts, responses, micro_batch_size, "log_probs")
+
+    def values(self, prompts, responses, micro_batch_size: int) -> list[torch.Tensor]:
+        if self.model_kind != "value":
+            raise NotImplementedError(f"{type(self).__name__} holds no value model (model_kind={self.model_kind})")
+        return self._infer(prompts, responses, micro_batch_size, "values")
+
+    # ------------------------------------------------------------------ training
+    def train_step(self, micro_batches: Iterable[MicroBatch], loss_fn: LossFn) -> dict[str, float]:
+        if self.optimizer is None:
+            raise RuntimeError("train_step on an inference-only engine (built without optim)")
+        sums: dict[str, float] = {}
+        n = 0
+        unsynced = False
+        for mb in micro_batches:
+            if self.mesh is not None:
+                # gradients stay unsharded and accumulate locally; reduce-scatter on the last one
+                self.model.set_requires_gradient_sync(bool(mb.last))
+            b = self.batch(mb.data["prompts"], mb.data["responses"])
+            loss, metrics = loss_fn(self.forward(b), mb)
+            (loss * mb.loss_scale).backward()
+            unsynced = not mb.last
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+            n += 1
+        if n == 0:
+            raise ValueError("train_step got no micro-batches")
+        if unsynced and self.mesh is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise RuntimeError("the last micro-batch of train_step had last=False: FSDP reduces "
+                               "gradients only on a micro-batch marked last")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_config.grad_clip)
+        if _is_dtensor(grad_norm):
+            grad_norm = grad_norm.full_tensor()
+        grad_norm = float(grad_norm)
+        if torch.isfinite(torch.tensor(grad_norm)):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        return {**sums, "micro_batches": n, "grad_norm": grad_norm}
+
+    # ------------------------------------------------------------------ weights
+    def _gathered(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor in the export dtype), gathered one parameter at a time as pulled;
+        a tied parameter is gathered again under its second name rather than kept alive."""
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            with torch.no_grad():
+                t = p.full_tensor() if _is_dtensor(p) else p.detach()
+                if t.dtype != self.export_dtype:
+                    t = t.to(self.export_dtype)
+            yield name, t
+
+    def export_weights(self, bucket_bytes: int) -> Iterator[Bucket]:
+        self._reshard()
+        # `bucketed` pulls lazily: at most one bucket plus the parameter that overflows it is alive
+        yield from bucketed(self._gathered(), bucket_bytes)
+
+    def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
+        from torch.distributed.tensor import distribute_tensor
+
+        self._reshard()
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        with torch.no_grad():
+            for name, full in named_tensors:
+                if name not in params:
+                    raise KeyError(f"update_weights: {name!r} is no parameter of this model")
+                p = params[name]
+                if _is_dtensor(p):
+                    # this rank's slice, cut locally (src_data_rank=None: no communication)
+                    part = distribute_tensor(full.to(device=p.device, dtype=p.dtype), p.device_mesh,
+                                             p.placements, src_data_rank=None)
+                    p.to_local().copy_(part.to_local())
+                else:
+                    p.copy_(full.to(device=p.device, dtype=p.dtype))
+        self.version = int(version)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict, get_model_state_dict
+
+        if self.optimizer is not None:
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            return {"model": model_sd, "optim": optim_sd, "version": self.version}
+        return {"model": get_model_state_dict(self.model), "version": self.version}
+
+    def save_checkpoint(self, directory: str) -> list[str]:
+        import torch.distributed.checkpoint as dcp
+
+        self._reshard()
+        os.makedirs(directory, exist_ok=True)
+        with _quiet_no_dist():
+            dcp.save(self._state(), checkpoint_id=directory, process_group=self.group,
+                     no_dist=self.group is None)
+        prefix = f"__{self.rank}_"
+        return sorted(os.path.join(directory, f) for f in os.listdir(directory)
+                      if f.startswith(prefix) or (self.rank == 0 and f == ".metadata"))
+
+    def load_checkpoint(self, directory: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        self._reshard()
+        state = self._state()
+        with _quiet_no_dist():
+            dcp.load(state, checkpoint_id=directory, process_group=self.group, no_dist=self.group is None)
+        if self.optimizer is not None:
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
+        else:
+            set_model_state_dict(self.model, state["model"])
+        self.version = int(state["version"])
+
+    def close(self) -> None:
+        self.optimizer = None
+        self.model = None
+        if self._own_group is not None:
+            dist.destroy_process_group(self._own_group)
+            self._own_group = None

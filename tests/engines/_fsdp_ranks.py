@@ -1,0 +1,162 @@
+"""Rank processes of the FSDP2 engine tests (tests/engines/test_fsdp_train.py), run by
+`_mp_workers.run_procs`: each joins a gloo group over TCP, builds a real `FSDPTrainEngine` and
+returns plain tensors for the test to compare with a single-process reference."""
+from __future__ import annotations
+
+import datetime
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from mindspeed_rl.algorithms import masked_mean
+from mindspeed_rl.engines.base import MicroBatch, OptimConfig, TrainSpec
+from mindspeed_rl.engines.fsdp_train import FSDPTrainEngine
+
+from ._common import PAD
+
+HOST = "127.0.0.1"
+
+
+def nll_loss(out, mb):
+    """Token-mean negative log-prob of a micro-batch (and its mean entropy, as a metric)."""
+    loss = masked_mean(-out.log_probs, out.response_mask)
+    return loss, {"loss": loss.item(), "entropy": masked_mean(out.entropy, out.response_mask).item()}
+
+
+def value_loss(out, mb):
+    loss = masked_mean((out.values - 1.0) ** 2, out.response_mask)
+    return loss, {"vf_loss": loss.item()}
+
+
+def _join(rank: int, world: int, port: int, subgroup: bool = False):
+    dist.init_process_group("gloo", init_method=f"tcp://{HOST}:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    # a group made by new_group goes through DeviceMesh.from_group, WORLD through init_device_mesh
+    return dist.new_group(list(range(world))) if subgroup else dist.group.WORLD
+
+
+def _engine(path: str, group, optim: OptimConfig | None, kind: str = "causal_lm") -> FSDPTrainEngine:
+    return FSDPTrainEngine.build(TrainSpec(model_path=path, model_kind=kind, pad_token_id=PAD,
+                                           optim=optim, process_group=group, seed=0))
+
+
+def micro_batches(prompts, responses, micro: int, scale: float) -> list[MicroBatch]:
+    starts = list(range(0, len(prompts), micro))
+    return [MicroBatch({"prompts": prompts[s:s + micro], "responses": responses[s:s + micro]},
+                       loss_scale=scale, last=i == len(starts) - 1) for i, s in enumerate(starts)]
+
+
+def exported(engine, bucket_bytes: int = 1 << 30) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for b in engine.export_weights(bucket_bytes) for n, t in b}
+
+
+def train(rank: int, world: int, port: int, path: str, rows: tuple, splits: list, optim: OptimConfig,
+          subgroup: bool) -> dict:
+    """One train_step per entry of `splits` ((micro_batch_size, loss_scale)), each from a fresh
+    engine on this rank's rows; the exported weights, metrics and shard shapes of each."""
+    group = _join(rank, world, port, subgroup)
+    prompts, responses = rows
+    # count FSDP2's gradient reduce-scatters (it calls dist.reduce_scatter_single; passed through)
+    calls, original = [0], dist.reduce_scatter_single
+
+    def counted(*a, **k):
+        calls[0] += 1
+        return original(*a, **k)
+
+    dist.reduce_scatter_single = counted
+    runs = []
+    try:
+        for micro, scale in splits:
+            engine = _engine(path, group, optim)
+            shards = {n: tuple(p.to_local().shape) for n, p in engine.model.named_parameters()}
+            calls[0] = 0
+            stats = engine.train_step(iter(micro_batches(prompts, responses, micro, scale)), nll_loss)
+            runs.append({"stats": stats, "weights": exported(engine), "version": engine.version,
+                         "shards": shards, "reduce_scatters": calls[0]})
+            engine.close()
+    finally:
+        dist.reduce_scatter_single = original
+    dist.destroy_process_group()
+    return runs
+
+
+def export(rank: int, world: int, port: int, path: str, bucket_bytes: int) -> dict:
+    """Export in buckets, counting the bytes of gathered tensors alive at each moment (each
+    `DTensor.full_tensor()` result is tracked until freed), while the consumer drops each bucket."""
+    from torch.distributed.tensor import DTensor
+
+    group = _join(rank, world, port)
+    engine = _engine(path, group, OptimConfig())
+    alive, peak = [0], [0]
+    original = DTensor.full_tensor
+
+    def tracked(self, *a, **k):
+        t = original(self, *a, **k)
+        n = t.numel() * t.element_size()
+        alive[0] += n
+        peak[0] = max(peak[0], alive[0])
+        weakref.finalize(t, lambda: alive.__setitem__(0, alive[0] - n))
+        return t
+
+    DTensor.full_tensor = tracked
+    try:
+        buckets = []
+        for bucket in engine.export_weights(bucket_bytes):
+            buckets.append([(n, t.clone(), t.dtype, t.numel() * t.element_size()) for n, t in bucket])
+            del bucket
+    finally:
+        DTensor.full_tensor = original
+    dist.destroy_process_group()
+    return {"buckets": buckets, "peak_gathered": peak[0], "alive_after": alive[0]}
+
+
+def checkpoint(rank: int, world: int, port: int, path: str, rows: tuple, optim: OptimConfig, ckpt: str) -> dict:
+    """Train 2 steps, save, train a 3rd; then a fresh engine loads and trains the same 3rd step."""
+    group = _join(rank, world, port)
+    prompts, responses = rows
+    steps = [micro_batches(prompts[i::3], responses[i::3], 1, 1.0 / len(prompts[i::3])) for i in range(3)]
+    a = _engine(path, group, optim)
+    a.train_step(iter(steps[0]), nll_loss)
+    a.train_step(iter(steps[1]), nll_loss)
+    files = a.save_checkpoint(ckpt)
+    saved = exported(a)
+    third_a = a.train_step(iter(steps[2]), nll_loss)
+    wa = exported(a)
+    b = _engine(path, group, optim)
+    b.load_checkpoint(ckpt)
+    loaded = exported(b)
+    version_b = b.version
+    third_b = b.train_step(iter(steps[2]), nll_loss)
+    wb = exported(b)
+    dist.destroy_process_group()
+    return {"files": files, "saved": saved, "loaded": loaded, "version_loaded": version_b,
+            "a": wa, "b": wb, "stats_a": third_a, "stats_b": third_b, "versions": (a.version, b.version)}
+
+
+def update_and_infer(rank: int, world: int, port: int, path: str, new_weights: dict, rows: tuple,
+                     value_rows: tuple) -> dict:
+    """update_weights with full tensors (an inference-only reader), export, and log-probs of an
+    uneven share of rows (rank 0 more micro-batches than rank 1); a value model's values."""
+    group = _join(rank, world, port)
+    engine = _engine(path, group, None)
+    from torch.distributed.tensor import DTensor
+
+    engine.log_probs(*rows, micro_batch_size=2)
+    # FSDP2 keeps the root gathered after a forward without backward; the engine reshards it, so
+    # no full embedding/lm_head stays alive and update_weights writes the shards it will gather
+    sharded = all(isinstance(p, DTensor) for p in engine.model.parameters())
+    engine.update_weights(iter(sorted(new_weights.items())), version=7)
+    weights = exported(engine, bucket_bytes=4096)
+    logp = engine.log_probs(*rows, micro_batch_size=1)
+    critic = _engine(path, group, OptimConfig(lr=1e-2), kind="value")
+    values = critic.values(*value_rows, micro_batch_size=2)
+    vstats = critic.train_step(iter(micro_batches(*value_rows, 2, 0.5)), value_loss)
+    # process_group None with a default group up: a one-rank mesh of its own, no other rank involved
+    alone = _engine(path, None, None)
+    alone_logp = alone.log_probs(*rows, micro_batch_size=2)
+    alone.close()
+    dist.destroy_process_group()
+    return {"weights": weights, "version": engine.version, "log_probs": logp, "sharded": sharded,
+            "alone_log_probs": alone_logp, "alone_mesh_size": alone.mesh.size(), "values": values,
+            "value_stats": vstats}
