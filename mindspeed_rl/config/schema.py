@@ -76,12 +76,16 @@ class TrainerConfig:
     report: bool = True                  # write report.html (+ dashboard.json) in output_dir, also on a crash
     # stage -> seconds per row: stages sleep instead of computing, no models (workers/simulate.py); {}: off
     simulate_cost_s_per_row: dict = field(default_factory=dict)
+    # simulated generation as a serving engine: this many rows decode at once, each for cost x slots x a
+    # mean-1 lognormal factor of spread simulate_generate_sigma (long-tailed lengths); 0: rows one after another
+    simulate_generate_slots: int = 0
+    simulate_generate_sigma: float = 0.0
 
 
 @dataclass
 class ActorConfig:
     model_path: str = "builtin:tiny-qwen2"  # local HF checkpoint dir, or builtin:tiny-qwen2
-    backend: str = "torch"               # torch (DDP over gloo/nccl); megatron: planned, not implemented
+    backend: str = "torch"               # torch (DDP) or fsdp (FSDP2); also the reference's and critic's
     dtype: str = "float32"
     lr: float = 1e-3
     weight_decay: float = 0.0
@@ -102,6 +106,8 @@ class ActorConfig:
     kl_horizon: int = 10000              # adaptive only
     entropy_coeff: float = 0.0
     log_prob_micro_batch_size_per_device: int = 64  # rows per get and forward of old log-probs
+    off_policy_correction: str = "none"  # none, tis (verl's truncated IS), decoupled (AReaL's decoupled PPO)
+    tis_cap: float = 2.0                 # cap of the behaviour importance weight (tis, decoupled)
 
 
 @dataclass
@@ -125,14 +131,34 @@ class CriticConfig:
 
 
 @dataclass
+class VLLMConfig:
+    """generate_config.vllm: options of the vLLM rollout backend (engines/vllm_rollout.py)."""
+    gpu_memory_utilization: float = 0.5  # CUDA: share of the GPU's memory vLLM may take
+    kv_cache_gb: float = 1.0             # CPU: KV-cache size in GiB (vLLM needs an explicit one there)
+    max_model_len: Optional[int] = None  # null: prompt + response lengths of this config
+    enforce_eager: bool = True           # no CUDA graphs / torch.compile (always on CPU)
+    enable_sleep_mode: bool = False      # CUDA: free the weights and KV cache between rollouts
+
+
+@dataclass
 class GenerateConfig:
-    backend: str = "hf"                  # hf (transformers, KV cache); vllm: planned, not implemented
+    backend: str = "hf"                  # hf (transformers, KV cache) or vllm (generate_config.vllm)
     max_new_tokens: int = 4
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0                       # 0: off
     stop_tokens: list = field(default_factory=lambda: ["<eos>"])  # token strings that end a response
     micro_batch_size_per_device: int = 64  # rows per generate call; rounded down to whole prompt groups
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+
+
+@dataclass
+class WeightSyncConfig:
+    """How trained weights reach the engines that read them (engines/weight_sync.py)."""
+    bucket_mb: int = 512                 # weights move a bucket of at most this many MiB at a time
+    verify: bool = True                  # sha256 of the weights on both sides after each sync (small models)
+    backend: str = "auto"                # auto: the device's (gloo/nccl/hccl); gloo: through the CPU (a trainer
+                                         # and a reader on one GPU, where NCCL refuses two ranks)
 
 
 @dataclass
@@ -195,6 +221,7 @@ class Config:
     ref_config: RefConfig = field(default_factory=RefConfig)
     critic_config: CriticConfig = field(default_factory=CriticConfig)
     generate_config: GenerateConfig = field(default_factory=GenerateConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     rl_config: RLConfig = field(default_factory=RLConfig)
     data: DataConfig = field(default_factory=DataConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)

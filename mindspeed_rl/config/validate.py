@@ -15,8 +15,6 @@ AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 KL_TYPES = ("k1", "k2", "k3", "kl", "mse", "low_var_kl", "abs")
 PLACEMENT_MODES = ("colocated", "disaggregated", "custom", "mesh")
 LOGGERS = ("console", "jsonl", "tensorboard")
-TRAIN_BACKENDS = ("torch", "megatron")
-ROLLOUT_BACKENDS = ("hf", "vllm")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -81,16 +79,22 @@ def validate_config(cfg: Config, models: Collection[str] | None = None) -> None:
         if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0 <= cost < float("inf"):
             e.append(f"trainer.simulate_cost_s_per_row.{stage}={cost!r}: must be seconds per row, a number >= 0 "
                      "(e.g. {actor_rollout: 0.004}); or trainer.simulate_cost_s_per_row={} for real compute")
+    if t.simulate_generate_slots < 0:
+        e.append(f"trainer.simulate_generate_slots={t.simulate_generate_slots}: must be >= 0 (0: rows one after another)")
+    if t.simulate_generate_sigma < 0:
+        e.append(f"trainer.simulate_generate_sigma={t.simulate_generate_sigma}: must be >= 0 (0: every row costs the same)")
     if t.seed < 0:
         e.append(f"trainer.seed={t.seed}: must be >= 0 (numpy seeds are non-negative)")
     if rl.n_samples_per_prompt < 1:  # >= 2 for algorithms that compare a prompt's responses: see the plan
         e.append(f"rl_config.n_samples_per_prompt={rl.n_samples_per_prompt}: must be >= 1 (GRPO needs 2 or more: "
                  "set it to 2 or more, 8 is common)")
     _positive(e, "rl_config.prompts_per_step", rl.prompts_per_step)
-    if rl.max_weight_staleness != 0:
-        e.append(f"rl_config.max_weight_staleness={rl.max_weight_staleness}: only 0 runs: cross-step asynchrony "
-                 "(rollout of step i+1 with weights older than the policy) is not built yet, the driver syncs the "
-                 "weights at every step boundary; set rl_config.max_weight_staleness=0")
+    _positive(e, "rl_config.max_weight_staleness", rl.max_weight_staleness,
+              "0 keeps rollout on-policy; k lets it run k weight versions ahead", allow_zero=True)
+    if rl.max_weight_staleness > 0 and rl.blocking:
+        e.append(f"rl_config.max_weight_staleness={rl.max_weight_staleness} with rl_config.blocking=true: blocking mode "
+                 "runs a step's stages one after another, so no step can run ahead of another; set "
+                 "rl_config.blocking=false (or max_weight_staleness=0)")
     _positive(e, "rl_config.dock_micro_batch_size", rl.dock_micro_batch_size)
     # row sizes (*_per_device, dock_micro_batch_size) only need to be > 0: what they must divide they are rounded
     # to (config/sizes.py, printed by the plan); prompt sizes must divide the step's prompts
@@ -107,14 +111,25 @@ def validate_config(cfg: Config, models: Collection[str] | None = None) -> None:
     if not 0 < g.top_p <= 1:
         e.append(f"generate_config.top_p={g.top_p}: must be in (0, 1]")
     _positive(e, "generate_config.top_k", g.top_k, "0 turns it off", allow_zero=True)
-    _one_of(e, "generate_config.backend", g.backend, ROLLOUT_BACKENDS)
-    _one_of(e, "actor_config.backend", a.backend, TRAIN_BACKENDS)
+    # backend names are checked by the plan against the engine registry (engines/registry.py)
+    ws = cfg.weight_sync
+    _positive(e, "weight_sync.bucket_mb", ws.bucket_mb, "weights move in buckets of this many MiB (512 is usual)")
+    _one_of(e, "weight_sync.backend", ws.backend, ("auto", "gloo"))
+    v = g.vllm
+    if not 0 < v.gpu_memory_utilization <= 1:
+        e.append(f"generate_config.vllm.gpu_memory_utilization={v.gpu_memory_utilization}: must be in (0, 1]")
+    _positive(e, "generate_config.vllm.kv_cache_gb", v.kv_cache_gb, "vLLM on CPU needs an explicit KV-cache size")
+    if v.max_model_len is not None:
+        _positive(e, "generate_config.vllm.max_model_len", v.max_model_len, "or null for prompt + response lengths")
     _one_of(e, "actor_config.dtype", a.dtype, DTYPES)
     _one_of(e, "actor_config.loss_agg_mode", a.loss_agg_mode, AGG_MODES)
     _one_of(e, "actor_config.kl_loss_type", a.kl_loss_type, KL_TYPES)
     _one_of(e, "actor_config.kl_ctrl", a.kl_ctrl, ("fixed", "adaptive"))
     _positive(e, "actor_config.lr", a.lr)
     _positive(e, "actor_config.grad_clip", a.grad_clip)
+    if a.tis_cap < 1:
+        e.append(f"actor_config.tis_cap={a.tis_cap}: must be >= 1 (a fresh on-policy token has weight 1; a cap below "
+                 "would shrink or drop it)")
     _positive(e, "actor_config.kl_loss_coef", a.kl_loss_coef, allow_zero=True)
     if a.clip_ratio_c <= 1:
         e.append(f"actor_config.clip_ratio_c={a.clip_ratio_c}: the dual-clip bound must be > 1 (3.0 is usual)")

@@ -43,8 +43,10 @@ class DashboardState:
         self.info = dict(info)
         self.info.setdefault("started", time.time())
         total = int(self.info.get("rows_per_step", 0))
-        self.dock = None
+        self.docks: list = []
         self.step_offset = 0  # trainer step of the dock's step 0 (a resumed run starts later)
+        self.step_of = None   # (dock index, the dock's own step) -> trainer step, with several docks
+        self.seqs: list[int] = []
         self.status = "starting"
         self.error: str | None = None
         self.step: int | None = None
@@ -60,10 +62,18 @@ class DashboardState:
         self._saved = 0.0
 
     # ------------------------------------------------------------------ fed by the trainer
-    def attach(self, dock, step_offset: int = 0) -> None:
-        """The run's dock is up: from now on the snapshot reads it."""
+    def attach(self, dock, step_offset: int = 0, step_of=None) -> None:
+        """The run's dock (or docks: one per step in flight with rl_config.max_weight_staleness > 0) is
+        up: from now on the snapshot reads it. With several docks, `step_of(dock index, the dock's own
+        step)` says which trainer step an event belongs to, so the timeline shows the steps that overlap."""
         with self._lock:
-            self.dock, self.step_offset, self.status = dock, int(step_offset), "running"
+            self.docks = list(dock) if isinstance(dock, (list, tuple)) else [dock]
+            self.seqs = [0] * len(self.docks)
+            self.step_offset, self.step_of, self.status = int(step_offset), step_of, "running"
+
+    @property
+    def dock(self):
+        return self.docks[0] if self.docks else None
 
     def begin_step(self, step: int) -> None:
         with self._lock:
@@ -93,9 +103,9 @@ class DashboardState:
         """
         with self._lock:
             cut_short = self.step is not None and self.steps.get(self.step, {}).get("t_end") is None
-            if self.dock is not None and cut_short:
+            if self.docks and cut_short:
                 self._pull(force=True)
-            self.dock = None
+            self.docks = []
             if error is None:
                 self.status = "finished"
             else:
@@ -104,24 +114,29 @@ class DashboardState:
 
     # ------------------------------------------------------------------ reading the dock
     def _pull(self, force: bool = False) -> None:
-        dock = self.dock
         now = time.time()
-        if dock is None or (not force and now - self._refreshed < REFRESH_S):
+        if not self.docks or (not force and now - self._refreshed < REFRESH_S):
             return
         self._refreshed = now
-        try:
-            consumers, columns, events = _read_dock(dock, self.seq)
-        except Exception as e:  # a dead or stuck dock: keep what we have, say why it is stale
-            self.dock_error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-            return
+        current = (self.step % len(self.docks)) if self.step is not None else 0
+        for j, dock in enumerate(self.docks):
+            try:
+                consumers, columns, events = _read_dock(dock, self.seqs[j])
+            except Exception as e:  # a dead or stuck dock: keep what we have, say why it is stale
+                self.dock_error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+                return
+            if j == current:  # the bars show the step being trained
+                self.consumers = {c: {"taken": int(s["taken"]), "total": int(s["total"])} for c, s in consumers.items()}
+                self.columns = {c: {"written": int(s["written"]), "total": int(s["total"])} for c, s in columns.items()}
+            for e in events:
+                self.seqs[j] = max(self.seqs[j], int(e["seq"]))
+                own = int(e["step"])
+                step = self.step_of(j, own) if self.step_of is not None else own + self.step_offset
+                self.events.append({"seq": int(e["seq"]), "op": e["op"], "stage": e["stage"],
+                                    "worker": e.get("worker") or "", "step": int(step), "dock": j,
+                                    "rows": int(e["rows"]), "t_start": float(e["t_start"]), "t_end": float(e["t_end"])})
+        self.seq = max(self.seqs, default=0)
         self.dock_error = None
-        self.consumers = {c: {"taken": int(s["taken"]), "total": int(s["total"])} for c, s in consumers.items()}
-        self.columns = {c: {"written": int(s["written"]), "total": int(s["total"])} for c, s in columns.items()}
-        for e in events:
-            self.seq = max(self.seq, int(e["seq"]))
-            self.events.append({"seq": int(e["seq"]), "op": e["op"], "stage": e["stage"],
-                                "worker": e.get("worker") or "", "step": int(e["step"]) + self.step_offset,
-                                "rows": int(e["rows"]), "t_start": float(e["t_start"]), "t_end": float(e["t_end"])})
         self._prune()
 
     def _prune(self) -> None:

@@ -5,7 +5,7 @@ the trainer derives the dock's columns and consumers, the stage order, the worke
 weight-sync points from that graph. `draw` renders it (SVG, or PNG with matplotlib).
 """
 from .graph import (build_graph, data_graph, dataset_readers, describe, dock_columns, dock_consumers,
-                    same_step_readers, topological_order, trained_models, version_edges,
+                    same_step_readers, topological_order, train_time_mfcs, trained_models, version_edges,
                     weight_sync_targets, worker_groups)
 from .grpo import DATASET_KEYS as GRPO_DATASET_KEYS
 from .grpo import grpo_mfcs
@@ -16,7 +16,7 @@ from .registry import ALGORITHMS, algorithm_graph, get_algorithm, known_algorith
 __all__ = [
     "InterfaceType", "MFCDef",
     "build_graph", "data_graph", "topological_order", "dock_columns", "dock_consumers",
-    "dataset_readers", "version_edges", "trained_models", "weight_sync_targets", "same_step_readers",
+    "dataset_readers", "version_edges", "trained_models", "weight_sync_targets", "same_step_readers", "train_time_mfcs",
     "worker_groups", "describe",
     "grpo_mfcs", "GRPO_DATASET_KEYS",
     "ALGORITHMS", "known_algorithms", "get_algorithm", "algorithm_graph",

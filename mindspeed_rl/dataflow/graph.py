@@ -24,7 +24,7 @@ from typing import Iterable, Sequence
 
 import networkx as nx
 
-from .mfc import MFCDef
+from .mfc import InterfaceType, MFCDef
 
 __all__ = [
     "build_graph", "data_graph", "topological_order", "dock_columns", "dock_consumers",
@@ -250,6 +250,26 @@ def same_step_readers(g: nx.DiGraph, train_mfc_name: str) -> list[str]:
         if mfc.model_name == train.model_name:
             readers.append(mfc.name)
     return readers
+
+
+def train_time_mfcs(g: nx.DiGraph) -> list[str]:
+    """The MFCs that must run when their step is trained, not ahead of it (in topological order).
+
+    Why: with `rl_config.max_weight_staleness` k > 0, the stages of step t+k run while step t trains.
+    Generation may use weights up to k versions old (the loss corrects for that from
+    `rollout_log_prob`); so may rewards, a frozen reference and anything else that reads no trained
+    model. But an inference MFC of a trained model (old log-probs: the proximal policy; a critic's
+    values) must read the weights the step is trained from, and so must everything downstream of it
+    in the step (PPO's advantages read the values), and the train MFCs themselves.
+    """
+    trained = set(trained_models(g))
+    seeds = [m.name for m in topological_order(g) if m.model_name in trained
+             and m.interface_type in (InterfaceType.INFERENCE, InterfaceType.TRAIN_STEP)]
+    later = set(seeds)
+    data = data_graph(g)
+    for name in seeds:
+        later |= nx.descendants(data, name)
+    return [m.name for m in topological_order(g) if m.name in later]
 
 
 def worker_groups(g: nx.DiGraph) -> dict[str, list[str]]:

@@ -19,15 +19,16 @@ def grpo_mfcs(options: AlgorithmOptions = FULL) -> list[MFCDef]:
     """GRPO's MFCs. To add a stage or a column, add or edit one line here."""
     return [
         MFCDef("actor_rollout", "actor", "generate",
-               ("prompts", "prompt_length"), ("responses", "response_length", "weight_version")),
+               ("prompts", "prompt_length"), ("responses", "response_length", "weight_version", "rollout_log_prob")),
         MFCDef("rule_reward", "reward", "compute",
                ("prompts", "responses", "labels"), ("rm_scores",), fn="rule_reward"),
         *reference_mfcs(options),
         MFCDef("actor_log_prob", "actor", "inference",
-               ("prompts", "responses"), ("old_log_prob",), output_key_remap={"log_prob": "old_log_prob"}),
+               ("prompts", "responses", "rollout_log_prob"), ("old_log_prob",),
+               output_key_remap={"log_prob": "old_log_prob"}),
         MFCDef("compute_advantage", "advantage", "compute",
                ("rm_scores",), ("advantages",), get_n_samples=True, fn="grpo_advantage"),
         MFCDef("actor_train", "actor", "train_step",
                train_inputs(options, "prompts", "responses", "response_length", "old_log_prob", "ref_log_prob",
-                            "advantages"), ()),
+                            "rollout_log_prob", "advantages"), ()),
     ]

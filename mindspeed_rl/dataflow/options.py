@@ -17,6 +17,7 @@ from .mfc import MFCDef
 @dataclass(frozen=True)
 class AlgorithmOptions:
     use_reference: bool = True   # a frozen reference model gives ref_log_prob to the KL term of the loss
+    off_policy_correction: bool = False  # the actor's loss reads rollout_log_prob (the behaviour policy)
 
 
 FULL = AlgorithmOptions()
@@ -31,8 +32,11 @@ def reference_mfcs(options: AlgorithmOptions) -> list[MFCDef]:
 
 
 def train_inputs(options: AlgorithmOptions, *keys: str) -> tuple[str, ...]:
-    """A train MFC's input keys, without ref_log_prob when there is no reference stage to write it."""
-    return tuple(k for k in keys if options.use_reference or k != "ref_log_prob")
+    """A train MFC's input keys, without ref_log_prob when there is no reference stage to write it, and
+    without rollout_log_prob when the loss makes no off-policy correction (the train stage would wait for
+    a column it does not read)."""
+    return tuple(k for k in keys if (options.use_reference or k != "ref_log_prob")
+                 and (options.off_policy_correction or k != "rollout_log_prob"))
 
 
 def uses_kl_loss(use_kl_loss: bool, kl_loss_coef: float) -> bool:
@@ -43,4 +47,5 @@ def uses_kl_loss(use_kl_loss: bool, kl_loss_coef: float) -> bool:
 def options_from_config(cfg) -> AlgorithmOptions:
     """The options a `Config` implies (duck-typed: anything with `actor_config.use_kl_loss/kl_loss_coef`)."""
     a = cfg.actor_config
-    return AlgorithmOptions(use_reference=uses_kl_loss(a.use_kl_loss, a.kl_loss_coef))
+    return AlgorithmOptions(use_reference=uses_kl_loss(a.use_kl_loss, a.kl_loss_coef),
+                            off_policy_correction=getattr(a, "off_policy_correction", "none") != "none")

@@ -18,18 +18,20 @@ def ppo_mfcs(options: AlgorithmOptions = FULL) -> list[MFCDef]:
     """PPO's MFCs (verl's names for the columns)."""
     return [
         MFCDef("actor_rollout", "actor", "generate",
-               ("prompts", "prompt_length"), ("responses", "response_length", "weight_version")),
+               ("prompts", "prompt_length"), ("responses", "response_length", "weight_version", "rollout_log_prob")),
         MFCDef("rule_reward", "reward", "compute",
                ("prompts", "responses", "labels"), ("rm_scores",), fn="rule_reward"),
         *reference_mfcs(options),
         MFCDef("actor_log_prob", "actor", "inference",
-               ("prompts", "responses"), ("old_log_prob",), output_key_remap={"log_prob": "old_log_prob"}),
+               ("prompts", "responses", "rollout_log_prob"), ("old_log_prob",),
+               output_key_remap={"log_prob": "old_log_prob"}),
         MFCDef("critic_values", "critic", "inference",
                ("prompts", "responses"), ("values",), fn="values"),
         MFCDef("compute_advantage", "advantage", "compute",
                ("rm_scores", "values"), ("advantages", "returns"), fn="gae_advantage"),
         MFCDef("actor_train", "actor", "train_step",
-               train_inputs(options, "prompts", "responses", "old_log_prob", "ref_log_prob", "advantages"), ()),
+               train_inputs(options, "prompts", "responses", "old_log_prob", "ref_log_prob", "rollout_log_prob",
+                            "advantages"), ()),
         MFCDef("critic_train", "critic", "train_step",
                ("prompts", "responses", "values", "returns"), (), fn="value_train"),
     ]

@@ -18,7 +18,7 @@ def remax_mfcs(options: AlgorithmOptions = FULL) -> list[MFCDef]:
     """ReMax's MFCs."""
     return [
         MFCDef("actor_rollout", "actor", "generate",
-               ("prompts", "prompt_length"), ("responses", "response_length", "weight_version")),
+               ("prompts", "prompt_length"), ("responses", "response_length", "weight_version", "rollout_log_prob")),
         MFCDef("actor_greedy_rollout", "actor", "generate",
                ("prompts", "prompt_length"), ("greedy_responses",), fn="generate_greedy",
                output_key_remap={"responses": "greedy_responses"}),
@@ -30,10 +30,12 @@ def remax_mfcs(options: AlgorithmOptions = FULL) -> list[MFCDef]:
                output_key_remap={"rm_scores": "reward_baselines"}),
         *reference_mfcs(options),
         MFCDef("actor_log_prob", "actor", "inference",
-               ("prompts", "responses"), ("old_log_prob",), output_key_remap={"log_prob": "old_log_prob"}),
+               ("prompts", "responses", "rollout_log_prob"), ("old_log_prob",),
+               output_key_remap={"log_prob": "old_log_prob"}),
         MFCDef("compute_advantage", "advantage", "compute",
                ("rm_scores", "reward_baselines", "response_length"), ("advantages",),
                fn="remax_advantage"),
         MFCDef("actor_train", "actor", "train_step",
-               train_inputs(options, "prompts", "responses", "old_log_prob", "ref_log_prob", "advantages"), ()),
+               train_inputs(options, "prompts", "responses", "old_log_prob", "ref_log_prob", "rollout_log_prob",
+                            "advantages"), ()),
     ]

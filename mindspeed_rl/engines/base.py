@@ -1,13 +1,20 @@
-"""The two engine interfaces workers talk to; backends live behind them.
+"""The two engine interfaces workers talk to: exactly the members workers use, nothing more.
 
-`hf` (transformers, default) and `torch` (plain torch AdamW/DDP) run everywhere, CPU included.
-vLLM and Megatron backends are to come behind these same interfaces (see docs/engines.md); they
-are not implemented yet, and a config that names them fails validation with that message.
+A backend is a subclass registered by name in `registry.py`, the only place that knows backend
+names. Workers never import a backend module; they ask the registry for an engine and call the
+members below. docs/engines.md says what each backend supports and what was run where.
+
+Why the train engine owns the whole update (`train_step`): a sharded (FSDP2) or pipelined
+(Megatron, torch.distributed.pipelining) backend runs its own schedule of forwards, backwards and
+gradient reductions. The worker hands it the micro-batches as they come out of the dock and a loss
+function of the model's outputs; the engine does forward, backward (no gradient sync but on the
+last micro-batch), clipping and the optimizer step.
 """
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -23,23 +30,233 @@ class SamplingParams:
     greedy: bool = False
 
 
-class RolloutEngine(Protocol):
+@dataclass
+class Rollout:
+    """One generate call's answer, one entry per prompt, in order.
+
+    `responses`: 1-D token ids, ending with a stop token unless cut by max_new_tokens.
+    `log_probs`: 1-D float32, the log-prob of each sampled token under the distribution it was
+    sampled from (temperature, top-k and top-p applied): the behaviour policy that off-policy
+    corrections and the `rollout/logprob_diff_*` check compare with the trainer's log-probs.
+    """
+    responses: list[torch.Tensor]
+    log_probs: list[torch.Tensor]
+
+
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+Bucket = list[tuple[str, torch.Tensor]]
+
+
+class RolloutEngine(abc.ABC):
     """Generates responses; holds its own copy of the policy weights, refreshed by weight sync."""
-    weight_version: int
 
-    def generate(self, prompts: Sequence[torch.Tensor], params: SamplingParams, seed: int) -> list[torch.Tensor]:
-        """One response (1-D token ids, ending with a stop token unless cut by max_new_tokens) per prompt."""
+    weight_version: int = 0
+    concurrent_generate: bool = False   # may two threads call `generate` at once (rows of two steps in flight)?
 
-    def named_parameters_for_sync(self) -> list[tuple[str, torch.Tensor]]:
-        """The tensors weight sync writes into, in the trainer's parameter order."""
+    @abc.abstractmethod
+    def generate(self, prompts: Sequence[torch.Tensor], params: SamplingParams,
+                 seeds: Sequence[int]) -> Rollout:
+        """One response per prompt; row i samples with `seeds[i]`, so a row gets the same tokens
+        whichever micro-batch, mode or process generates it."""
+
+    @abc.abstractmethod
+    def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
+        """Load weights given by HF parameter name (a bucket at a time; may be called several
+        times per version, each with some of the names), then serve `version`."""
+
+    def state_checksum(self) -> str | None:
+        """sha256 of the weights it serves, in HF names, when the backend can read them back
+        (None otherwise); `weight_sync.verify` compares it with the trainer's."""
+        return None
+
+    def sleep(self) -> None:
+        """Free device memory between rollouts when it shares a device with training (vLLM's
+        sleep mode); a no-op where there is nothing to free."""
+
+    def wake_up(self) -> None:
+        """Take the memory back before the next rollout; a no-op where `sleep` is one."""
+
+    def close(self) -> None:
+        """Release processes and memory; the engine is unusable afterwards."""
 
 
-class TrainEngine(Protocol):
-    """Forward/backward and optimizer of one trainable model (the policy, a critic, ...)."""
-    version: int
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW and clipping of a trained model (actor_config / critic_config)."""
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    grad_clip: float = 1.0
 
-    def log_probs(self, prompts, responses, micro_batch_size: int, with_entropy: bool = False):
-        """Per-token log-probs of each response (1-D per row)."""
 
-    def optimizer_step(self) -> dict[str, float]:
-        """Clip, step, zero grads; bumps `version`."""
+@dataclass
+class RolloutSpec:
+    """What a rollout backend is built from (the registry fills it from the config)."""
+    model_path: str                      # a local HF checkpoint directory
+    dtype: str = "float32"               # float32, bfloat16, float16
+    device: str = "cpu"                  # torch device string: cpu, cuda:0, npu:0
+    pad_token_id: int = 0
+    seed: int = 0
+    options: dict = field(default_factory=dict)  # backend-specific keys (generate_config.vllm.*)
+
+
+@dataclass
+class TrainSpec:
+    """What a train backend is built from (the registry fills it from the config)."""
+    model_path: str                      # a local HF checkpoint directory
+    model_kind: str = "causal_lm"        # causal_lm (policy, reference) or value (critic)
+    dtype: str = "float32"
+    device: str = "cpu"
+    pad_token_id: int = 0
+    temperature: float = 1.0             # log-probs of the sampling distribution (logits / temperature)
+    optim: OptimConfig | None = None     # None: inference only
+    process_group: Any = None            # the DP group over this model's ranks (None: a single rank)
+    seed: int = 0
+    options: dict = field(default_factory=dict)  # backend-specific keys
+
+
+@dataclass
+class MicroBatch:
+    """What a train step consumes: the rows' columns (`prompts`, `responses`, ...) as lists of 1-D
+    tensors, and the weight of this micro-batch's loss in the mini-batch (rows / mini-batch rows),
+    so accumulated gradients equal one pass over the whole mini-batch."""
+    data: dict[str, list]
+    loss_scale: float
+    last: bool = False      # the mini-batch's last micro-batch: gradients are reduced across DP on it
+
+
+@dataclass
+class ModelOutput:
+    """What the engine's forward gives a loss function, [B, R] over response tokens."""
+    response_mask: torch.Tensor
+    log_probs: torch.Tensor | None = None     # causal LMs
+    entropy: torch.Tensor | None = None       # causal LMs
+    values: torch.Tensor | None = None        # value models
+
+
+# loss_fn(outputs, micro_batch) -> (scalar loss with grad, metrics to sum over micro-batches)
+LossFn = Callable[[ModelOutput, MicroBatch], "tuple[torch.Tensor, dict[str, float]]"]
+
+
+class TrainEngine(abc.ABC):
+    """Forward, backward and optimizer of one model (the policy, a critic, a reference).
+
+    Built with an optimizer it trains (`train_step`); built without one it only infers (reference
+    log-probs, or a reader of the policy on another worker, refreshed by `update_weights`).
+    `version` counts optimizer steps (the weight version weight sync publishes).
+    """
+
+    version: int = 0
+
+    # ---- inference
+    @abc.abstractmethod
+    def log_probs(self, prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor],
+                  micro_batch_size: int) -> list[torch.Tensor]:
+        """Per-token log-probs of each response (1-D float32 per row, on the CPU)."""
+
+    def values(self, prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor],
+               micro_batch_size: int) -> list[torch.Tensor]:
+        """A value model's per-token values of each response (1-D float32 per row, on the CPU)."""
+        raise NotImplementedError(f"{type(self).__name__} holds no value model")
+
+    # ---- training
+    @abc.abstractmethod
+    def train_step(self, micro_batches: Iterable[MicroBatch], loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step over a mini-batch: forward, `loss_fn`, backward of
+        `loss * loss_scale` per micro-batch as they arrive, then (once `micro_batches` is exhausted)
+        clip, step, zero the gradients and bump `version`.
+
+        Returns the loss metrics summed over micro-batches, `micro_batches` (their count) and
+        `grad_norm` (before clipping). A non-finite gradient norm skips the update but counts the
+        step. The iterable is consumed to its end before the optimizer steps, so a worker may wait
+        there (for readers of the old weights) in its generator."""
+
+    # ---- weights
+    @abc.abstractmethod
+    def export_weights(self, bucket_bytes: int) -> Iterator[Bucket]:
+        """The model's weights in HF names, a bucket of at most `bucket_bytes` at a time (a single
+        tensor larger than that is a bucket of its own), in the model's dtype and on the engine's
+        device. Tied weights come under every name a reader needs (`lm_head.weight` too). A sharded
+        engine gathers one bucket at a time and every rank must iterate to the end (the gathers are
+        collective); only the rank that sends needs to look at the tensors."""
+
+    @abc.abstractmethod
+    def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
+        """Load weights by HF name (a reader of a model trained elsewhere), then report `version`."""
+
+    # ---- checkpoints
+    @abc.abstractmethod
+    def save_checkpoint(self, directory: str) -> list[str]:
+        """Model and optimizer state (and `version`) under `directory`; every rank calls it
+        (a sharded engine writes its shards); returns the files this rank wrote."""
+
+    @abc.abstractmethod
+    def load_checkpoint(self, directory: str) -> None:
+        """Restore exactly what `save_checkpoint` wrote (every rank calls it)."""
+
+    def state_checksum(self) -> str | None:
+        """`weight_sync.checksum` of the weights it holds in HF names (None when it cannot read them
+        back cheaply); `weight_sync.verify` compares it with what the trainer sent."""
+        return None
+
+    def close(self) -> None:
+        """Release process groups and memory."""
+
+
+def bucketed(named: NamedTensors, bucket_bytes: int) -> Iterator[Bucket]:
+    """Group (name, tensor) pairs into buckets of at most `bucket_bytes` (a larger tensor alone)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes={bucket_bytes}: must be > 0 (weight_sync.bucket_mb sets it)")
+    bucket: Bucket = []
+    size = 0
+    for name, t in named:
+        n = t.numel() * t.element_size()
+        if bucket and size + n > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += n
+    if bucket:
+        yield bucket
+
+
+def tied_names(model: torch.nn.Module) -> dict[str, str]:
+    """name -> the name it shares storage with, for parameters `named_parameters()` hides as tied
+    (Qwen2's `lm_head.weight` is `model.embed_tokens.weight` when `tie_word_embeddings`)."""
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        key = id(p)
+        if key in first:
+            out[name] = first[key]
+        else:
+            first[key] = name
+    return out
+
+
+def hf_named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every weight a reader of the HF checkpoint needs, tied ones under each of their names."""
+    yield from ((n, p.detach()) for n, p in model.named_parameters(remove_duplicate=False))
+
+
+def load_named(model: torch.nn.Module, named: NamedTensors) -> list[str]:
+    """Copy tensors into `model`'s parameters and buffers by HF name; returns the names loaded.
+
+    An unknown name or a shape that does not fit is refused before anything is written from that
+    tensor, naming it: the reader's architecture differs from the trainer's."""
+    own = dict(model.named_parameters(remove_duplicate=False))
+    own.update(dict(model.named_buffers()))
+    loaded = []
+    with torch.no_grad():
+        for name, t in named:
+            target = own.get(name)
+            if target is None:
+                raise ValueError(f"weight sync: {name!r} is not a weight of the reading model "
+                                 f"({type(model).__name__}); the reader's architecture differs from the trainer's")
+            if tuple(target.shape) != tuple(t.shape):
+                raise ValueError(f"weight sync: {name!r} has shape {tuple(t.shape)} but the reading model's is "
+                                 f"{tuple(target.shape)}; the reader's architecture differs from the trainer's")
+            target.copy_(t)
+            loaded.append(name)
+    return loaded

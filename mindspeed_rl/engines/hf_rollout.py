@@ -1,17 +1,19 @@
 """Rollout with HF transformers: batched sampling with a KV cache.
 
 We drive the model's forward with a `DynamicCache` ourselves instead of `model.generate` because
-sampling must use an explicit `torch.Generator` per micro-batch: with a seed derived from
-(run seed, step, first row), a micro-batch samples the same tokens whichever mode or thread runs
-it, which is what makes blocking and non-blocking runs identical. It is also faster on CPU.
+sampling must use an explicit `torch.Generator` per row: with a seed derived from (run seed,
+step, row), a row samples the same tokens whichever micro-batch, mode or thread generates it,
+which is what makes blocking and non-blocking runs identical (vLLM does the same with a seed per
+request). It is also faster on CPU. The log-prob of each sampled token under the distribution it
+was drawn from (temperature, top-k, top-p applied) comes back with it: the behaviour policy.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
-from .base import SamplingParams
+from .base import NamedTensors, Rollout, RolloutEngine, RolloutSpec, SamplingParams, hf_named_weights, load_named
 from .batching import left_pad, positions
 
 
@@ -30,28 +32,44 @@ def filter_logits(logits: torch.Tensor, top_p: float, top_k: int) -> torch.Tenso
     return logits
 
 
-def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
+def sample_next(logits: torch.Tensor, params: SamplingParams,
+                generators: Sequence[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(next token, its log-prob under the distribution it was drawn from) per row; row i draws with
+    `generators[i]` alone, so its tokens do not depend on the other rows of the batch."""
     if params.greedy or params.temperature == 0:
-        return logits.argmax(-1)
-    logits = filter_logits(logits.float() / params.temperature, params.top_p, params.top_k)
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        tokens = logits.argmax(-1)
+        logp = torch.log_softmax(logits.float(), dim=-1)
+    else:
+        logp = torch.log_softmax(filter_logits(logits.float() / params.temperature, params.top_p, params.top_k), -1)
+        probs = logp.exp().cpu()
+        tokens = torch.stack([torch.multinomial(probs[i], 1, generator=g)[0] for i, g in enumerate(generators)])
+        tokens = tokens.to(logits.device)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-class HFRolloutEngine:
+class HFRolloutEngine(RolloutEngine):
+    concurrent_generate = True  # each call has its own cache and generators; the weights are only read
+
     def __init__(self, model: torch.nn.Module, pad_token_id: int, device: torch.device | str = "cpu"):
-        self.model = model.eval()
+        self.device = torch.device(device)
+        self.model = model.to(self.device).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.pad_token_id = int(pad_token_id)
-        self.device = torch.device(device)
         self.weight_version = 0
 
+    @classmethod
+    def build(cls, spec: RolloutSpec) -> "HFRolloutEngine":
+        from ..models import load_causal_lm
+        return cls(load_causal_lm(spec.model_path, spec.dtype), spec.pad_token_id, spec.device)
+
     @torch.no_grad()
-    def generate(self, prompts: Sequence[torch.Tensor], params: SamplingParams, seed: int) -> list[torch.Tensor]:
+    def generate(self, prompts: Sequence[torch.Tensor], params: SamplingParams, seeds: Sequence[int]) -> Rollout:
         from transformers import DynamicCache
 
-        gen = torch.Generator(device="cpu").manual_seed(int(seed) % (2**63))
+        if len(seeds) != len(prompts):
+            raise ValueError(f"generate: {len(prompts)} prompts but {len(seeds)} seeds; one seed per row")
+        gens = [torch.Generator(device="cpu").manual_seed(int(s) % (2**63)) for s in seeds]
         ids, attn = left_pad(prompts, self.pad_token_id)
         ids, attn = ids.to(self.device), attn.to(self.device)
         batch = ids.shape[0]
@@ -61,11 +79,12 @@ class HFRolloutEngine:
         last_pos = positions(attn)[:, -1:]
         finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
         lengths = torch.full((batch,), params.max_new_tokens, dtype=torch.long)
-        tokens = []
+        tokens, logps = [], []
         for t in range(params.max_new_tokens):
-            nxt = sample_next(out.logits[:, -1, :], params, gen).to(self.device)
+            nxt, logp = sample_next(out.logits[:, -1, :], params, gens)
             nxt = torch.where(finished, torch.full_like(nxt, self.pad_token_id), nxt)
             tokens.append(nxt)
+            logps.append(logp)
             if stop.numel():
                 hit = torch.isin(nxt, stop) & ~finished
                 lengths[hit.cpu()] = t + 1
@@ -77,7 +96,17 @@ class HFRolloutEngine:
             out = self.model(input_ids=nxt[:, None], attention_mask=attn, position_ids=last_pos,
                              past_key_values=out.past_key_values, use_cache=True)
         resp = torch.stack(tokens, dim=1).cpu()
-        return [resp[i, :int(n)].clone() for i, n in enumerate(lengths.tolist())]
+        lp = torch.stack(logps, dim=1).float().cpu()
+        n = lengths.tolist()
+        return Rollout([resp[i, :k].clone() for i, k in enumerate(n)], [lp[i, :k].clone() for i, k in enumerate(n)])
 
-    def named_parameters_for_sync(self) -> list[tuple[str, torch.Tensor]]:
-        return [(n, p.data) for n, p in self.model.named_parameters()]
+    def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
+        load_named(self.model, named_tensors)
+        self.weight_version = int(version)
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return hf_named_weights(self.model)
+
+    def state_checksum(self) -> str:
+        from .weight_sync import checksum
+        return checksum(self.named_weights())

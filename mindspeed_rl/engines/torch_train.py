@@ -2,29 +2,23 @@
 DDP over gloo (nccl/hccl on devices) when a stage has DP > 1.
 
 The engine knows nothing about RL: it turns rows into a padded batch, returns per-token log-probs
-(and entropies) of the responses, takes a loss to backpropagate, and steps the optimizer. The RL
-loss is built by the worker's interface from `mindspeed_rl.algorithms`.
+(and entropies) of the responses, runs a mini-batch of micro-batches through the worker's loss
+function (`train_step`), and steps the optimizer. The RL loss is built by the worker from
+`mindspeed_rl.algorithms`.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
-from dataclasses import dataclass
-from typing import Sequence
+import os
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
 from ..algorithms import entropy_from_logits, log_probs_from_logits
+from .base import (Bucket, LossFn, MicroBatch, ModelOutput, NamedTensors, OptimConfig, TrainEngine, TrainSpec,
+                   bucketed, hf_named_weights, load_named)
 from .batching import SequenceBatch, collate, unpad_rows
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    grad_clip: float = 1.0
 
 
 def response_logits(model: torch.nn.Module, batch: SequenceBatch, temperature: float) -> torch.Tensor:
@@ -48,16 +42,19 @@ def response_values(model: torch.nn.Module, batch: SequenceBatch) -> torch.Tenso
     return out.logits[:, p - 1:p + r - 1, 0].float()
 
 
-class TorchTrainEngine:
+class TorchTrainEngine(TrainEngine):
     def __init__(self, model: torch.nn.Module, pad_token_id: int, optim: OptimConfig | None = None,
-                 temperature: float = 1.0, device: torch.device | str = "cpu", process_group=None):
+                 temperature: float = 1.0, device: torch.device | str = "cpu", process_group=None,
+                 model_kind: str = "causal_lm"):
         self.device = torch.device(device)
         self.model = model.to(self.device)
         self.module = model  # the bare model, also when wrapped in DDP
         self.pad_token_id = int(pad_token_id)
         self.temperature = float(temperature)
+        self.model_kind = model_kind
         self.optim_config = optim
         self.optimizer = None
+        self.process_group = process_group
         self.version = 0
         if optim is not None:
             self.model.train()
@@ -70,6 +67,15 @@ class TorchTrainEngine:
             self.module.eval()
             for p in self.module.parameters():
                 p.requires_grad_(False)
+
+    @classmethod
+    def build(cls, spec: TrainSpec) -> "TorchTrainEngine":
+        from ..models import load_causal_lm, load_value_model
+        torch.manual_seed(spec.seed)  # a value head is initialized from it
+        loader = load_value_model if spec.model_kind == "value" else load_causal_lm
+        return cls(loader(spec.model_path, spec.dtype), spec.pad_token_id, spec.optim, temperature=spec.temperature,
+                   device=spec.device, process_group=spec.process_group if spec.optim is not None else None,
+                   model_kind=spec.model_kind)
 
     def batch(self, prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor]) -> SequenceBatch:
         b = collate(prompts, responses, self.pad_token_id)
@@ -85,8 +91,15 @@ class TorchTrainEngine:
         logp = log_probs_from_logits(logits, batch.responses)
         return logp, (entropy_from_logits(logits) if with_entropy else None)
 
+    def model_output(self, batch: SequenceBatch) -> ModelOutput:
+        """What a loss function sees: log-probs and entropies of a causal LM, values of a value model."""
+        if self.model_kind == "value":
+            return ModelOutput(response_mask=batch.response_mask, values=response_values(self.model, batch))
+        logp, entropy = self.forward(batch, with_entropy=True)
+        return ModelOutput(response_mask=batch.response_mask, log_probs=logp, entropy=entropy)
+
     @torch.no_grad()
-    def log_probs(self, prompts, responses, micro_batch_size: int, with_entropy: bool = False) -> list[torch.Tensor]:
+    def log_probs(self, prompts, responses, micro_batch_size: int) -> list[torch.Tensor]:
         """Inference: per-token log-probs, one 1-D tensor per row, micro-batch by micro-batch."""
         out: list[torch.Tensor] = []
         for i in range(0, len(prompts), micro_batch_size):
@@ -94,10 +107,6 @@ class TorchTrainEngine:
             logits = response_logits(self.module, b, self.temperature)
             out.extend(r.cpu() for r in unpad_rows(log_probs_from_logits(logits, b.responses), b.response_mask))
         return out
-
-    def value_forward(self, batch: SequenceBatch) -> torch.Tensor:
-        """A critic's per-token values [B, R], with grad when training."""
-        return response_values(self.model, batch)
 
     @torch.no_grad()
     def values(self, prompts, responses, micro_batch_size: int) -> list[torch.Tensor]:
@@ -114,6 +123,23 @@ class TorchTrainEngine:
             return contextlib.nullcontext()
         return self.model.no_sync()
 
+    def train_step(self, micro_batches: Iterable[MicroBatch], loss_fn: LossFn) -> dict[str, float]:
+        if self.optimizer is None:
+            raise RuntimeError("train_step on an inference-only engine (built without OptimConfig)")
+        metrics: dict[str, float] = {}
+        count = 0
+        for mb in micro_batches:
+            b = self.batch(mb.data["prompts"], mb.data["responses"])
+            with self.no_sync(mb.last):
+                loss, m = loss_fn(self.model_output(b), mb)
+                (loss * mb.loss_scale).backward()
+            for k, v in m.items():
+                metrics[k] = metrics.get(k, 0.0) + float(v)
+            count += 1
+        metrics["micro_batches"] = float(count)
+        metrics.update(self.optimizer_step())
+        return metrics
+
     def optimizer_step(self) -> dict[str, float]:
         if self.optimizer is None:
             raise RuntimeError("optimizer_step on an inference-only engine (built without OptimConfig)")
@@ -127,6 +153,19 @@ class TorchTrainEngine:
     def parameters(self) -> list[torch.Tensor]:
         return [p.data for _, p in self.module.named_parameters()]
 
+    # ---- weights
+    def export_weights(self, bucket_bytes: int) -> Iterator[Bucket]:
+        return bucketed(hf_named_weights(self.module), bucket_bytes)
+
+    def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
+        load_named(self.module, named_tensors)
+        self.version = int(version)
+
+    def state_checksum(self) -> str:
+        from .weight_sync import checksum
+        return checksum(hf_named_weights(self.module))
+
+    # ---- checkpoints
     def state_dict(self) -> dict:
         return {"model": self.module.state_dict(), "version": self.version,
                 "optimizer": self.optimizer.state_dict() if self.optimizer else None}
@@ -137,3 +176,23 @@ class TorchTrainEngine:
         if self.optimizer is not None and state.get("optimizer") is not None:
             # a copy: torch keeps the given moment tensors, so two engines would share them
             self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+
+    def _rank(self) -> int:
+        if self.process_group is None:
+            return 0
+        import torch.distributed as dist
+        return dist.get_rank(self.process_group)
+
+    def save_checkpoint(self, directory: str) -> list[str]:
+        """DDP ranks hold the same state: rank 0 writes `engine.pt` (atomically)."""
+        if self._rank() != 0:
+            return []
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, "engine.pt")
+        torch.save(self.state_dict(), path + ".tmp")
+        os.replace(path + ".tmp", path)
+        return [path]
+
+    def load_checkpoint(self, directory: str) -> None:
+        path = os.path.join(directory, "engine.pt")
+        self.load_state_dict(torch.load(path, map_location=self.device, weights_only=False))

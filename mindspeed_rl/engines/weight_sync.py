@@ -1,24 +1,503 @@
 """Weight sync from a train engine to the engines that read the same model (rollout, inference).
 
-Parameters travel as one flat buffer: one collective instead of one per tensor. In one process
-(colocated) that is a copy; across processes (disaggregated) it is a broadcast in a process group
-of its own, built from a TCPStore beside Ray and never registered as torch's default group (the
-way vLLM's RLHF examples use a stateless group), so it does not collide with DDP's group.
-Both sides compute a checksum of what they hold after the sync, so a test can compare them.
+The trainer's `export_weights(bucket_bytes)` yields the model a bucket at a time, in HF names, in
+the model's dtype and on its device. In one process (colocated) a sync is a copy: every bucket is
+handed to each reader's `update_weights` (`copy_weights`). Across processes (disaggregated) the
+sending rank broadcasts every bucket in a process group of its own (`stateless_group`: a backend
+over a TCPStore, never torch's default group, so it does not collide with DDP, FSDP or vLLM):
+
+* The wire. A bucket travels as one byte buffer: its tensors' raw bytes (no cast: bf16 stays bf16)
+  at 64-byte-aligned offsets. Tensors of at least `inplace_min_bytes` go out in place, one
+  broadcast each straight from the tensor (no copy); runs of smaller ones are packed, on their
+  device, into a small reused staging buffer and go out as one broadcast. Receivers receive the
+  bucket into one buffer on their device and get views into it.
+* The layout. A bucket's `BucketSpec` (names, shapes, dtypes, offsets, the broadcasts it takes)
+  is what a receiver must know before it can receive. Each bucket is preceded by a 3-integer header
+  broadcast (layout version, bucket index, bytes); the specs of a layout version are written to the
+  group's TCPStore once, the first time that version is sent, and cached on every side. The sender
+  compares each bucket's spec with the cached one: a different bucket size, name, shape or dtype
+  bumps the version, and receivers, seeing a version they do not hold, read the new specs from the
+  store (`SyncGroup.layout_changes` counts that).
+* Overlap and memory. The sender issues bucket i+1's broadcasts before waiting for bucket i's, so a
+  sharded engine's gather of the next bucket overlaps the transfer of the current one; the sender
+  holds at most two buckets of the iterator (plus two staging buffers of small tensors). A
+  receiver (`prefetch=True`) receives bucket i+1 into a second buffer while its consumer loads
+  bucket i, and hands out views into that reused buffer: **a yielded bucket's tensors are valid
+  until the generator is resumed**; `update_weights` must copy them out (every engine does) or the
+  caller asks for `reuse_buffers=False` (a fresh buffer per bucket, views valid for good).
+
+Every member of the group takes part in every sync to its end: the sender runs `send_buckets`, each
+receiver exhausts `receive_buckets`; ranks of a sharded trainer other than the sender iterate
+`export_weights` to its end without sending (its gathers are collective). A sending rank that also
+holds readers, or checks what it sent, does it in the same pass (`tee_buckets`). `Checksum` /
+`checksum` hash names, dtypes and bytes, fed a bucket at a time, so both sides of a sync can be
+compared (`weight_sync.verify`; it reads every weight back to the CPU: tests and small models).
+
+Usage (the worker's side):
+
+    group = stateless_group(host, port, rank, world_size, dist_backend(device), timeout_s)
+    # trainer, sync rank 0 (rank 0 of the model's DP group):
+    send_buckets(group, tee_buckets(engine.export_weights(bucket_bytes), local_readers, version))
+    # trainer, other DP ranks:    for _ in engine.export_weights(bucket_bytes): pass
+    # a reader in another process: for b in receive_buckets(group): engine.update_weights(b, version)
+    # colocated, no group:         copy_weights(engine.export_weights(bucket_bytes), readers, version)
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
+from .base import Bucket, NamedTensors
+
+ALIGN = 64                      # byte alignment of every tensor in a bucket's wire buffer
+INPLACE_MIN_BYTES = 1 << 20     # tensors this large are broadcast in place, smaller ones packed
+_KEY = "weight_sync/layout"     # store keys: f"{_KEY}/{version}/{bucket index}" -> a BucketSpec's JSON
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------- the group
+
+@dataclass
+class SyncGroup:
+    """A stateless group's backend and store, and what a sync over it caches between calls."""
+    pg: object              # the c10d backend (ProcessGroupGloo / NCCL / HCCL), not a registered group
+    store: object           # the TCPStore (held so it lives as long as the group; rank 0 hosts it)
+    rank: int
+    world_size: int
+    backend: str = "gloo"
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where buffers live
+    layout_version: int = 0             # the layout version this side holds (0: none yet)
+    layout: dict = field(default_factory=dict)  # bucket index -> BucketSpec of `layout_version`
+    layout_changes: int = 0             # times a new layout version was sent or received
+    last_sync: dict = field(default_factory=dict)  # what the last send/receive moved
+    _buffers: dict = field(default_factory=dict)  # (role, slot, device) -> reused byte buffer
+
+    def buffer(self, key, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A reused 1-D uint8 buffer of at least `nbytes` (grown, never shrunk, while the group lives)."""
+        k = (key, str(device))
+        buf = self._buffers.get(k)
+        if buf is None or buf.numel() < nbytes:
+            self._buffers.pop(k, None)
+            del buf                      # release the old one before allocating the larger one
+            buf = self._buffers[k] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return buf
+
+    def release_buffers(self) -> None:
+        """Free the reused buffers (a rollout engine about to sleep, or the end of the run)."""
+        self._buffers.clear()
+
+    def broadcast(self, tensor: torch.Tensor, src: int):
+        return self.pg.broadcast([tensor], _broadcast_options(src))
+
+
+def _broadcast_options(src: int):
+    import torch.distributed as dist
+    opts = dist.BroadcastOptions()
+    opts.rootRank = src
+    opts.rootTensor = 0
+    return opts
+
+
+def stateless_group(host: str, port: int, rank: int, world_size: int, backend: str | None = None,
+                    timeout_s: float = 60.0, device: torch.device | str | None = None) -> SyncGroup:
+    """A process group of its own over a TCPStore; rank 0 hosts the store.
+
+    `backend`: gloo (CPU tensors), nccl (CUDA) or hccl (Ascend NPU, torch_npu's ProcessGroupHCCL);
+    None picks it from `device` (`device.dist_backend`). Every member must call this at about the
+    same time (the constructor rendezvous); `timeout_s` bounds that wait and every collective, so a
+    missing member fails with an error instead of hanging.
+    """
+    import torch.distributed as dist
+
+    from ..device import dist_backend
+
+    if backend is None:
+        backend = dist_backend(device if device is not None else "cpu")
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout,
+                          wait_for_workers=True)
+    pg_store = dist.PrefixStore("weight_sync_pg", store)
+    if backend == "gloo":
+        pg = dist.ProcessGroupGloo(pg_store, rank, world_size, timeout)
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+    elif backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(pg_store, rank, world_size, opts)
+        dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    elif backend == "hccl":
+        import torch_npu  # noqa: F401  (registers the npu device)
+        from torch_npu._C._distributed_c10d import ProcessGroupHCCL
+        opts = ProcessGroupHCCL.Options()
+        opts._timeout = timeout
+        pg = ProcessGroupHCCL(pg_store, rank, world_size, opts)
+        dev = torch.device("npu", torch.npu.current_device()) if device is None else torch.device(device)
+    else:
+        raise ValueError(f"weight sync backend={backend!r}: gloo, nccl and hccl are supported")
+    if hasattr(pg, "_set_sequence_number_for_group"):
+        pg._set_sequence_number_for_group()
+    return SyncGroup(pg=pg, store=store, rank=rank, world_size=world_size, backend=backend, device=dev)
+
+
+# ---------------------------------------------------------------------------- the layout
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype(name: str) -> torch.dtype:
+    d = getattr(torch, name, None)
+    if not isinstance(d, torch.dtype):
+        raise ValueError(f"weight sync: unknown dtype {name!r} in a bucket layout")
+    return d
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int         # byte offset in the bucket's buffer
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty((), dtype=_dtype(self.dtype)).element_size()
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    """How one bucket lies in its wire buffer, and the broadcasts ([start, end) byte ranges) it takes.
+
+    A segment is either one tensor sent in place or a run of packed small tensors. Tensors that
+    are the same view of the same storage (tied weights in one bucket) share one offset."""
+    entries: tuple[Entry, ...]
+    segments: tuple[tuple[int, int, bool], ...]   # (start, end, packed)
+    nbytes: int
+
+    @staticmethod
+    def describe(bucket: Bucket, inplace_min_bytes: int = INPLACE_MIN_BYTES) -> "BucketSpec":
+        entries, segments = [], []
+        seen: dict[tuple, int] = {}
+        offset = 0
+        run_start = None            # start of the current run of packed tensors
+        for name, t in bucket:
+            key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) if t.numel() else None
+            if key is not None and key in seen:
+                entries.append(Entry(name, tuple(t.shape), _dtype_name(t.dtype), seen[key]))
+                continue
+            n = t.numel() * t.element_size()
+            inplace = n >= inplace_min_bytes and t.is_contiguous()
+            if inplace and run_start is not None:
+                segments.append((run_start, offset, True))
+                run_start = None
+                # the in-place tensor starts where the run ended (offset is already aligned)
+            entries.append(Entry(name, tuple(t.shape), _dtype_name(t.dtype), offset))
+            if key is not None:
+                seen[key] = offset
+            if n == 0:
+                continue
+            if inplace:
+                segments.append((offset, offset + n, False))
+            elif run_start is None:
+                run_start = offset
+            offset = _align(offset + n)
+        if run_start is not None:
+            segments.append((run_start, offset, True))
+        return BucketSpec(tuple(entries), tuple(segments), offset)
+
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes of the packed runs together (the sender's staging buffer for this bucket)."""
+        return sum(end - start for start, end, packed in self.segments if packed)
+
+    def to_json(self) -> str:
+        return json.dumps({"entries": [[e.name, list(e.shape), e.dtype, e.offset] for e in self.entries],
+                           "segments": [list(s) for s in self.segments], "nbytes": self.nbytes})
+
+    @staticmethod
+    def from_json(text: str | bytes) -> "BucketSpec":
+        d = json.loads(text)
+        return BucketSpec(tuple(Entry(n, tuple(s), dt, o) for n, s, dt, o in d["entries"]),
+                          tuple((a, b, bool(p)) for a, b, p in d["segments"]), int(d["nbytes"]))
+
+    def views(self, buffer: torch.Tensor) -> Bucket:
+        """(name, tensor) views into a received buffer laid out by this spec."""
+        out = []
+        for e in self.entries:
+            out.append((e.name, buffer[e.offset:e.offset + e.nbytes].view(_dtype(e.dtype)).view(e.shape)))
+        return out
+
+    def pack(self, bucket: Bucket, buffer: torch.Tensor, start: int = 0, end: int | None = None) -> None:
+        """Copy the tensors of bytes [start, end) of this bucket into `buffer` (at offset - start)."""
+        end = self.nbytes if end is None else end
+        done = set()
+        for e, (_, t) in zip(self.entries, bucket):
+            n = e.nbytes
+            if n == 0 or e.offset < start or e.offset + n > end or e.offset in done:
+                continue
+            done.add(e.offset)
+            dst = buffer[e.offset - start:e.offset - start + n].view(t.dtype).view(t.shape)
+            dst.copy_(t.detach())
+
+
+def _store_key(version: int, index: int) -> str:
+    return f"{_KEY}/{version}/{index}"
+
+
+# ---------------------------------------------------------------------------- sending
+
+def send_buckets(group: SyncGroup, buckets: Iterable[Bucket], src: int = 0,
+                 inplace_min_bytes: int = INPLACE_MIN_BYTES, overlap: bool = True) -> dict:
+    """Broadcast every bucket from this rank (`src` of `group`) to the other members.
+
+    `overlap`: pull (gather) the next bucket while this one is in flight (two buckets alive);
+    False waits for each bucket first (one alive: less memory, slower with a gathering engine).
+
+    Returns what was sent: buckets, bytes (on the wire), max_bucket_bytes, max_packed_bytes (the
+    largest staging a bucket took; two are kept), layout_version, layout_changed (also kept as
+    `group.last_sync`)."""
+    if group.rank != src:
+        raise ValueError(f"send_buckets on rank {group.rank} of the sync group; only src={src} sends")
+    old, old_version = group.layout, group.layout_version
+    version, changed = old_version, False
+    new: dict[int, BucketSpec] = {}
+    inflight: list = []         # [(works, bucket kept alive)] of the bucket(s) not yet waited for
+    sent_bytes = biggest = staged = 0
+    index = -1
+    for index, bucket in enumerate(buckets):
+        spec = BucketSpec.describe(bucket, inplace_min_bytes)
+        new[index] = spec
+        if not changed and old.get(index) != spec:
+            changed, version = True, old_version + 1
+            for j in range(index):                   # the unchanged buckets before it, under the new version
+                group.store.set(_store_key(version, j), new[j].to_json())
+        if changed:
+            group.store.set(_store_key(version, index), spec.to_json())
+        works = [group.broadcast(_header(version, index, spec.nbytes, group.device), src)]
+        # packed runs side by side in one staging buffer (all of a bucket's broadcasts are in
+        # flight together); slot index % 2, as the previous bucket's may still be in flight too
+        staging, at = None, 0
+        for start, end, packed in spec.segments:
+            if packed:
+                if staging is None:
+                    staging = group.buffer(("send", index % 2), spec.packed_bytes, _device_of(bucket))
+                buf = staging[at:at + end - start]
+                at += end - start
+                spec.pack(bucket, buf, start, end)
+            else:
+                buf = _bytes_of(_tensor_at(spec, bucket, start))
+            works.append(group.broadcast(buf, src))
+        sent_bytes += spec.nbytes
+        biggest = max(biggest, spec.nbytes)
+        staged = max(staged, spec.packed_bytes)
+        inflight.append((works, bucket))
+        del bucket
+        while len(inflight) > (1 if overlap else 0):   # wait for the bucket(s) before the next pull
+            for w in inflight.pop(0)[0]:
+                w.wait()
+    if not changed and len(old) != index + 1:        # fewer buckets than the cached layout
+        changed, version = True, old_version + 1
+        for j, spec in new.items():
+            group.store.set(_store_key(version, j), spec.to_json())
+    works = [group.broadcast(_header(version, -1, index + 1, group.device), src)]
+    for ws, _ in inflight:
+        for w in ws:
+            w.wait()
+    for w in works:
+        w.wait()
+    inflight.clear()
+    if changed:
+        group.layout, group.layout_version = new, version
+        group.layout_changes += 1
+    group.last_sync = {"buckets": index + 1, "bytes": sent_bytes, "max_bucket_bytes": biggest,
+                       "max_packed_bytes": staged, "layout_version": version, "layout_changed": changed}
+    return dict(group.last_sync)
+
+
+def _header(version: int, index: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor([version, index, nbytes], dtype=torch.int64, device=device)
+
+
+def _device_of(bucket: Bucket) -> torch.device:
+    return bucket[0][1].device
+
+
+def _tensor_at(spec: BucketSpec, bucket: Bucket, offset: int) -> torch.Tensor:
+    for e, (_, t) in zip(spec.entries, bucket):
+        if e.offset == offset and e.nbytes:
+            return t
+    raise AssertionError(f"no tensor at offset {offset}")
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a 1-D uint8 view (no copy)."""
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+# ---------------------------------------------------------------------------- receiving
+
+def receive_buckets(group: SyncGroup, device: torch.device | str | None = None, src: int = 0,
+                    prefetch: bool = True, reuse_buffers: bool = True) -> Iterator[Bucket]:
+    """Yield the buckets `src` sends, as [(name, view into the received buffer)].
+
+    Pass each straight to `engine.update_weights(bucket, version)`. With `reuse_buffers` (the
+    default) the views are valid until the generator is resumed (the consumer copies them out);
+    with `prefetch` the next bucket is received while the consumer loads this one (two buffers).
+    The generator must be exhausted: every member takes part in every broadcast of a sync.
+    `group.last_sync` then says what came (buckets, bytes, layout_version, layout_changed)."""
+    device = torch.device(device) if device is not None else group.device
+    changed = False
+    nbytes_total = 0
+    header = torch.empty(3, dtype=torch.int64, device=group.device)
+    group.broadcast(header, src).wait()
+    pending: Bucket | None = None
+    slot = 0
+    while True:
+        version, index, nbytes = (int(v) for v in header.tolist())
+        if index < 0:
+            break
+        if version != group.layout_version:
+            group.layout, group.layout_version = {}, version
+            group.layout_changes += 1
+            changed = True
+        spec = group.layout.get(index)
+        if spec is None:
+            spec = group.layout[index] = BucketSpec.from_json(group.store.get(_store_key(version, index)))
+        if spec.nbytes != nbytes:
+            raise RuntimeError(f"weight sync: bucket {index} of layout version {version} is {nbytes} bytes "
+                               f"on the sender but {spec.nbytes} in its stored layout")
+        if reuse_buffers:
+            buf = group.buffer(("recv", slot), spec.nbytes, device)[:spec.nbytes]
+            slot = (slot + 1) % 2 if prefetch else 0
+        else:
+            buf = torch.empty(spec.nbytes, dtype=torch.uint8, device=device)
+        works = [group.broadcast(buf[start:end], src) for start, end, _ in spec.segments]
+        header = torch.empty(3, dtype=torch.int64, device=group.device)
+        works.append(group.broadcast(header, src))
+        nbytes_total += spec.nbytes
+        if not prefetch:
+            for w in works:
+                w.wait()
+            yield spec.views(buf)
+            continue
+        if pending is not None:
+            yield pending                      # loaded while this bucket arrives
+            pending = None
+        for w in works:
+            w.wait()
+        pending = spec.views(buf)
+    if pending is not None:
+        yield pending
+    if version != group.layout_version:     # only the bucket count changed (seen in the end header)
+        group.layout, group.layout_version = {}, version
+        group.layout_changes += 1
+        changed = True
+    group.last_sync = {"buckets": nbytes, "bytes": nbytes_total, "layout_version": version,
+                       "layout_changed": changed}   # the end header's third field is the bucket count
+
+
+# ---------------------------------------------------------------------------- in one process
+
+def tee_buckets(buckets: Iterable[Bucket], readers: Sequence = (), version: int = 0,
+                digest: "Checksum | None" = None) -> Iterator[Bucket]:
+    """Pass buckets through, first handing each to local readers' `update_weights` and/or hashing
+    it into `digest`: a trainer rank that sends and also holds readers (or checks what it sent)
+    does it all in one pass over `export_weights`, e.g.
+    `send_buckets(group, tee_buckets(engine.export_weights(b), local_readers, version, digest))`."""
+    for bucket in buckets:
+        for reader in readers:
+            reader.update_weights(bucket, version)
+        if digest is not None:
+            digest.update(bucket)
+        yield bucket
+
+
+def copy_weights(buckets: Iterable[Bucket], readers: Sequence, version: int) -> dict:
+    """Colocated sync: hand every bucket to each reader's `update_weights` (no group, no buffer)."""
+    n = nbytes = 0
+    for bucket in tee_buckets(buckets, readers, version):
+        n += 1
+        nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+    return {"buckets": n, "bytes": nbytes}
+
+
+@torch.no_grad()
+def load_by_name(module: torch.nn.Module, named: NamedTensors) -> int:
+    """Copy (name, tensor) pairs into `module`'s parameters and buffers of those HF names (tied
+    names included); a name the module lacks raises KeyError. Returns the number copied."""
+    targets = dict(module.named_parameters(remove_duplicate=False))
+    targets.update(module.named_buffers(remove_duplicate=False))
+    n = 0
+    for name, t in named:
+        try:
+            dst = targets[name]
+        except KeyError:
+            raise KeyError(f"weight sync: the reader has no weight named {name!r}; it does not hold the "
+                           "architecture the trainer exports") from None
+        if dst.shape != t.shape:
+            raise ValueError(f"weight sync: {name} is {tuple(t.shape)} from the trainer but "
+                             f"{tuple(dst.shape)} in the reader")
+        dst.copy_(t)
+        n += 1
+    return n
+
+
+class Checksum:
+    """sha256 of named weights that can be fed a bucket at a time, in any order: each tensor's
+    dtype, shape and raw bytes are hashed on their own, then the per-name digests in name order.
+    Equal on two sides iff they hold the same weights under the same names and dtypes (a name fed
+    twice counts once, its last value). Reads every weight back to the CPU: for tests and small
+    models (`weight_sync.verify`)."""
+
+    def __init__(self):
+        self._parts: dict[str, bytes] = {}
+
+    def update(self, named_tensors: NamedTensors | Sequence[torch.Tensor]) -> "Checksum":
+        for i, x in enumerate(named_tensors):
+            name, t = (f"#{i:08d}", x) if isinstance(x, torch.Tensor) else x
+            t = t.detach()
+            h = hashlib.sha256(f"{_dtype_name(t.dtype)}|{tuple(t.shape)}|".encode())
+            h.update(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            self._parts[name] = h.digest()
+        return self
+
+    def hexdigest(self) -> str:
+        h = hashlib.sha256()
+        for name in sorted(self._parts):
+            h.update(name.encode() + b"\0" + self._parts[name])
+        return h.hexdigest()[:16]
+
+
+def checksum(named_tensors: NamedTensors | Sequence[torch.Tensor]) -> str:
+    """`Checksum` of (name, tensor) pairs in one go; bare tensors are named by their position."""
+    return Checksum().update(named_tensors).hexdigest()
+
+
+# ---------------------------------------------------------------------------- legacy (to be removed)
+# The whole-model float32 flat buffer that weight sync used before buckets. Kept only while
+# mindspeed_rl/workers/worker.py and tests/engines/_mp_workers.py / test_train_ddp.py still import
+# it; delete once they do not.
 
 def flatten(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
-    """All tensors, in order, as one 1-D float32 buffer (reused when `out` is given)."""
+    """All tensors, in order, as one 1-D float32 buffer (reused when `out` is given). Legacy."""
     total = sum(t.numel() for t in tensors)
     if out is None or out.numel() != total:
         out = torch.empty(total, dtype=torch.float32)
@@ -30,7 +509,9 @@ def flatten(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) ->
     return out
 
 
+@torch.no_grad()
 def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Legacy counterpart of `flatten`."""
     need = sum(t.numel() for t in tensors)
     if flat.numel() != need:
         raise ValueError(f"weight sync: received {flat.numel()} values for parameters that hold {need}; "
@@ -38,59 +519,11 @@ def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
     offset = 0
     for t in tensors:
         n = t.numel()
-        with torch.no_grad():
-            t.copy_(flat[offset:offset + n].view_as(t))
+        t.copy_(flat[offset:offset + n].view_as(t))
         offset += n
-    if offset != flat.numel():
-        raise ValueError(f"weight sync: received {flat.numel()} values for parameters that hold {offset}; "
-                         "the rollout model's architecture differs from the trained model's")
-
-
-def checksum(tensors: Sequence[torch.Tensor]) -> str:
-    """sha256 of the parameters' float32 bytes: equal on both sides iff the weights are identical."""
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().to(torch.float32).contiguous().cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def stateless_group(host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
-                    timeout_s: float = 60.0):
-    """A process group of its own over a TCPStore; rank 0 hosts the store.
-
-    Every member must call this at about the same time (the constructor rendezvous); the
-    timeout bounds that wait so a missing member fails with an error instead of hanging.
-    """
-    import torch.distributed as dist
-
-    store = dist.TCPStore(host, port, world_size, is_master=(rank == 0),
-                          timeout=timedelta(seconds=timeout_s), wait_for_workers=True)
-    if backend == "gloo":
-        from torch.distributed import ProcessGroupGloo
-        pg = ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout_s))
-    elif backend == "nccl":
-        from torch.distributed import ProcessGroupNCCL
-        pg = ProcessGroupNCCL(store, rank, world_size)
-    else:
-        raise ValueError(f"weight sync backend={backend!r}; gloo and nccl are supported here "
-                         "(hccl needs torch_npu's ProcessGroupHCCL)")
-    return SyncGroup(pg=pg, store=store, rank=rank, world_size=world_size)
-
-
-@dataclass
-class SyncGroup:
-    pg: object
-    store: object  # held so the store lives as long as the group
-    rank: int
-    world_size: int
 
 
 def broadcast_flat(group: SyncGroup, flat: torch.Tensor, src: int = 0) -> torch.Tensor:
-    group.pg.broadcast(flat, src).wait()
+    """Legacy: one broadcast of a whole flat buffer."""
+    group.broadcast(flat, src).wait()
     return flat

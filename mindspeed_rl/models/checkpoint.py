@@ -12,7 +12,10 @@ import os
 from pathlib import Path
 
 BUILTIN_PREFIX = "builtin:"
-BUILTIN_MODELS = ("tiny-qwen2",)
+# built-in name -> its config in the repo: the default, and a 4-layer one with 4 heads / 2 KV heads, so
+# pipeline stages get whole layers and tensor parallelism whole heads (docs/parallel.md)
+_BUILTIN_CONFIGS = {"tiny-qwen2": "config.json", "tiny-qwen2-4l": "config_4layers.json"}
+BUILTIN_MODELS = tuple(_BUILTIN_CONFIGS)
 _CONFIG_DIR = Path(__file__).with_name("tiny_qwen2")
 TINY_SEED = 1234
 
@@ -49,25 +52,25 @@ def resolve_model_path(path: str) -> Path:
         return Path(path).expanduser()
     name = str(path)[len(BUILTIN_PREFIX):]
     check_model_path("model_path", path)
-    target = cache_dir() / f"{name}-{builtin_fingerprint()}"
+    target = cache_dir() / f"{name}-{builtin_fingerprint(name)}"
     if not (target / "model.safetensors").is_file():
-        save_tiny_checkpoint(target)
+        save_tiny_checkpoint(target, name)
     return target
 
 
-def builtin_fingerprint() -> str:
+def builtin_fingerprint(name: str = "tiny-qwen2") -> str:
     """Changes whenever the tiny model's config, vocabulary or seed change, so a stale cached
     checkpoint is never loaded."""
     import hashlib
 
     from .tokenizer import CHARACTERS, SPECIAL_TOKENS
 
-    h = hashlib.sha256((_CONFIG_DIR / "config.json").read_bytes())
+    h = hashlib.sha256((_CONFIG_DIR / _BUILTIN_CONFIGS[name]).read_bytes())
     h.update(repr((CHARACTERS, SPECIAL_TOKENS, TINY_SEED)).encode())
     return h.hexdigest()[:10]
 
 
-def save_tiny_checkpoint(target: Path) -> Path:
+def save_tiny_checkpoint(target: Path, name: str = "tiny-qwen2") -> Path:
     """Create the tiny Qwen2 from the config in the repo and save it as an HF checkpoint.
 
     Written to a temporary directory and renamed, so concurrent workers never read half a file.
@@ -80,7 +83,7 @@ def save_tiny_checkpoint(target: Path) -> Path:
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
-    config = Qwen2Config(**json.loads((_CONFIG_DIR / "config.json").read_text()))
+    config = Qwen2Config(**json.loads((_CONFIG_DIR / _BUILTIN_CONFIGS[name]).read_text()))
     with torch.random.fork_rng():
         torch.manual_seed(TINY_SEED)
         model = Qwen2ForCausalLM(config)

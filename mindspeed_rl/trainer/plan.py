@@ -13,7 +13,7 @@ import networkx as nx
 from ..config import Config, ConfigError, GroupConfig, validate_config
 from ..config.sizes import group_size_note, train_size_note
 from ..dataflow import (MFCDef, algorithm_graph, dock_columns, dock_consumers, get_algorithm, options_from_config,
-                        same_step_readers, topological_order, trained_models, weight_sync_targets)
+                        same_step_readers, train_time_mfcs, topological_order, trained_models, weight_sync_targets)
 from ..dataflow.mfc import InterfaceType
 from ..parallel import ClusterSpec, PlacementPlan, plan_placement
 
@@ -42,6 +42,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     placement: PlacementPlan | None = None        # placement.mode=mesh: meshes, groups, devices
     size_notes: list[str] = field(default_factory=list)  # row sizes rounded to what they must divide
+    ahead: tuple[str, ...] = ()                   # MFCs that may run ahead of their step's training (staleness)
 
     def group_of(self, mfc_name: str) -> str:
         return next(g for g, p in self.groups.items() if any(m.name == mfc_name for m in p.mfcs))
@@ -55,18 +56,22 @@ class Plan:
         return tot
 
 
-def preset_groups(mode: str, mfcs: list[MFCDef]) -> dict[str, list[str]]:
+def preset_groups(mode: str, mfcs: list[MFCDef], rollout_own_process: bool = False) -> dict[str, list[str]]:
     """The worker groups a placement mode implies, derived from the MFCs' roles and types.
 
     colocated: every MFC that runs a model shares one integrated worker; CPU functions
     (reward, advantage) share a light one. disaggregated: generation alone, each model's other
-    calls together (the trainer serves its own log-probs), CPU functions together.
+    calls together (the trainer serves its own log-probs), CPU functions together. A rollout
+    backend that must have its process to itself (vLLM) takes generation out of the integrated
+    worker in colocated mode too.
     """
     groups: dict[str, list[str]] = {}
     for m in mfcs:
         kind = InterfaceType(m.interface_type)
         if kind is InterfaceType.COMPUTE:
             g = "rule"
+        elif kind is InterfaceType.GENERATE and rollout_own_process:
+            g = "rollout"
         elif mode == "colocated":
             g = "integrated"
         elif kind is InterfaceType.GENERATE:
@@ -77,6 +82,25 @@ def preset_groups(mode: str, mfcs: list[MFCDef]) -> dict[str, list[str]]:
     return groups
 
 
+def engine_backends(cfg: Config, check_files: bool):
+    """The registry's entries of the rollout and train backends a config runs; refuses a name the
+    registry lacks, and (for a real run) a backend whose package is not installed, with the install
+    command, before any worker starts."""
+    from ..config.validate import installed
+    from ..engines import registry
+    for key, table, name in (("generate_config.backend", registry.ROLLOUT_BACKENDS, cfg.generate_config.backend),
+                             ("actor_config.backend", registry.TRAIN_BACKENDS, cfg.actor_config.backend)):
+        if name not in registry.user_backends(table):
+            raise ConfigError(f"{key}={name!r}: must be one of {registry.user_backends(table)} (docs/engines.md)")
+    rollout, train = registry.chosen_backends(cfg)
+    for key, backend in (("generate_config.backend", registry.ROLLOUT_BACKENDS[rollout]),
+                         ("actor_config.backend", registry.TRAIN_BACKENDS[train])):
+        if check_files and backend.needs and not installed(backend.needs):
+            raise ConfigError(f"{key}={backend.name}: the {backend.needs} package is not installed here; "
+                              f"{backend.install}")
+    return registry.ROLLOUT_BACKENDS[rollout], registry.TRAIN_BACKENDS[train]
+
+
 def make_plan(cfg: Config, check_files: bool = True) -> Plan:
     """Validate `cfg` and derive everything the trainer needs; raises ConfigError.
 
@@ -84,6 +108,10 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
     `options_from_config`), and only the sections of the graph's models are validated.
     """
     rl = cfg.rl_config
+    from ..algorithms import OFF_POLICY_CORRECTIONS
+    if cfg.actor_config.off_policy_correction not in OFF_POLICY_CORRECTIONS:
+        raise ConfigError(f"actor_config.off_policy_correction={cfg.actor_config.off_policy_correction!r}: must be one "
+                          f"of {list(OFF_POLICY_CORRECTIONS)} (docs/async.md)")
     options = options_from_config(cfg)
     try:
         mfcs, dataset_keys = get_algorithm(rl.algorithm, options)
@@ -113,13 +141,15 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
                               f"{rl.algorithm} graph; give seconds per row for stages among {list(by_name)} "
                               "(a stage left out costs 0)")
 
+    rollout_spec, train_spec = engine_backends(cfg, check_files=False)
+
     # worker groups: the mode's preset, then the config's groups (which may move MFCs or add resources)
     assign: dict[str, str] = {}
     placement, mesh_resources, mesh_devices = None, {}, {}
     if cfg.placement.mode == "mesh":
         placement, assign, mesh_resources, mesh_devices = mesh_groups(cfg, order, check_files)
     elif cfg.placement.mode != "custom":
-        for g, names in preset_groups(cfg.placement.mode, order).items():
+        for g, names in preset_groups(cfg.placement.mode, order, rollout_spec.own_process).items():
             for n in names:
                 assign[n] = g
     resources: dict[str, GroupConfig] = dict(mesh_resources)
@@ -196,10 +226,25 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
         if InterfaceType(m.interface_type) is not InterfaceType.COMPUTE and m.model_name not in model_paths:
             raise ConfigError(f"MFC {m.name!r} runs model {m.model_name!r}, which has no model_path in the config "
                               f"(known: {sorted(model_paths)})")
-    notes = []
+    if rollout_spec.own_process:
+        for g, p in groups.items():
+            gens = [m.name for m in p.mfcs if InterfaceType(m.interface_type) is InterfaceType.GENERATE]
+            others = [m.name for m in p.mfcs if InterfaceType(m.interface_type) in
+                      (InterfaceType.INFERENCE, InterfaceType.TRAIN_STEP)]
+            if gens and others:
+                raise ConfigError(f"generate_config.backend={rollout_spec.name}: worker group '{g}' hosts {gens} and "
+                                  f"{others}, but {rollout_spec.name} must have its process to itself (it takes torch's "
+                                  "default process group, re-seeds the RNGs and patches torch.set_num_threads); move "
+                                  "the generate MFCs to a group of their own")
+    engine_backends(cfg, check_files)  # a backend's package missing: said once the placement is known good
+    notes = [f"engines: rollout {rollout_spec.name}, training {train_spec.name}"]
+    if rl.max_weight_staleness:
+        late = train_time_mfcs(graph)
+        notes.append(f"max_weight_staleness={rl.max_weight_staleness}: {[m.name for m in order if m.name not in late]} "
+                     f"run up to {rl.max_weight_staleness} steps ahead of training, {late} at their step's turn")
     if cfg.trainer.simulate_cost_s_per_row:
-        notes.append("simulated compute (trainer.simulate_cost_s_per_row): stages sleep per row, no models are "
-                     "loaded, no weight sync")
+        notes.append("simulated compute (trainer.simulate_cost_s_per_row): the simulate backend's engines and the "
+                     "compute stages sleep per row; no models are loaded")
     if check_files:
         from ..models import check_model_path
         try:
@@ -219,23 +264,18 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
         raise ConfigError(f"rl_config.reward_fn: {e}") from None
     if check_files:
         _check_dataset(cfg)
-    if cfg.generate_config.backend != "hf":
-        notes.append(f"generate_config.backend={cfg.generate_config.backend}: planned, not implemented; "
-                     "a real run stops at worker setup")
-    if cfg.actor_config.backend != "torch":
-        notes.append(f"actor_config.backend={cfg.actor_config.backend}: planned, not implemented; "
-                     "a real run stops at worker setup")
     same_step = {t: [k for r in same_step_readers(graph, t) for k in by_name[r].output_keys]
                  for t in trained.values()}
     if placement is not None:
         strategies = {n: p.strategy for n, p in placement.placements.items() if p.tp > 1 or p.pp > 1}
         if strategies:
             notes.append(f"placement.mfcs with tp or pp > 1 ({strategies}): planned, not run; the torch and hf "
-                         "backends split data only (dp), so a real run stops before any worker starts")
+                         "engines split data only (dp) so far, so a real run stops before any worker starts")
     return Plan(graph=graph, order=order, columns=dock_columns(graph), consumers=dock_consumers(graph),
                 dataset_keys=tuple(dataset_keys), groups=groups, trained=trained,
                 sync_targets=weight_sync_targets(graph), same_step_outputs=same_step, model_paths=model_paths,
-                rows_per_step=rows, notes=notes, placement=placement, size_notes=size_notes)
+                rows_per_step=rows, notes=notes, placement=placement, size_notes=size_notes,
+                ahead=tuple(m.name for m in order if m.name not in train_time_mfcs(graph)))
 
 
 def _dp_key(cfg: Config, group: str) -> str:
@@ -273,9 +313,9 @@ def mesh_groups(cfg: Config, order: list[MFCDef], check_files: bool):
     if check_files:
         model_parallel = {n: p.strategy for n, p in plan.placements.items() if p.tp > 1 or p.pp > 1}
         if model_parallel:
-            raise ConfigError(f"placement.mfcs: {model_parallel} (dp/tp/pp) split the model, which the torch and hf "
-                              "backends cannot (they run data parallel only; megatron/vllm are planned); use tp: 1, "
-                              "pp: 1 with dp = mesh size, or trainer.dry_run=true to see the plan")
+            raise ConfigError(f"placement.mfcs: {model_parallel} (dp/tp/pp) split the model, which the engines "
+                              "cannot yet (they run data parallel only); use tp: 1, pp: 1 with dp = mesh size, or "
+                              "trainer.dry_run=true to see the plan")
     assign: dict[str, str] = {}
     members: dict[str, list[str]] = {}
     for name, p in plan.placements.items():

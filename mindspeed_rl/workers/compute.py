@@ -16,8 +16,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from ..algorithms import (agg_loss, broadcast_to_tokens, gae_advantages, grpo_advantages, kl_penalty,
-                          outcome_token_rewards, policy_loss, remax_advantages, value_loss)
+from ..algorithms import (agg_loss, broadcast_to_tokens, corrected_policy_loss, gae_advantages, grpo_advantages,
+                          kl_penalty, outcome_token_rewards, policy_loss, remax_advantages, value_loss)
 from ..dataflow.mfc import InterfaceType, MFCDef
 from ..dataflow.options import uses_kl_loss
 from ..engines.batching import unpad_rows
@@ -36,13 +36,15 @@ class ComputeFn:
 
 
 FUNCTIONS: dict[str, ComputeFn] = {f.name: f for f in (
-    ComputeFn("generate", InterfaceType.GENERATE, ("prompts",), ("responses", "response_length", "weight_version"),
-              engine="rollout", doc="sample one response per row with generate_config"),
+    ComputeFn("generate", InterfaceType.GENERATE, ("prompts",),
+              ("responses", "response_length", "weight_version", "rollout_log_prob"), engine="rollout",
+              doc="sample one response per row with generate_config (and its tokens' log-probs)"),
     ComputeFn("generate_greedy", InterfaceType.GENERATE, ("prompts",),
-              ("responses", "response_length", "weight_version"), engine="rollout",
+              ("responses", "response_length", "weight_version", "rollout_log_prob"), engine="rollout",
               doc="the greedy (argmax) response per row: ReMax's baseline"),
     ComputeFn("log_probs", InterfaceType.INFERENCE, ("prompts", "responses"), ("log_prob",), engine="policy",
-              doc="per-token log-probs of the responses"),
+              optional=("rollout_log_prob",),
+              doc="per-token log-probs of the responses (and their distance to the rollout's, when given)"),
     ComputeFn("values", InterfaceType.INFERENCE, ("prompts", "responses"), ("values",), engine="value",
               doc="a critic's per-token values of the responses"),
     ComputeFn("rule_reward", InterfaceType.COMPUTE, ("prompts", "responses", "labels"), ("rm_scores",),
@@ -54,8 +56,9 @@ FUNCTIONS: dict[str, ComputeFn] = {f.name: f for f in (
     ComputeFn("remax_advantage", InterfaceType.COMPUTE, ("rm_scores", "reward_baselines", "response_length"),
               ("advantages", "returns"), doc="reward-to-go minus the greedy response's reward"),
     ComputeFn("policy_train", InterfaceType.TRAIN_STEP, ("prompts", "responses", "old_log_prob", "advantages"), (),
-              optional=("ref_log_prob",), engine="policy",
-              doc="clipped policy loss (+ KL to the reference when the KL coefficient is > 0)"),
+              optional=("ref_log_prob", "rollout_log_prob"), engine="policy",
+              doc="clipped policy loss (+ KL to the reference when the KL coefficient is > 0, + the off-policy "
+                  "correction from rollout_log_prob)"),
     ComputeFn("value_train", InterfaceType.TRAIN_STEP, ("prompts", "responses", "values", "returns"), (),
               engine="value", doc="clipped value loss"),
 )}
@@ -113,26 +116,46 @@ def scalar_rows(values: torch.Tensor, dtype=torch.float32) -> list[torch.Tensor]
     return [v.reshape(1).to(dtype) for v in values]
 
 
-def rollout_seed(seed: int, step: int, first_row: int) -> int:
-    """Sampling seed of one micro-batch: the same rows at the same step sample the same tokens."""
-    return int(np.random.SeedSequence([seed, step, first_row]).generate_state(1, dtype=np.uint64)[0] >> 1)
+def rollout_seed(seed: int, step: int, row: int) -> int:
+    """Sampling seed of one row: the same row at the same step samples the same tokens, whichever
+    micro-batch, mode, process or backend generates it."""
+    return int(np.random.SeedSequence([seed, step, row]).generate_state(1, dtype=np.uint64)[0] >> 1)
 
 
 def generate(batch: dict, rows: list[int], *, engine, params, seed: int, step: int) -> Output:
-    responses = engine.generate(batch["prompts"], params, rollout_seed(seed, step, rows[0]))
+    out = engine.generate(batch["prompts"], params, [rollout_seed(seed, step, r) for r in rows])
+    responses = out.responses
     lengths = [int(r.numel()) for r in responses]
     version = torch.tensor([engine.weight_version], dtype=torch.int64)
     return Output({"responses": responses,
                    "response_length": [torch.tensor([n], dtype=torch.int64) for n in lengths],
-                   "weight_version": [version.clone() for _ in rows]},
+                   "weight_version": [version.clone() for _ in rows],
+                   "rollout_log_prob": [lp.float() for lp in out.log_probs]},
                   {"response_length_sum": float(sum(lengths)), "rows": float(len(rows)),
                    "prompt_length_sum": float(sum(int(p.numel()) for p in batch["prompts"])),
-                   "response_length_max": float(max(lengths) if lengths else 0)})
+                   "response_length_max": float(max(lengths) if lengths else 0),
+                   "weight_version_sum": float(engine.weight_version * len(rows)),
+                   "weight_version_min": float(engine.weight_version)})
 
 
 def log_probs(batch: dict, rows: list[int], *, engine, micro_batch_size: int) -> Output:
+    """Log-probs of the responses; with `rollout_log_prob` in the batch also how far they are from
+    the rollout engine's own (verl's rollout_probs_diff): ~1e-6 in an on-policy float32 run proves the
+    rollout serves the trainer's weights, a gap means a sync that did not arrive or a numerics gap."""
     lp = engine.log_probs(batch["prompts"], batch["responses"], micro_batch_size)
-    return Output({"log_prob": lp}, {})
+    metrics = {}
+    if "rollout_log_prob" in batch:
+        metrics = logprob_diff(lp, batch["rollout_log_prob"])
+    return Output({"log_prob": lp}, metrics)
+
+
+def logprob_diff(log_prob: Sequence[torch.Tensor], rollout_log_prob: Sequence[torch.Tensor]) -> dict[str, float]:
+    """|log_prob - rollout_log_prob| over response tokens: its max, and sum and count for the mean."""
+    diffs = [(torch.as_tensor(a).float() - torch.as_tensor(b).float()).abs()
+             for a, b in zip(log_prob, rollout_log_prob)]
+    tokens = sum(int(d.numel()) for d in diffs)
+    return {"logprob_diff_max": float(max((float(d.max()) for d in diffs if d.numel()), default=0.0)),
+            "logprob_diff_sum": float(sum(float(d.sum()) for d in diffs)), "logprob_diff_tokens": float(tokens)}
 
 
 def values(batch: dict, rows: list[int], *, engine, micro_batch_size: int) -> Output:
@@ -203,22 +226,29 @@ class PolicyLossConfig:
     use_kl_loss: bool
     kl_type: str
     entropy_coeff: float
+    off_policy_correction: str = "none"   # algorithms.OFF_POLICY_CORRECTIONS
+    tis_cap: float = 2.0
 
 
-def policy_train_micro_batch(batch: dict, *, engine, loss_cfg: PolicyLossConfig, kl_coef: float,
-                             loss_scale: float, sync: bool) -> dict[str, float]:
-    """Forward + backward of one micro-batch of the GRPO/PPO actor loss (no optimizer step)."""
-    b = engine.batch(batch["prompts"], batch["responses"])
-    mask = b.response_mask
-    width = mask.shape[1]
-    old = _rows_to_matrix(batch["old_log_prob"], width) * mask
-    adv = advantage_matrix(batch["advantages"], mask)
-    with engine.no_sync(sync):
-        logp, entropy = engine.forward(b, with_entropy=True)
-        pg_loss, pg_metrics = policy_loss(logp, old.to(logp.device), adv, mask, clip_low=loss_cfg.clip_low,
-                                          clip_high=loss_cfg.clip_high, clip_c=loss_cfg.clip_c, agg=loss_cfg.agg)
+def policy_loss_fn(loss_cfg: PolicyLossConfig, kl_coef: float) -> Callable:
+    """The actor's loss on one micro-batch, as a train engine calls it: (model output, micro-batch) ->
+    (loss, metrics). Clipped policy loss (+ entropy bonus, + KL to the reference when the KL
+    coefficient is > 0)."""
+    def loss_fn(out, mb) -> tuple[torch.Tensor, dict[str, float]]:
+        batch, mask, logp = mb.data, out.response_mask, out.log_probs
+        width = mask.shape[1]
+        old = (_rows_to_matrix(batch["old_log_prob"], width) * mask.cpu()).to(logp.device)
+        adv = advantage_matrix(batch["advantages"], mask)
+        if loss_cfg.off_policy_correction != "none":  # rows from older weights: weigh by behaviour IS (docs/async.md)
+            behaviour = (_rows_to_matrix(batch["rollout_log_prob"], width) * mask.cpu()).to(logp.device)
+            pg_loss, pg_metrics = corrected_policy_loss(
+                logp, old, behaviour, adv, mask, mode=loss_cfg.off_policy_correction, cap=loss_cfg.tis_cap,
+                clip_low=loss_cfg.clip_low, clip_high=loss_cfg.clip_high, clip_c=loss_cfg.clip_c, agg=loss_cfg.agg)
+        else:
+            pg_loss, pg_metrics = policy_loss(logp, old, adv, mask, clip_low=loss_cfg.clip_low,
+                                              clip_high=loss_cfg.clip_high, clip_c=loss_cfg.clip_c, agg=loss_cfg.agg)
         loss = pg_loss
-        ent = agg_loss(entropy, mask, loss_cfg.agg)
+        ent = agg_loss(out.entropy, mask, loss_cfg.agg)
         if loss_cfg.entropy_coeff:
             loss = loss - loss_cfg.entropy_coeff * ent
         kl_metric = {}
@@ -231,10 +261,12 @@ def policy_train_micro_batch(batch: dict, *, engine, loss_cfg: PolicyLossConfig,
             kl = agg_loss(kl_penalty(logp, ref, loss_cfg.kl_type), mask, loss_cfg.agg)
             loss = loss + kl_coef * kl
             kl_metric = {"kl": float(kl.detach())}
-        (loss * loss_scale).backward()
-    return {"pg_loss": float(pg_loss.detach()), **kl_metric, "entropy": float(ent.detach()),
-            "pg_clipfrac": pg_metrics["pg_clipfrac"], "ppo_kl": pg_metrics["ppo_kl"],
-            "pg_clipfrac_lower": pg_metrics["pg_clipfrac_lower"], "micro_batches": 1.0}
+        off_policy = {{"kl": "behaviour_kl"}.get(k.split("/", 1)[1], k.split("/", 1)[1]): float(v)
+                      for k, v in pg_metrics.items() if k.startswith("off_policy/")}  # actor/is_weight_mean, ...
+        return loss, {"pg_loss": float(pg_loss.detach()), **kl_metric, "entropy": float(ent.detach()),
+                      "pg_clipfrac": pg_metrics["pg_clipfrac"], "ppo_kl": pg_metrics["ppo_kl"],
+                      "pg_clipfrac_lower": pg_metrics["pg_clipfrac_lower"], **off_policy}
+    return loss_fn
 
 
 def needs_reference(loss_cfg: PolicyLossConfig, kl_coef: float) -> bool:
@@ -257,20 +289,17 @@ class ValueLossConfig:
     agg: str
 
 
-def value_train_micro_batch(batch: dict, *, engine, loss_cfg: ValueLossConfig, loss_scale: float,
-                            sync: bool) -> dict[str, float]:
-    """Forward + backward of one micro-batch of the critic's clipped value loss (no optimizer step)."""
-    b = engine.batch(batch["prompts"], batch["responses"])
-    mask = b.response_mask
-    width = mask.shape[1]
-    old = _rows_to_matrix(batch["values"], width).to(mask.device)
-    returns = _rows_to_matrix(batch["returns"], width).to(mask.device)
-    with engine.no_sync(sync):
-        pred = engine.value_forward(b)
-        loss, m = value_loss(pred, returns, old, mask, loss_cfg.clip_value, loss_cfg.agg)
-        (loss * loss_scale).backward()
-    return {"vf_loss": float(loss.detach()), "vf_clipfrac": float(m["vf_clipfrac"]),
-            "vpred_mean": float(m["vpred_mean"]), "micro_batches": 1.0}
+def value_loss_fn(loss_cfg: ValueLossConfig) -> Callable:
+    """The critic's clipped value loss on one micro-batch: (model output, micro-batch) -> (loss, metrics)."""
+    def loss_fn(out, mb) -> tuple[torch.Tensor, dict[str, float]]:
+        mask = out.response_mask
+        width = mask.shape[1]
+        old = _rows_to_matrix(mb.data["values"], width).to(mask.device)
+        returns = _rows_to_matrix(mb.data["returns"], width).to(mask.device)
+        loss, m = value_loss(out.values, returns, old, mask, loss_cfg.clip_value, loss_cfg.agg)
+        return loss, {"vf_loss": float(loss.detach()), "vf_clipfrac": float(m["vf_clipfrac"]),
+                      "vpred_mean": float(m["vpred_mean"])}
+    return loss_fn
 
 
 def _rows_to_matrix(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
@@ -279,9 +308,3 @@ def _rows_to_matrix(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
         n = min(int(r.numel()), width)
         out[i, :n] = torch.as_tensor(r[:n], dtype=torch.float32)
     return out
-
-
-def merge_metrics(into: dict[str, float], more: dict[str, Any]) -> dict[str, float]:
-    for k, v in more.items():
-        into[k] = into.get(k, 0.0) + float(v)
-    return into

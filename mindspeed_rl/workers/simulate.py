@@ -1,17 +1,16 @@
-"""Simulated compute: every stage sleeps a configured time per row instead of running a model.
+"""Simulated compute: stages sleep a configured time per row instead of running a model.
 
 Why: to measure the pipeline itself (the dock, the stage loops, the driver) against the overlap a
 cost model says is possible, without the machine's cores limiting the result. Sleeping stages do
 not compete for CPU, so on a 2-core machine six stages can still run "at once", as they would on
-six accelerators. With `trainer.simulate_cost_s_per_row` set (stage -> seconds per row):
-- workers load no models (`Worker.setup` returns at once) and the driver skips weight sync;
-- every MFC runs the real `run_stage_loop` against the real dock, with its real micro-batch size,
-  input columns and consumer; its compute sleeps `rows * cost` and pushes one small placeholder
-  tensor per row for each of its output columns, so downstream stages see their inputs appear
-  exactly as in a real step;
-- a train step is a plain stage loop with the trained model's micro-batch size: no optimizer, so
-  also no wait for the step's other readers of the weights before an update (see `ideal_pipeline`).
-Everything else (graph, placement, dock columns and consumers, blocking order, the driver's step)
+six accelerators. With `trainer.simulate_cost_s_per_row` set (stage -> seconds per row) the
+registry builds the `simulate` backend's engines (engines/simulate.py: no models; rollout,
+log-prob, value and train calls sleep per row and return placeholders), and the MFCs without an
+engine (rewards, advantages) run `simulated_compute` below instead of their function. Every MFC
+runs the real stage loop against the real dock, with its real micro-batch size, input columns
+and consumer, so downstream stages see their inputs appear exactly as in a real step; a train
+step is the real mini-batch loop and weight sync the real bucketed path (with a one-tensor
+placeholder model). Everything else (graph, placement, dock, blocking order, the driver's step)
 is the real code path. `benchmarks/pipeline_efficiency.py` runs it; `ideal_pipeline` computes what
 the same cost model allows, so measured/ideal is the pipeline's efficiency.
 """
@@ -19,17 +18,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
 from ..dataflow import MFCDef
-from ..dataflow.mfc import InterfaceType
 from . import compute as C
-from .stage import StageReport, run_stage_loop
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .worker import Worker
 
 # One small cell per row and output column: what a downstream stage waits for, not what it reads.
 PLACEHOLDER = torch.zeros(1, dtype=torch.float32)
@@ -46,36 +41,6 @@ def simulated_compute(mfc: MFCDef, cost_s_per_row: float, metrics: Mapping[str, 
             time.sleep(len(rows) * cost_s_per_row)
         return C.Output({c: [PLACEHOLDER] * len(rows) for c in outputs}, dict(extra))
     return compute
-
-
-def train_micro_batch(worker: "Worker", mfc: MFCDef) -> tuple[int, int]:
-    """(rows per get, rows this rank takes) of a train MFC: the trained model's micro-batch size,
-    capped by its mini-batch share, as `Worker._run_train` pulls them."""
-    f = C.FUNCTIONS[C.fn_name(mfc)]
-    cfg = worker.cfg
-    o = cfg.critic_config if f.engine == "value" else cfg.actor_config
-    from ..config.sizes import train_sizes
-    rl = cfg.rl_config
-    sizes = train_sizes(o.ppo_mini_batch_size, o.ppo_micro_batch_size_per_device, rl.prompts_per_step,
-                        rl.n_samples_per_prompt, worker.spec.dp)
-    return sizes.micro_rows, sizes.rows_per_device
-
-
-def run_simulated_stage(worker: "Worker", mfc: MFCDef, step: int) -> StageReport:
-    """One step of `mfc` under the cost model, through the real stage loop and dock."""
-    cost = float(worker.cfg.trainer.simulate_cost_s_per_row.get(mfc.name, 0.0))
-    timeout = worker.cfg.trainer.stage_timeout_s
-    spec = worker.spec
-    if InterfaceType(mfc.interface_type) is InterfaceType.TRAIN_STEP:
-        count, per_rank = train_micro_batch(worker, mfc)
-        rep = run_stage_loop(spec.dock, stage=mfc.name, rank=spec.rank, step=step, input_keys=mfc.input_keys,
-                             count=count, get_n_samples=False, timeout_s=timeout, max_rows=per_rank,
-                             compute=simulated_compute(mfc, cost, {"micro_batches": 1.0}))
-        rep.metrics["version"] = 0.0  # no optimizer: the weights never change
-        return rep
-    return run_stage_loop(spec.dock, stage=mfc.name, rank=spec.rank, step=step, input_keys=mfc.input_keys,
-                          count=worker._count(mfc), get_n_samples=mfc.get_n_samples, timeout_s=timeout,
-                          compute=simulated_compute(mfc, cost))
 
 
 # ---------------------------------------------------------------------------------------------- the ideal

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 from ..transfer_dock.errors import DockTimeoutError
 
@@ -53,26 +53,26 @@ class StageReport:
         return dict(self.__dict__)
 
 
-def run_stage_loop(dock, *, stage: str, rank: int, step: int, input_keys, count: int, get_n_samples: bool,
-                   timeout_s: float, compute: Callable, report: StageReport | None = None,
-                   max_rows: int | None = None, on_rows: Callable | None = None,
-                   prefetch: bool = True) -> StageReport:
-    """Pull micro-batches of `count` rows for consumer `stage` until the step is consumed.
+def micro_batches(dock, *, stage: str, rank: int, step: int, input_keys, count: int, get_n_samples: bool,
+                  timeout_s: float, report: StageReport, max_rows: int | None = None,
+                  prefetch: bool = True) -> Iterator[tuple[dict, list[int]]]:
+    """The micro-batches consumer `stage` takes from the dock, `count` rows each, until the step is
+    consumed (or `max_rows` are taken: a DP rank that owns a fixed share of rows).
 
-    `compute(batch, rows) -> Output | None` returns the columns to push (None: nothing to push,
-    as for a train step). `max_rows` stops early (a DP rank that owns a fixed share of rows).
+    A generator, so a stage loop and a train engine's `train_step` consume it alike. It counts the
+    get time into `report` and, when resumed, the rows and micro-batch just handed out (so
+    `report.rows` counts rows whose compute is done).
 
     `prefetch` (with a dock client, which has `get_experience_async`): the get of the next
     micro-batch is sent before the current one is computed, so its round trip to the dock (0.1-0.5
     ms over the local channel, 1.5-5 ms as a Ray call from another node, on a loaded 2-core
-    machine) overlaps the compute. The loop then holds at most one micro-batch ahead. No thread
-    does it: the answer waits in the socket (or in Ray) until the loop asks for it, so nothing
-    competes with the compute for the GIL (helper threads did, and slowed CPU-bound stages;
-    docs/benchmarks.md). A prefetched get that timed out while the loop
-    computed is sent again with what is left of `timeout_s`, so the stage times out only once the
-    loop itself has waited that long for its inputs.
+    machine) overlaps the compute. It holds at most one micro-batch ahead. No thread does it: the
+    answer waits in the socket (or in Ray) until the loop asks for it, so nothing competes with the
+    compute for the GIL (helper threads did, and slowed CPU-bound stages; docs/benchmarks.md). A
+    prefetched get that timed out while the loop computed is sent again with what is left of
+    `timeout_s`, so the stage times out only once it has itself waited that long for its inputs.
     """
-    rep = report or StageReport(stage=stage, rank=rank, step=step)
+    rep = report
     rep.t_start = rep.t_start or time.time()
     keys = list(input_keys)
     send = getattr(dock, "get_experience_async", None) if prefetch else None
@@ -106,27 +106,52 @@ def run_stage_loop(dock, *, stage: str, rank: int, step: int, input_keys, count:
                            timeout=timeout_s, copy=False)
         t1 = time.perf_counter()
         rep.get_s += t1 - t0
+        rep.mb_get_s.append(t1 - t0)
         if not rows:
+            rep.mb_get_s.pop()  # the closing empty get is no micro-batch
             break
+        yield batch, rows
+        rep.rows += len(rows)
+        rep.micro_batches += 1
+
+
+def run_stage_loop(dock, *, stage: str, rank: int, step: int, input_keys, count: int, get_n_samples: bool,
+                   timeout_s: float, compute: Callable, report: StageReport | None = None,
+                   max_rows: int | None = None, prefetch: bool = True) -> StageReport:
+    """Pull micro-batches of `count` rows for consumer `stage` until the step is consumed, compute,
+    push the outputs back (without waiting for the dock's answer), flush at the end.
+
+    `compute(batch, rows) -> Output | None` returns the columns to push (None: nothing to push).
+    """
+    rep = report or StageReport(stage=stage, rank=rank, step=step)
+    for batch, rows in micro_batches(dock, stage=stage, rank=rank, step=step, input_keys=input_keys, count=count,
+                                     get_n_samples=get_n_samples, timeout_s=timeout_s, report=rep,
+                                     max_rows=max_rows, prefetch=prefetch):
+        t1 = time.perf_counter()
         out = compute(batch, rows)
         t2 = time.perf_counter()
         rep.compute_s += t2 - t1
         if out is not None:
             if out.columns:
                 dock.put_experience(out.columns, rows, producer=stage, wait=False)
-            for k, v in out.metrics.items():  # sums, except maxima
-                rep.metrics[k] = (max(rep.metrics.get(k, 0.0), float(v)) if k.endswith("_max")
-                                  else rep.metrics.get(k, 0.0) + float(v))
+            add_metrics(rep.metrics, out.metrics)
         t3 = time.perf_counter()
         rep.put_s += t3 - t2
-        rep.mb_get_s.append(t1 - t0)
         rep.mb_put_s.append(t3 - t2)
-        rep.rows += len(rows)
-        rep.micro_batches += 1
-        if on_rows is not None:
-            on_rows(rep)
     t4 = time.perf_counter()
     dock.flush()
     rep.put_s += time.perf_counter() - t4
     rep.t_end = time.time()
     return rep
+
+
+def add_metrics(into: dict, more: dict) -> dict:
+    """Metric sums across micro-batches, except extremes: keys ending in `_max` are maxed, `_min` minned."""
+    for k, v in more.items():
+        if k.endswith("_max"):
+            into[k] = max(into.get(k, float("-inf")), float(v))
+        elif k.endswith("_min"):
+            into[k] = min(into.get(k, float("inf")), float(v))
+        else:
+            into[k] = into.get(k, 0.0) + float(v)
+    return into

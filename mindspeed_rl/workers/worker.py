@@ -8,6 +8,10 @@ and DDP (torch.distributed groups of its own, beside Ray).
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import itertools
+import threading
 import os
 import random
 import time
@@ -22,7 +26,7 @@ from ..config.sizes import group_rows, train_sizes
 from ..dataflow import MFCDef
 from ..dataflow.mfc import InterfaceType
 from . import compute as C
-from .stage import StageError, StageReport, run_stage_loop
+from .stage import StageError, StageReport, add_metrics, micro_batches, run_stage_loop
 
 
 @dataclass
@@ -32,7 +36,7 @@ class WorkerSpec:
     dp: int
     mfcs: list[MFCDef]
     config: Config
-    dock: Any                                   # TransferDockClient
+    docks: list                                 # TransferDockClient per step in flight (step % len)
     model_paths: dict[str, str]                 # model_name -> checkpoint path
     trained_models: dict[str, str]              # model_name -> train MFC name (whole graph)
     same_step_outputs: dict[str, list[str]]     # train MFC -> columns its same-step readers write
@@ -48,16 +52,20 @@ class Worker:
         self.cfg = spec.config
         for k, v in spec.env.items():
             os.environ[k] = str(v)
-        spec.dock.worker = f"{spec.group}/{spec.rank}"  # this process's lane in the dock's event log
+        for dock in spec.docks:
+            dock.worker = f"{spec.group}/{spec.rank}"  # this process's lane in the dock's event log
         torch.set_num_threads(spec.torch_threads)
-        self.train: dict[str, Any] = {}     # model -> TorchTrainEngine (with optimizer)
-        self.infer: dict[str, Any] = {}     # model -> TorchTrainEngine (no optimizer)
-        self.rollout: dict[str, Any] = {}   # model -> HFRolloutEngine
+        self.train: dict[str, Any] = {}     # model -> TrainEngine (with optimizer)
+        self.infer: dict[str, Any] = {}     # model -> TrainEngine (no optimizer): a reader of another's model
+        self.rollout: dict[str, Any] = {}   # model -> RolloutEngine
         self.sync_groups: dict[str, Any] = {}
         self.ddp_group = None
         self.tokenizer = None
         self.reward_fn = None
-        self._sync_buffer: dict[str, torch.Tensor] = {}
+        self.simulated = False
+        self._awake_lock = threading.Lock()
+        self._awake_count: dict[str, int] = {}
+        self._locks: dict[str, ReadWriteLock] = {}  # model -> generate (read) vs weight update (write)
 
     # ------------------------------------------------------------------ setup
     def ping(self) -> dict:
@@ -86,55 +94,77 @@ class Worker:
             self.ddp_group = dist.group.WORLD
 
     def setup(self) -> dict:
-        """Load the models and engines this worker's MFCs need; returns their checksums."""
-        if self.cfg.trainer.simulate_cost_s_per_row:  # simulated stages sleep instead (workers/simulate.py)
-            return {}
+        """Build the engines this worker's MFCs need (from the registry); returns their checksums."""
         from transformers.utils import logging as hf_logging
 
         from ..data.loader import decode_label
         self._decode_label = decode_label  # imported here so a broken install fails at setup, not mid-step
         from ..device import resolve_device
-        from ..engines import HFRolloutEngine, OptimConfig, TorchTrainEngine
-        from ..models import load_causal_lm, load_tokenizer, load_value_model
+        from ..engines import OptimConfig, RolloutSpec, TrainSpec, make_rollout_engine, make_train_engine
+        from ..engines.registry import SIMULATE, chosen_backends
 
         hf_logging.disable_progress_bar()
         hf_logging.set_verbosity_error()
         torch.manual_seed(self.cfg.trainer.seed)
-        device = resolve_device(self.spec.device)
+        rollout_backend, train_backend = chosen_backends(self.cfg)
+        self.simulated = rollout_backend == SIMULATE
+        device = str(resolve_device(self.spec.device))
         a, g = self.cfg.actor_config, self.cfg.generate_config
-        self.tokenizer = load_tokenizer(self.spec.model_paths["actor"])
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         fns = {m.name: C.check_mfc(m) for m in self.spec.mfcs}
+        pad = 0
+        if not self.simulated:
+            from ..models import load_tokenizer
+            self.tokenizer = load_tokenizer(self.spec.model_paths["actor"])
+            pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        costs = self._simulated_costs(fns) if self.simulated else {}
 
-        def load(model: str, f: C.ComputeFn):
-            loader = load_value_model if f.engine == "value" else load_causal_lm
-            return loader(self.spec.model_paths[model], a.dtype)
+        def model_path(model: str) -> str:
+            from ..models import resolve_model_path
+            return str(resolve_model_path(self.spec.model_paths[model])) if not self.simulated else ""
+
+        def train_spec(model: str, f: C.ComputeFn, optim) -> TrainSpec:
+            return TrainSpec(model_path=model_path(model), model_kind="value" if f.engine == "value" else "causal_lm",
+                             dtype=a.dtype, device=device, pad_token_id=pad, temperature=g.temperature or 1.0,
+                             optim=optim, process_group=self.ddp_group if optim is not None else None,
+                             seed=self.cfg.trainer.seed,
+                             options={"costs": costs.get(model, {})} if self.simulated else {})
 
         for m in self.spec.mfcs:
             f, model = fns[m.name], m.model_name
-            if f.interface is InterfaceType.TRAIN_STEP and a.backend != "torch":
-                raise StageError(f"stage '{m.name}': actor_config.backend={a.backend!r} is not implemented yet; "
-                                 "use torch")
             if f.interface is InterfaceType.TRAIN_STEP and model not in self.train:
                 o = self._train_config(f)
                 opt = OptimConfig(lr=o.lr, weight_decay=o.weight_decay, betas=tuple(a.betas), grad_clip=o.grad_clip)
-                self.train[model] = TorchTrainEngine(load(model, f), pad, opt, temperature=g.temperature or 1.0,
-                                                     device=device, process_group=self.ddp_group)
+                self.train[model] = make_train_engine(train_backend, train_spec(model, f, opt))
         for m in self.spec.mfcs:
             f, model = fns[m.name], m.model_name
             if f.engine == "rollout" and model not in self.rollout:
-                if g.backend != "hf":
-                    raise StageError(f"stage '{m.name}': generate_config.backend={g.backend!r} is not implemented "
-                                     "yet; use hf")
-                self.rollout[model] = HFRolloutEngine(load_causal_lm(self.spec.model_paths[model], a.dtype), pad, device)
+                t = self.cfg.trainer
+                options = ({"costs": costs.get(model, {}), "slots": t.simulate_generate_slots,
+                            "sigma": t.simulate_generate_sigma} if self.simulated else
+                           {**dataclasses.asdict(g.vllm),
+                            "max_model_len": g.vllm.max_model_len or self.cfg.data.max_prompt_length + g.max_new_tokens})
+                self.rollout[model] = make_rollout_engine(rollout_backend, RolloutSpec(
+                    model_path=model_path(model), dtype=a.dtype, device=device, pad_token_id=pad,
+                    seed=self.cfg.trainer.seed, options=options))
             elif f.interface is InterfaceType.INFERENCE and model not in self.train and model not in self.infer:
-                self.infer[model] = TorchTrainEngine(load(model, f), pad, None, temperature=g.temperature or 1.0,
-                                                     device=device)
-            elif f.name == "rule_reward" and self.reward_fn is None:
+                self.infer[model] = make_train_engine(train_backend, train_spec(model, f, None))
+            elif f.name == "rule_reward" and self.reward_fn is None and not self.simulated:
                 from ..rewards import get_reward_fn
                 self.reward_fn = get_reward_fn(self.cfg.rl_config.reward_fn)
-        self._stop_ids = tuple(self._stop_token_ids())
-        return self.checksums()
+        self._stop_ids = tuple(self._stop_token_ids()) if not self.simulated else ()
+        return {}
+
+    def _simulated_costs(self, fns: dict[str, C.ComputeFn]) -> dict[str, dict[str, float]]:
+        """model -> {what its engine is asked to do: seconds per row}, from trainer.simulate_cost_s_per_row
+        (keyed by stage): the simulate backend's cost model (engines/simulate.py)."""
+        per_stage = self.cfg.trainer.simulate_cost_s_per_row
+        out: dict[str, dict[str, float]] = {}
+        for m in self.spec.mfcs:
+            f = fns[m.name]
+            if f.engine:
+                key = "train" if f.interface is InterfaceType.TRAIN_STEP else f.name
+                out.setdefault(m.model_name, {})[key] = float(per_stage.get(m.name, 0.0))
+        return out
 
     def _stop_token_ids(self) -> list[int]:
         ids = []
@@ -145,15 +175,6 @@ class Worker:
             ids.append(int(tid))
         return ids
 
-    def checksums(self) -> dict[str, str]:
-        from ..engines.weight_sync import checksum
-        out = {}
-        for kind, engines in (("train", self.train), ("infer", self.infer), ("rollout", self.rollout)):
-            for model, e in engines.items():
-                params = e.parameters() if kind != "rollout" else [p for _, p in e.named_parameters_for_sync()]
-                out[f"{kind}:{model}"] = checksum(params)
-        return out
-
     # ------------------------------------------------------------------ stages
     def run_stage(self, mfc_name: str, step: int, policy_version: int, kl_coef: float = 0.0) -> dict:
         """Run one MFC's loop for one step; returns its report (rows, times, metric sums)."""
@@ -162,16 +183,21 @@ class Worker:
             raise StageError(f"worker group '{self.spec.group}' does not host stage '{mfc_name}'")
         try:
             kind = InterfaceType(mfc.interface_type)
-            if self.cfg.trainer.simulate_cost_s_per_row:  # the cost model: sleep per row (workers/simulate.py)
-                from .simulate import run_simulated_stage
-                rep = run_simulated_stage(self, mfc, step)
-            elif kind is InterfaceType.TRAIN_STEP:
+            if kind is InterfaceType.TRAIN_STEP:
                 rep = self._run_train(mfc, step, kl_coef)
+            elif kind is InterfaceType.GENERATE:
+                with self._awake(mfc.model_name):
+                    rep = run_stage_loop(self.dock_of(step), stage=mfc.name, rank=self.spec.rank, step=step,
+                                         input_keys=mfc.input_keys, count=self._count(mfc),
+                                         get_n_samples=mfc.get_n_samples,
+                                         timeout_s=self.cfg.trainer.stage_timeout_s,
+                                         compute=self._compute_fn(mfc, step, policy_version))
             else:
-                rep = run_stage_loop(self.spec.dock, stage=mfc.name, rank=self.spec.rank, step=step,
+                rep = run_stage_loop(self.dock_of(step), stage=mfc.name, rank=self.spec.rank, step=step,
                                      input_keys=mfc.input_keys, count=self._count(mfc),
                                      get_n_samples=mfc.get_n_samples, timeout_s=self.cfg.trainer.stage_timeout_s,
-                                     compute=self._compute_fn(mfc, step, policy_version))
+                                     compute=self._compute_fn(mfc, step, policy_version),
+                                     max_rows=self._share(mfc, kind))
         except StageError:
             raise
         except Exception as e:  # name the stage in every failure the driver sees
@@ -181,6 +207,40 @@ class Worker:
                              f"failed: {type(e).__name__}: {e} (at {os.path.basename(where.filename)}:"
                              f"{where.lineno})") from e
         return rep.as_dict()
+
+    def dock_of(self, step: int):
+        """The dock of `step`'s rows (one per step in flight: rl_config.max_weight_staleness + 1)."""
+        return self.spec.docks[step % len(self.spec.docks)]
+
+    @contextlib.contextmanager
+    def _awake(self, model: str):
+        """The rollout engine holds its device memory while a generate stage runs and gives it back when
+        the last one ends (vLLM's sleep mode, `generate_config.vllm.enable_sleep_mode`; a no-op otherwise),
+        so a trainer sharing the device gets the memory between rollouts. Counted: ReMax runs two
+        generate stages on one engine at once."""
+        engine = self.rollout[model]
+        with self._awake_lock:
+            self._awake_count[model] = self._awake_count.get(model, 0) + 1
+            if self._awake_count[model] == 1:
+                engine.wake_up()
+        try:
+            yield
+        finally:
+            with self._awake_lock:
+                self._awake_count[model] -= 1
+                if self._awake_count[model] == 0:
+                    engine.sleep()
+
+    def _share(self, mfc: MFCDef, kind: InterfaceType) -> int | None:
+        """Rows this rank takes of an inference MFC: all it can get, except when its engine's forwards are
+        collective across the DP ranks (sharded weights, `Backend.lockstep`): then an equal share, so every
+        rank makes as many forwards and none waits on a peer that ran out of rows."""
+        from ..engines.registry import TRAIN_BACKENDS, chosen_backends
+        if kind is not InterfaceType.INFERENCE or self.spec.dp == 1:
+            return None
+        if not TRAIN_BACKENDS[chosen_backends(self.cfg)[1]].lockstep:
+            return None
+        return self.spec.rows_per_step // self.spec.dp
 
     def _train_config(self, f: C.ComputeFn):
         """The config section of a trained model: critic_config for a value model, else actor_config."""
@@ -219,20 +279,27 @@ class Worker:
     def _function(self, mfc: MFCDef, name: str, step: int, policy_version: int):
         cfg = self.cfg
         rl = cfg.rl_config
+        if self.simulated and not C.FUNCTIONS[name].engine:  # engines simulate themselves; these sleep here
+            from .simulate import simulated_compute
+            return simulated_compute(mfc, float(cfg.trainer.simulate_cost_s_per_row.get(mfc.name, 0.0)))
         if name in ("generate", "generate_greedy"):
             engine = self.rollout[mfc.model_name]
-            lag = policy_version - engine.weight_version
-            if mfc.model_name == "actor" and lag > rl.max_weight_staleness:
-                raise StageError(f"stage '{mfc.name}': rollout weights are version {engine.weight_version}, the "
-                                 f"policy is at {policy_version}; rl_config.max_weight_staleness="
-                                 f"{rl.max_weight_staleness} forbids serving them")
+            lock = self._weights_lock(mfc.model_name)
+            lag = step - engine.weight_version  # rows of step s may come from weights of version >= s - k
+            if mfc.model_name in self.spec.trained_models and lag > rl.max_weight_staleness:
+                raise StageError(f"stage '{mfc.name}': step {step} would be generated with weights of version "
+                                 f"{engine.weight_version}, {lag} versions old; rl_config.max_weight_staleness="
+                                 f"{rl.max_weight_staleness} forbids it")
             from ..engines import SamplingParams
             g = cfg.generate_config
             greedy = name == "generate_greedy" or g.temperature == 0
             params = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
                                     top_k=g.top_k, stop_token_ids=self._stop_ids, greedy=greedy)
-            return lambda batch, rows: C.generate(batch, rows, engine=engine, params=params,
-                                                  seed=cfg.trainer.seed, step=step)
+
+            def generate(batch, rows):
+                with lock.reading() if engine.concurrent_generate else lock.writing():
+                    return C.generate(batch, rows, engine=engine, params=params, seed=cfg.trainer.seed, step=step)
+            return generate
         if name in ("log_probs", "values"):
             engine = self.train.get(mfc.model_name) or self.infer[mfc.model_name]
             mb = self._count(mfc)
@@ -251,7 +318,9 @@ class Worker:
         raise StageError(f"stage '{mfc.name}': fn={name!r} has no runner in the worker; known: {sorted(C.FUNCTIONS)}")
 
     def _run_train(self, mfc: MFCDef, step: int, kl_coef: float) -> StageReport:
-        """Gradient accumulation over micro-batches; an optimizer step per mini-batch of rows."""
+        """An optimizer step per mini-batch of rows: the engine's `train_step` consumes the micro-batches
+        straight from the dock as they become ready (forward/backward/accumulation are the engine's)."""
+        from ..engines import MicroBatch
         f = C.FUNCTIONS[C.fn_name(mfc)]
         o = self._train_config(f)
         engine = self.train[mfc.model_name]
@@ -260,41 +329,39 @@ class Worker:
                             rl.n_samples_per_prompt, self.spec.dp)
         per_rank, mini, micro = sizes.rows_per_device, sizes.mini_rows_per_device, sizes.micro_rows
         if f.name == "value_train":
-            v_cfg = C.ValueLossConfig(clip_value=o.cliprange_value, agg=o.loss_agg_mode)
-
-            def micro_step(batch, scale, sync):
-                return C.value_train_micro_batch(batch, engine=engine, loss_cfg=v_cfg, loss_scale=scale, sync=sync)
+            loss_fn = C.value_loss_fn(C.ValueLossConfig(clip_value=o.cliprange_value, agg=o.loss_agg_mode))
         else:
-            p_cfg = C.PolicyLossConfig(clip_low=o.clip_ratio_low, clip_high=o.clip_ratio_high, clip_c=o.clip_ratio_c,
-                                       agg=o.loss_agg_mode, use_kl_loss=o.use_kl_loss, kl_type=o.kl_loss_type,
-                                       entropy_coeff=o.entropy_coeff)
-
-            def micro_step(batch, scale, sync):
-                return C.policy_train_micro_batch(batch, engine=engine, loss_cfg=p_cfg, kl_coef=kl_coef,
-                                                  loss_scale=scale, sync=sync)
+            loss_fn = C.policy_loss_fn(C.PolicyLossConfig(
+                clip_low=o.clip_ratio_low, clip_high=o.clip_ratio_high, clip_c=o.clip_ratio_c, agg=o.loss_agg_mode,
+                use_kl_loss=o.use_kl_loss, kl_type=o.kl_loss_type, entropy_coeff=o.entropy_coeff,
+                off_policy_correction=o.off_policy_correction, tis_cap=o.tis_cap), kl_coef)
         rep = StageReport(stage=mfc.name, rank=self.spec.rank, step=step)
-        waited = False
-        for start in range(0, per_rank, mini):
-            done_before = rep.rows
+        waited = [False]
 
-            def compute(batch, rows, _done_before=done_before):
-                taken = rep.rows - _done_before + len(rows)
-                args = {mfc.arg_name(k): v for k, v in batch.items()}
-                return C.Output({}, micro_step(args, len(rows) / mini, taken >= mini))
-
-            run_stage_loop(self.spec.dock, stage=mfc.name, rank=self.spec.rank, step=step,
-                           input_keys=mfc.input_keys, count=micro, get_n_samples=False,
-                           timeout_s=self.cfg.trainer.stage_timeout_s, compute=compute, report=rep,
-                           max_rows=min(per_rank, start + mini))
-            if rep.rows == done_before:
-                break
-            if not waited:  # the step's readers of these weights must be done before they change
+        def mini_batch(end: int):
+            """This mini-batch's micro-batches as the dock hands them out; after the last one (before the
+            engine steps) the step's other readers of these weights must be done."""
+            taken = 0
+            for batch, rows in micro_batches(self.dock_of(step), stage=mfc.name, rank=self.spec.rank, step=step,
+                                             input_keys=mfc.input_keys, count=micro, get_n_samples=False,
+                                             timeout_s=self.cfg.trainer.stage_timeout_s, report=rep, max_rows=end):
+                taken += len(rows)
+                yield MicroBatch({mfc.arg_name(k): v for k, v in batch.items()}, len(rows) / mini, last=taken >= mini)
+            if taken and not waited[0]:
                 self._wait_columns(mfc.name, self.spec.same_step_outputs.get(mfc.name, []), step)
-                waited = True
-            t0 = time.perf_counter()
-            C.merge_metrics(rep.metrics, engine.optimizer_step())
+                waited[0] = True
+
+        for start in range(0, per_rank, mini):
+            it = mini_batch(min(per_rank, start + mini))
+            t0, get_before = time.perf_counter(), rep.get_s
+            first = next(it, None)
+            if first is None:  # the step's rows are all taken (by other DP ranks)
+                break
+            add_metrics(rep.metrics, engine.train_step(itertools.chain([first], it), loss_fn))
             rep.metrics["updates"] = rep.metrics.get("updates", 0.0) + 1
-            rep.compute_s += time.perf_counter() - t0
+            rep.compute_s += time.perf_counter() - t0 - (rep.get_s - get_before)
+        self.dock_of(step).flush()
+        rep.t_end = time.time()
         rep.metrics["version"] = float(engine.version)
         return rep
 
@@ -303,7 +370,7 @@ class Worker:
             return
         deadline = time.time() + self.cfg.trainer.stage_timeout_s
         while True:
-            status = self.spec.dock.get_column_status()
+            status = self.dock_of(step).get_column_status()
             missing = {c: status[c]["total"] - status[c]["written"] for c in columns
                        if status[c]["written"] < status[c]["total"]}
             if not missing:
@@ -318,63 +385,87 @@ class Worker:
                         timeout_s: float = 60.0) -> None:
         from ..device import dist_backend, resolve_device
         from ..engines.weight_sync import stateless_group
-        backend = dist_backend(resolve_device(self.spec.device))
-        self.sync_groups[model] = stateless_group(host, port, rank, world_size, backend, timeout_s)
+        backend = self.cfg.weight_sync.backend
+        device = resolve_device(self.spec.device) if backend == "auto" else torch.device("cpu")
+        self.sync_groups[model] = stateless_group(host, port, rank, world_size, dist_backend(device), timeout_s,
+                                                  device=device)
 
-    def _readers(self, model: str) -> list[list[torch.Tensor]]:
+    def _readers(self, model: str) -> list[Any]:
+        """This worker's engines that read `model` without training it: its rollout, an inference copy."""
         out = []
         if model in self.rollout:
-            out.append([p for _, p in self.rollout[model].named_parameters_for_sync()])
+            out.append(self.rollout[model])
         if model in self.infer and model not in self.train:
-            out.append(self.infer[model].parameters())
+            out.append(self.infer[model])
         return out
 
     def sync_weights(self, model: str, version: int) -> dict:
-        """Send (train rank 0), receive (remote readers), or copy in-process; returns checksums.
+        """Publish `model`'s weights as `version` to its readers, a bucket at a time.
 
-        Every worker that holds the model's trainer copies into its own local readers; the
-        trainer's rank 0 also broadcasts to the sync group when there is one.
+        The trainer's ranks export (a sharded engine gathers each bucket: every rank iterates) and
+        hand each bucket to their own local readers (a copy in one process); rank 0 also broadcasts it
+        to the sync group when readers live elsewhere, whose members load each bucket as it arrives.
+        Nobody holds the whole model twice. With `weight_sync.verify` every side reports a checksum
+        of what it sent, received and now serves.
         """
-        from ..engines.weight_sync import broadcast_flat, checksum, flatten, unflatten_into
+        ws = self.cfg.weight_sync
         t0 = time.perf_counter()
         group = self.sync_groups.get(model)
-        out: dict[str, Any] = {}
-        if model in self.train:
-            params = self.train[model].parameters()
-            flat = flatten(params, self._sync_buffer.get(model))
-            self._sync_buffer[model] = flat
-            if group is not None and self.spec.rank == 0:
-                broadcast_flat(group, flat, src=0)
-            out["sent"] = checksum(params)
-        elif group is not None:
-            readers = self._readers(model)
-            numel = sum(t.numel() for t in readers[0])
-            flat = self._sync_buffer.get(model)
-            if flat is None or flat.numel() != numel:
-                flat = self._sync_buffer[model] = torch.empty(numel, dtype=torch.float32)
-            broadcast_flat(group, flat, src=0)
-        else:
-            raise StageError(f"worker group '{self.spec.group}' has no way to get weights of '{model}'")
-        for tensors in self._readers(model):
-            unflatten_into(flat, tensors)
-        if model in self.rollout:
-            self.rollout[model].weight_version = int(version)
-        out["received"] = [checksum(t) for t in self._readers(model)]
+        readers = self._readers(model)
+        seen: list | None = [] if ws.verify else None
+        out: dict[str, Any] = {"received": [], "readers": len(readers)}
+
+        def load(buckets):
+            for bucket in buckets:
+                for r in readers:
+                    r.update_weights(bucket, version)
+                if seen is not None:
+                    seen.extend((n, t.detach().clone()) for n, t in bucket)
+                yield bucket
+
+        with self._weights_lock(model).writing():  # between the rollout's micro-batches, never inside one
+            out = self._sync(model, version, group, readers, load, seen, out)
+        if seen is not None:
+            out["received"] += [c for c in (r.state_checksum() for r in readers) if c is not None]
         out["seconds"] = time.perf_counter() - t0
         return out
 
+    def _sync(self, model: str, version: int, group, readers, load, seen, out) -> dict:
+        from ..engines.weight_sync import checksum, receive_buckets, send_buckets
+        if model in self.train:
+            stream = load(self.train[model].export_weights(self.cfg.weight_sync.bucket_mb << 20))
+            if group is not None and self.spec.rank == 0:
+                out["transfer"] = send_buckets(group, stream)
+            else:
+                for _ in stream:
+                    pass
+            if seen is not None and self.spec.rank == 0:
+                out["sent"] = checksum(seen)
+        elif group is not None:
+            for _ in load(receive_buckets(group, group.device)):
+                pass
+            if seen is not None:
+                out["received"].append(checksum(seen))
+        else:
+            raise StageError(f"worker group '{self.spec.group}' has no way to get weights of '{model}'")
+        return out
+
+    def _weights_lock(self, model: str) -> "ReadWriteLock":
+        with self._awake_lock:
+            return self._locks.setdefault(model, ReadWriteLock())
+
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, directory: str) -> list[str]:
-        """Rank 0 of a trained model's group writes model, optimizer and RNG states."""
-        os.makedirs(directory, exist_ok=True)
+        """Each trained model's engine writes its state under `directory/<model>/` (every rank calls
+        it: a sharded engine writes its shards); rank 0 adds this process's RNG states."""
         written = []
-        if self.spec.rank == 0:
-            for model, engine in self.train.items():
-                path = os.path.join(directory, f"{model}.pt")
-                state = engine.state_dict()
-                state["rng"] = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-                                "python": random.getstate()}
-                torch.save(state, path + ".tmp")
+        for model, engine in self.train.items():
+            where = os.path.join(directory, model)
+            written += engine.save_checkpoint(where)
+            if self.spec.rank == 0:
+                path = os.path.join(where, "rng.pt")
+                torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+                            "python": random.getstate()}, path + ".tmp")
                 os.replace(path + ".tmp", path)
                 written.append(path)
         return written
@@ -382,14 +473,55 @@ class Worker:
     def load_checkpoint(self, directory: str) -> list[str]:
         loaded = []
         for model, engine in self.train.items():
-            path = os.path.join(directory, f"{model}.pt")
-            state = torch.load(path, map_location="cpu", weights_only=False)
-            engine.load_state_dict(state)
-            torch.set_rng_state(state["rng"]["torch"])
-            np.random.set_state(state["rng"]["numpy"])
-            random.setstate(state["rng"]["python"])
-            loaded.append(path)
+            where = os.path.join(directory, model)
+            engine.load_checkpoint(where)
+            rng = torch.load(os.path.join(where, "rng.pt"), weights_only=False)
+            torch.set_rng_state(rng["torch"])
+            np.random.set_state(rng["numpy"])
+            random.setstate(rng["python"])
+            loaded.append(where)
         return loaded
 
     def train_versions(self) -> dict[str, int]:
         return {m: e.version for m, e in self.train.items()}
+
+
+class ReadWriteLock:
+    """Generate calls read a rollout engine's weights (several at once where the engine allows it), a
+    weight update writes them: it waits for the micro-batches in progress and holds new ones back, so
+    no micro-batch is generated by half-old, half-new weights (writers first: an update is never
+    starved by a stream of micro-batches)."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+        self._writers_waiting = 0
+
+    @contextlib.contextmanager
+    def reading(self):
+        with self._cond:
+            while self._writer or self._writers_waiting:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def writing(self):
+        with self._cond:
+            self._writers_waiting += 1
+            while self._writer or self._readers:
+                self._cond.wait()
+            self._writers_waiting -= 1
+            self._writer = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()

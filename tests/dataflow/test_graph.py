@@ -172,3 +172,20 @@ def test_worker_groups():
                      M("ref", "ref", "inference", ["r"], ["a"]),
                      M("train", "actor", "train_step", ["a"], [], worker_group="actor", dp_size=2)])
     assert worker_groups(g) == {"actor": ["gen", "train"], "ref": ["ref"]}
+
+
+def test_train_time_mfcs_read_trained_weights_or_depend_on_what_does():
+    """What may run ahead of its step's training with stale weights, and what must wait for it."""
+    from mindspeed_rl.dataflow import build_graph, get_algorithm, train_time_mfcs
+    from mindspeed_rl.dataflow.options import AlgorithmOptions
+    from mindspeed_rl.dataflow.ppo import ppo_mfcs
+
+    def of(name):
+        mfcs, keys = get_algorithm(name)
+        return train_time_mfcs(build_graph(mfcs, keys))
+    assert of("grpo") == ["actor_log_prob", "actor_train"]  # the frozen reference and the rewards run ahead
+    assert of("remax") == ["actor_log_prob", "actor_train"]  # the greedy rollout is a rollout: ahead
+    # the critic is trained, so its values are read at train time, and GAE, which reads them, too
+    assert of("ppo") == ["actor_log_prob", "critic_values", "compute_advantage", "actor_train", "critic_train"]
+    no_ref = build_graph(ppo_mfcs(AlgorithmOptions(use_reference=False)), ("prompts", "prompt_length", "labels"))
+    assert "ref_log_prob" not in train_time_mfcs(no_ref)

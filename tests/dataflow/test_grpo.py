@@ -29,9 +29,11 @@ def test_order_columns_consumers(g):
     assert [m.name for m in topological_order(g)] == ORDER
     assert dock_consumers(g) == ORDER
     assert dock_columns(g) == ["prompts", "prompt_length", "labels", "responses", "response_length",
-                               "weight_version", "rm_scores", "ref_log_prob", "old_log_prob", "advantages"]
-    # every derived column and consumer exists in MindSpeed-RL's fixed GRPO dock (but weight_version)
-    assert set(dock_columns(g)) - set(GRPO_COLUMNS) == {"weight_version"}
+                               "weight_version", "rollout_log_prob", "rm_scores", "ref_log_prob", "old_log_prob",
+                               "advantages"]
+    # every derived column and consumer exists in MindSpeed-RL's fixed GRPO dock (but the rollout's version
+    # and log-probs, which MindSpeed-RL does not keep)
+    assert set(dock_columns(g)) - set(GRPO_COLUMNS) == {"weight_version", "rollout_log_prob"}
     assert set(dock_consumers(g)) <= set(GRPO_CONSUMERS)
 
 
@@ -40,7 +42,7 @@ def test_data_edges(g):
     assert data == {
         ("actor_rollout", "rule_reward"): ("responses",),
         ("actor_rollout", "ref_log_prob"): ("responses",),
-        ("actor_rollout", "actor_log_prob"): ("responses",),
+        ("actor_rollout", "actor_log_prob"): ("responses", "rollout_log_prob"),
         ("actor_rollout", "actor_train"): ("response_length", "responses"),
         ("rule_reward", "compute_advantage"): ("rm_scores",),
         ("ref_log_prob", "actor_train"): ("ref_log_prob",),

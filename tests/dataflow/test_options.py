@@ -37,7 +37,8 @@ def test_reference_needed_only_for_a_kl_term(use_kl_loss, coef, adaptive, expect
 
 
 def _loss_inputs(with_ref: bool):
-    from mindspeed_rl.engines import OptimConfig, TorchTrainEngine
+    from mindspeed_rl.engines import OptimConfig
+    from mindspeed_rl.engines.torch_train import TorchTrainEngine
     from tests.engines._common import PAD, random_rows, tiny_qwen2
     engine = TorchTrainEngine(tiny_qwen2(seed=0), PAD, OptimConfig())
     prompts, responses = random_rows(3, [2, 3, 1], seed=1), random_rows(3, [2, 1, 3], seed=2)
@@ -53,11 +54,15 @@ def test_loss_without_kl_needs_no_ref_log_prob_and_reports_no_kl():
     from mindspeed_rl.workers import compute as C
     cfg = C.PolicyLossConfig(clip_low=0.2, clip_high=0.2, clip_c=3.0, agg="token-mean", use_kl_loss=True,
                              kl_type="k3", entropy_coeff=0.0)
+    from mindspeed_rl.engines import MicroBatch
+
+    def step(engine, batch, kl_coef):
+        return engine.train_step([MicroBatch(batch, 1.0, last=True)], C.policy_loss_fn(cfg, kl_coef))
     engine, batch = _loss_inputs(with_ref=False)
-    out = C.policy_train_micro_batch(batch, engine=engine, loss_cfg=cfg, kl_coef=0.0, loss_scale=1.0, sync=True)
+    out = step(engine, batch, 0.0)
     assert "kl" not in out and out["micro_batches"] == 1.0
     with pytest.raises(ValueError, match="has a KL term .* but the train MFC gets no ref_log_prob"):
-        C.policy_train_micro_batch(batch, engine=engine, loss_cfg=cfg, kl_coef=0.01, loss_scale=1.0, sync=True)
+        step(engine, batch, 0.01)
     engine, batch = _loss_inputs(with_ref=True)
-    out = C.policy_train_micro_batch(batch, engine=engine, loss_cfg=cfg, kl_coef=0.01, loss_scale=1.0, sync=True)
+    out = step(engine, batch, 0.01)
     assert out["kl"] == pytest.approx(0.0, abs=1e-6)  # the reference equals the policy here

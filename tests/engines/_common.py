@@ -46,6 +46,12 @@ def token_mean_nll(engine, prompts, responses) -> torch.Tensor:
     return masked_mean(-logp, b.response_mask)
 
 
+def nll_loss_fn(out, mb):
+    """A train engine's loss function: the token-mean negative log-prob of the micro-batch."""
+    loss = masked_mean(-out.log_probs, out.response_mask)
+    return loss, {"nll": float(loss.detach())}
+
+
 def flat_grads(module: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.detach().reshape(-1).clone() for p in module.parameters()])
 

@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 import torch.nn.parallel  # noqa: F401  (imported once by the fork server, as is the model code below)
 
-from mindspeed_rl.engines import HFRolloutEngine, OptimConfig, TorchTrainEngine
-from mindspeed_rl.engines.weight_sync import broadcast_flat, checksum, flatten, stateless_group, unflatten_into
+from mindspeed_rl.engines import OptimConfig
+from mindspeed_rl.engines.hf_rollout import HFRolloutEngine
+from mindspeed_rl.engines.torch_train import TorchTrainEngine
 
 from ._common import PAD, tiny_qwen2, token_mean_nll
 
@@ -113,6 +114,7 @@ def _outcome(out: Path) -> str:
 def broadcast_weights(rank: int, world: int, port: int) -> dict:
     """Rank 0 (a train engine, seed 0) sends its flat parameters; the others (rollout engines built
     with other seeds) receive them into their own parameters."""
+    from mindspeed_rl.engines.weight_sync import broadcast_flat, checksum, flatten, stateless_group, unflatten_into
     model = tiny_qwen2(seed=rank)
     if rank == 0:
         tensors = TorchTrainEngine(model, PAD, OptimConfig()).parameters()
@@ -129,6 +131,7 @@ def broadcast_weights(rank: int, world: int, port: int) -> dict:
 
 def join_group(rank: int, world: int, port: int, timeout_s: float) -> dict:
     """Try to form a group some members of which never come; report how it ended and when."""
+    from mindspeed_rl.engines.weight_sync import stateless_group
     t0 = time.monotonic()
     try:
         stateless_group(HOST, port, rank, world, timeout_s=timeout_s)
@@ -155,23 +158,29 @@ def as_process_group(group):
 
 
 def ddp_construct_with_stateless_pg(rank: int, world: int, port: int) -> str:
+    from mindspeed_rl.engines.weight_sync import stateless_group
     group = stateless_group(HOST, port, rank, world, timeout_s=60)
     engine = TorchTrainEngine(tiny_qwen2(seed=rank), PAD, OptimConfig(), process_group=group.pg)
     return type(engine.model).__name__
 
 def ddp_train(rank: int, world: int, port: int, rows: tuple, micro_batch_size: int, optim: OptimConfig) -> dict:
-    """One update of a DDP TorchTrainEngine on this rank's rows, accumulated over micro-batches.
+    """One `train_step` of a DDP TorchTrainEngine on this rank's rows, accumulated over micro-batches.
 
     Rank r starts from a model with seed r: DDP must broadcast rank 0's weights at construction."""
+    from mindspeed_rl.engines import MicroBatch
+    from mindspeed_rl.engines.base import hf_named_weights
+    from mindspeed_rl.engines.weight_sync import checksum, stateless_group
+
+    from ._common import flat_params, nll_loss_fn
     prompts, responses = rows
     group = stateless_group(HOST, port, rank, world, timeout_s=60)
     engine = TorchTrainEngine(tiny_qwen2(seed=rank), PAD, optim, process_group=as_process_group(group))
+    grads = []  # the reduced gradients, as the optimizer sees them
+    engine.optimizer.register_step_pre_hook(lambda opt, args, kwargs: grads.append(
+        torch.cat([p.grad.detach().reshape(-1).clone() for p in engine.module.parameters()])))
     starts = list(range(0, len(prompts), micro_batch_size))
-    for i, s in enumerate(starts):
-        with engine.no_sync(sync=i == len(starts) - 1):
-            loss = token_mean_nll(engine, prompts[s:s + micro_batch_size], responses[s:s + micro_batch_size])
-            (loss / len(starts)).backward()
-    grads = torch.cat([p.grad.detach().reshape(-1).clone() for p in engine.module.parameters()])
-    stats = engine.optimizer_step()
-    return {"grads": grads, "params": flatten(engine.parameters()).clone(), "grad_norm": stats["grad_norm"],
-            "version": engine.version, "checksum": checksum(engine.parameters())}
+    stats = engine.train_step((MicroBatch({"prompts": prompts[s:s + micro_batch_size],
+                                           "responses": responses[s:s + micro_batch_size]}, 1 / len(starts),
+                                          last=i == len(starts) - 1) for i, s in enumerate(starts)), nll_loss_fn)
+    return {"grads": grads[0], "params": flat_params(engine.module), "grad_norm": stats["grad_norm"],
+            "version": engine.version, "checksum": checksum(hf_named_weights(engine.module))}

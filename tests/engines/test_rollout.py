@@ -3,7 +3,8 @@ tokens and the sampling filters."""
 import pytest
 import torch
 
-from mindspeed_rl.engines import HFRolloutEngine, SamplingParams
+from mindspeed_rl.engines import SamplingParams
+from mindspeed_rl.engines.hf_rollout import HFRolloutEngine
 from mindspeed_rl.engines.hf_rollout import filter_logits, sample_next
 
 from ._common import PAD, random_rows, tiny_qwen2
@@ -45,62 +46,71 @@ def greedy_reference(model, prompt, max_new_tokens, stop=()):
     return torch.tensor(out, dtype=torch.long), margin
 
 
+def seeds_for(n: int, seed: int) -> list[int]:
+    return [seed * 1000 + i for i in range(n)]
+
+
+def gen(engine, prompts, params, seed):
+    """Responses only, row i seeded with seed * 1000 + i."""
+    return engine.generate(prompts, params, seeds_for(len(prompts), seed)).responses
+
+
 def same_rows(a, b):
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def test_greedy_equals_full_forward_argmax(sharp_engine, prompts):
     n = 10
-    got = sharp_engine.generate(prompts, SamplingParams(max_new_tokens=n, greedy=True), seed=0)
+    got = gen(sharp_engine, prompts, SamplingParams(max_new_tokens=n, greedy=True), seed=0)
     assert len(got) == len(prompts)
     for prompt, resp in zip(prompts, got):
         ref, margin = greedy_reference(sharp_engine.model, prompt, n)
         assert margin > 1e-3  # a meaningful comparison: no near-ties
         assert resp.dtype == torch.long and resp.tolist() == ref.tolist()
     # the batch and its rows alone agree too (padding does not leak into other rows)
-    alone = [sharp_engine.generate([p], SamplingParams(max_new_tokens=n, greedy=True), seed=0)[0] for p in prompts]
+    alone = [gen(sharp_engine, [p], SamplingParams(max_new_tokens=n, greedy=True), seed=0)[0] for p in prompts]
     assert same_rows(got, alone)
 
 
 def test_temperature_zero_top_k_one_and_tiny_top_p_are_greedy(sharp_engine, prompts):
-    greedy = sharp_engine.generate(prompts, SamplingParams(max_new_tokens=8, greedy=True), seed=0)
+    greedy = gen(sharp_engine, prompts, SamplingParams(max_new_tokens=8, greedy=True), seed=0)
     for params in (SamplingParams(max_new_tokens=8, temperature=0.0),
                    SamplingParams(max_new_tokens=8, top_k=1),
                    SamplingParams(max_new_tokens=8, temperature=1.7, top_k=1),
                    SamplingParams(max_new_tokens=8, top_p=1e-6)):
         for seed in (0, 1):
-            assert same_rows(sharp_engine.generate(prompts, params, seed=seed), greedy), params
+            assert same_rows(gen(sharp_engine, prompts, params, seed=seed), greedy), params
 
 
 def test_same_seed_same_samples_different_seed_different(flat_engine, prompts):
     params = SamplingParams(max_new_tokens=12, temperature=1.0)
-    a = flat_engine.generate(prompts, params, seed=7)
-    b = flat_engine.generate(prompts, params, seed=7)
-    c = flat_engine.generate(prompts, params, seed=8)
+    a = gen(flat_engine, prompts, params, seed=7)
+    b = gen(flat_engine, prompts, params, seed=7)
+    c = gen(flat_engine, prompts, params, seed=8)
     assert same_rows(a, b)
     assert not same_rows(a, c)
     assert all(len(r) == 12 for r in a)  # no stop tokens: cut at max_new_tokens
     # sampling is not argmax decoding here (the distributions are near-uniform)
-    greedy = flat_engine.generate(prompts, SamplingParams(max_new_tokens=12, greedy=True), seed=7)
+    greedy = gen(flat_engine, prompts, SamplingParams(max_new_tokens=12, greedy=True), seed=7)
     assert not same_rows(a, greedy)
     # generation leaves the global RNG alone: the explicit generator is the only randomness
     torch.manual_seed(0)
     x = torch.rand(3)
     torch.manual_seed(0)
-    flat_engine.generate(prompts, params, seed=7)
+    gen(flat_engine, prompts, params, seed=7)
     assert torch.equal(torch.rand(3), x)
 
 
 def test_stop_tokens_end_responses(sharp_engine, prompts):
     n = 10
-    free = sharp_engine.generate(prompts, SamplingParams(max_new_tokens=n, greedy=True), seed=0)
+    free = gen(sharp_engine, prompts, SamplingParams(max_new_tokens=n, greedy=True), seed=0)
     # a stop token that greedy decoding does emit mid-response in some row
     counts = torch.bincount(torch.cat([r[:-1] for r in free]), minlength=16)
     stop = int(counts.argmax())
     other = int(torch.bincount(torch.cat([r[:-1] for r in free]), minlength=16)
                 .masked_fill(torch.arange(16) == stop, 0).argmax())
     for stops in ((stop,), (stop, other)):
-        got = sharp_engine.generate(prompts, SamplingParams(max_new_tokens=n, greedy=True, stop_token_ids=stops),
+        got = gen(sharp_engine, prompts, SamplingParams(max_new_tokens=n, greedy=True, stop_token_ids=stops),
                                     seed=0)
         cut_any = False
         for prompt, full, resp in zip(prompts, free, got):
@@ -116,7 +126,7 @@ def test_stop_tokens_end_responses(sharp_engine, prompts):
 
 def test_stop_tokens_with_sampling(flat_engine, prompts):
     stops = (2, 5)
-    got = flat_engine.generate(prompts * 4, SamplingParams(max_new_tokens=15, stop_token_ids=stops), seed=3)
+    got = gen(flat_engine, prompts * 4, SamplingParams(max_new_tokens=15, stop_token_ids=stops), seed=3)
     lengths = set()
     for r in got:
         ids = r.tolist()
@@ -129,18 +139,60 @@ def test_stop_tokens_with_sampling(flat_engine, prompts):
 
 def test_max_new_tokens_cuts(sharp_engine, prompts):
     for n in (1, 3):
-        got = sharp_engine.generate(prompts, SamplingParams(max_new_tokens=n, greedy=True), seed=0)
+        got = gen(sharp_engine, prompts, SamplingParams(max_new_tokens=n, greedy=True), seed=0)
         assert [len(r) for r in got] == [n] * len(prompts)
-        longer = sharp_engine.generate(prompts, SamplingParams(max_new_tokens=n + 4, greedy=True), seed=0)
+        longer = gen(sharp_engine, prompts, SamplingParams(max_new_tokens=n + 4, greedy=True), seed=0)
         assert all(torch.equal(a, b[:n]) for a, b in zip(got, longer))
 
 
-def test_weight_version_and_sync_view(sharp_engine):
+def test_weight_version_and_update(sharp_engine):
     assert sharp_engine.weight_version == 0
-    names = [n for n, _ in sharp_engine.named_parameters_for_sync()]
-    assert names == [n for n, _ in sharp_engine.model.named_parameters()]
     assert not any(p.requires_grad for p in sharp_engine.model.parameters())
     assert not sharp_engine.model.training
+    names = [n for n, _ in sharp_engine.named_weights()]
+    assert "lm_head.weight" in names and "model.embed_tokens.weight" in names  # tied: both names
+
+
+def test_update_weights_by_name_reaches_the_model(prompts):
+    engine = HFRolloutEngine(tiny_qwen2(seed=3), PAD)
+    other = tiny_qwen2(seed=4)
+    before = engine.state_checksum()
+    engine.update_weights(list(other.named_parameters(remove_duplicate=False))[:3], version=1)
+    assert engine.state_checksum() != before and engine.weight_version == 1
+    engine.update_weights(other.named_parameters(remove_duplicate=False), version=2)
+    ref = HFRolloutEngine(other, PAD)
+    assert engine.state_checksum() == ref.state_checksum()
+    params = SamplingParams(max_new_tokens=6)
+    assert same_rows(gen(engine, prompts, params, 1), gen(ref, prompts, params, 1))
+    with pytest.raises(ValueError, match="'nope.weight' is not a weight"):
+        engine.update_weights([("nope.weight", torch.zeros(1))], version=3)
+    with pytest.raises(ValueError, match="shape"):
+        engine.update_weights([("lm_head.weight", torch.zeros(2, 2))], version=3)
+
+
+def test_a_row_samples_the_same_tokens_alone_or_in_any_batch(flat_engine, prompts):
+    params = SamplingParams(max_new_tokens=8)
+    seeds = seeds_for(len(prompts), 5)
+    together = flat_engine.generate(prompts, params, seeds).responses
+    alone = [flat_engine.generate([p], params, [s]).responses[0] for p, s in zip(prompts, seeds)]
+    reordered = flat_engine.generate(prompts[::-1], params, seeds[::-1]).responses[::-1]
+    assert same_rows(together, alone) and same_rows(together, reordered)
+    with pytest.raises(ValueError, match="one seed per row"):
+        flat_engine.generate(prompts, params, seeds[:2])
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_rollout_log_probs_are_the_trainers_log_probs_of_the_sampled_tokens(flat_engine, prompts, temperature):
+    """The behaviour log-probs the rollout returns equal a full forward's log_softmax(logits / T) at
+    the sampled tokens: the trainer's old_log_prob for on-policy rows."""
+    from mindspeed_rl.engines.torch_train import TorchTrainEngine
+    out = flat_engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=temperature,
+                                                       stop_token_ids=(2,)), seeds_for(len(prompts), 9))
+    trainer = TorchTrainEngine(flat_engine.model, PAD, temperature=temperature)
+    ref = trainer.log_probs(prompts, out.responses, micro_batch_size=2)
+    for got, want, resp in zip(out.log_probs, ref, out.responses):
+        assert got.dtype == torch.float32 and got.shape == resp.shape
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------- filters
@@ -173,15 +225,28 @@ def test_filter_logits_top_k_then_top_p_rows_independent():
 
 def test_sample_next():
     logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 2.9]])
-    g = torch.Generator().manual_seed(0)
-    assert sample_next(logits, SamplingParams(greedy=True), g).tolist() == [1, 0]
-    assert sample_next(logits, SamplingParams(temperature=0.0), g).tolist() == [1, 0]
-    assert sample_next(logits, SamplingParams(top_k=1), g).tolist() == [1, 0]
+
+    def gs(seed=0):
+        return [torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 100)]
+    g = gs()
+
+    def tokens(params, gens=g):
+        return sample_next(logits, params, gens)[0].tolist()
+    assert tokens(SamplingParams(greedy=True)) == [1, 0]
+    assert tokens(SamplingParams(temperature=0.0)) == [1, 0]
+    assert tokens(SamplingParams(top_k=1)) == [1, 0]
     # a very low temperature is argmax in practice; top_k=2 never picks the smallest logit
-    assert sample_next(logits, SamplingParams(temperature=1e-3), g).tolist() == [1, 0]
-    picks = torch.stack([sample_next(logits, SamplingParams(top_k=2), g) for _ in range(200)])
+    assert tokens(SamplingParams(temperature=1e-3)) == [1, 0]
+    picks = torch.tensor([tokens(SamplingParams(top_k=2)) for _ in range(200)])
     assert set(picks[:, 0].tolist()) == {1, 2} and set(picks[:, 1].tolist()) == {0, 2}
-    # the explicit generator decides the draw
-    draw = [sample_next(logits, SamplingParams(temperature=5.0), torch.Generator().manual_seed(s)).tolist()
-            for s in (1, 1, 2, 3, 4)]
+    # the explicit generators decide the draw
+    draw = [tokens(SamplingParams(temperature=5.0), gs(s)) for s in (1, 1, 2, 3, 4)]
     assert draw[0] == draw[1]
+    assert len({tuple(d) for d in draw}) > 1
+    # the log-prob is that of the filtered, tempered distribution: top_k=2 renormalizes over 2 tokens
+    tok, logp = sample_next(logits, SamplingParams(top_k=2, temperature=2.0), gs(7))
+    scaled = logits / 2.0
+    for row in range(2):
+        keep = scaled[row].topk(2).values
+        want = scaled[row, tok[row]] - torch.logsumexp(keep, 0)
+        assert float(logp[row]) == pytest.approx(float(want), abs=1e-6)

@@ -164,8 +164,11 @@
     (info.lanes || []).forEach(function (l) { lane(l.stage, l.worker); });
     var events = (s.events || []).slice().sort(function (a, b) { return a.t_start - b.t_start || a.seq - b.seq; });
     events.forEach(function (e) { lane(e.stage, e.worker || "").events.push(e); });
-    var spanEnd = {};
-    (s.spans || []).forEach(function (sp) { spanEnd[sp.step + "|" + sp.stage + "@" + sp.worker] = sp.t_end; });
+    var spanEnd = {}, spanVersion = {};
+    (s.spans || []).forEach(function (sp) {
+      spanEnd[sp.step + "|" + sp.stage + "@" + sp.worker] = sp.t_end;
+      if (sp.weight_version !== undefined) spanVersion[sp.step + "|" + sp.stage + "@" + sp.worker] = sp.weight_version;
+    });
     var steps = s.steps || {};
     lanes.forEach(function (l) {
       var bySteps = {};
@@ -182,7 +185,8 @@
             end = spanEnd[step + "|" + l.stage + "@" + l.worker];
             if (end === undefined) end = (steps[String(step)] || {}).t_end || (step === s.step ? s.now : g.t_end);
           }
-          l.boxes.push({op: "get", step: step, rows: g.rows, t0: g.t_start, tw: g.t_end, t1: Math.max(end, g.t_end),
+          l.boxes.push({op: "get", step: step, version: spanVersion[step + "|" + l.stage + "@" + l.worker],
+                        rows: g.rows, t0: g.t_start, tw: g.t_end, t1: Math.max(end, g.t_end),
                         put: !!p});
         });
         puts.slice(gets.length).forEach(function (p) {  // puts of a lane that takes nothing (the driver)
@@ -268,7 +272,10 @@
         var what = b.op === "put" ? "put " + b.rows + " rows" :
           b.rows + " rows: waited " + fmtSeconds(b.tw - b.t0) + ", then " + fmtSeconds(b.t1 - b.tw) +
           (b.put ? " until it put its results" : "");
-        mb.appendChild(sv("title", {}, l.stage + " @ " + (l.worker || "?") + ", step " + b.step + ": " + what));
+        // with rl_config.max_weight_staleness > 0 a rollout lane works on a later step than the trainer's
+        // lanes, with older weights: the title says which step and which weight version
+        mb.appendChild(sv("title", {}, l.stage + " @ " + (l.worker || "?") + ", step " + b.step +
+                                       (b.version !== undefined ? " (weights v" + b.version + ")" : "") + ": " + what));
         g.appendChild(mb);
       });
       svg.appendChild(g);

