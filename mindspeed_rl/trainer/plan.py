@@ -236,6 +236,17 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
                                   f"{others}, but {rollout_spec.name} must have its process to itself (it takes torch's "
                                   "default process group, re-seeds the RNGs and patches torch.set_num_threads); move "
                                   "the generate MFCs to a group of their own")
+    model_kinds = {m.name: functions[m.name].engine for m in order}
+    for g, p in groups.items():  # the train backend runs every model engine but rollout: can it run here?
+        engines = [m.name for m in p.mfcs if model_kinds[m.name] in ("policy", "value")]
+        if engines and p.resources.device != "auto" and p.resources.device not in train_spec.devices:
+            raise ConfigError(f"actor_config.backend={train_spec.name}: runs on {list(train_spec.devices)}, but worker "
+                              f"group '{g}' ({engines}) has device={p.resources.device!r}; pick a backend that runs "
+                              f"there (docs/engines.md) or put the group on {train_spec.devices[0]}")
+        values = [m.name for m in p.mfcs if model_kinds[m.name] == "value"]
+        if values and not train_spec.value_models:
+            raise ConfigError(f"actor_config.backend={train_spec.name}: cannot run a critic ({values}: a value head); "
+                              "use torch or fsdp for algorithms with a critic")
     engine_backends(cfg, check_files)  # a backend's package missing: said once the placement is known good
     notes = [f"engines: rollout {rollout_spec.name}, training {train_spec.name}"]
     if rl.max_weight_staleness:

@@ -234,7 +234,10 @@ VALIDATE_ERRORS = {
 
 PLAN_ERRORS = {
     "bad train backend": ({"actor_config.backend": "deepspeed"},
-                          ["actor_config.backend='deepspeed'", "must be one of ['torch', 'fsdp']"]),
+                          ["actor_config.backend='deepspeed'", "must be one of ['torch', 'fsdp', 'megatron']"]),
+    "megatron on cpu": ({"actor_config.backend": "megatron"},
+                        ["actor_config.backend=megatron: runs on ['cuda', 'npu']", "worker group 'integrated'",
+                         "has device='cpu'"]),
     "bad rollout backend": ({"generate_config.backend": "sglang"},
                             ["generate_config.backend='sglang'", "must be one of ['hf', 'vllm']"]),
     "vllm beside a trainer": ({"generate_config.backend": "vllm", "placement.mode": "custom",

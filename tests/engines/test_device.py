@@ -30,3 +30,65 @@ def test_backends_and_ray_resources():
     assert dist_backend(torch.device("cuda", 0)) == "nccl"
     assert ray_resource_key("cuda") == "GPU" and ray_resource_key("npu") == "NPU"
     assert ray_resource_key("cpu") is None
+
+
+# ---------------------------------------------------------------------------- NPU (Ascend) wiring
+import importlib.util
+import sys
+import types
+
+from mindspeed_rl.device import (VISIBLE_DEVICES_ENV, device_type, ray_actor_options, require_torch_npu,
+                                 set_device)
+
+NO_TORCH_NPU = importlib.util.find_spec("torch_npu") is None
+
+
+def test_backend_choice_per_device_string():
+    # "npu:3" parses without torch_npu (torch.device("npu") itself needs it imported)
+    assert dist_backend("npu") == dist_backend("npu:3") == "hccl"
+    assert dist_backend("cuda:1") == "nccl" and dist_backend("cpu") == "gloo"
+    assert device_type("npu:0") == "npu" and device_type(torch.device("cpu")) == "cpu"
+    with pytest.raises(ValueError, match=r"'tpu'.*cpu.*cuda.*npu"):
+        dist_backend("tpu:0")
+
+
+def test_ray_resources_for_every_spelling_of_a_device_kind():
+    # placement says gpu, torch says cuda: both ask Ray for GPU
+    assert ray_resource_key("gpu") == ray_resource_key("cuda") == "GPU"
+    assert ray_resource_key("NPU") == "NPU"
+    with pytest.raises(ValueError, match="device kind 'tpu'"):
+        ray_resource_key("tpu")
+    assert ray_actor_options("npu", 1) == {"resources": {"NPU": 1}}
+    assert ray_actor_options("cuda", 0.5) == {"num_gpus": 0.5}
+    assert ray_actor_options("cpu", 1) == {} and ray_actor_options("npu", 0) == {}
+    assert VISIBLE_DEVICES_ENV["npu"] == "ASCEND_RT_VISIBLE_DEVICES"
+
+
+def test_placement_bundles_use_the_same_ray_resource():
+    from mindspeed_rl.parallel.placement import ClusterSpec, plan_placement
+    for kind in ("npu", "gpu", "cuda"):
+        cluster = ClusterSpec(1, 2, kind)
+        assert cluster.resource == ray_resource_key(kind)
+        plan = plan_placement({"a": {"mesh": "all", "dp": 1, "tp": 2}}, {"a": "actor"}, cluster)
+        assert plan.bundles(cpus_per_device=0) == {0: [{ray_resource_key(kind): 1.0}] * 2}
+
+
+@pytest.mark.skipif(not NO_TORCH_NPU, reason="checks the errors when torch_npu is absent")
+def test_npu_without_torch_npu_is_a_clear_error():
+    with pytest.raises(ImportError, match=r"needs torch_npu.*pip install torch-npu"):
+        require_torch_npu()
+    with pytest.raises(ValueError, match=r"device='npu' but torch_npu is not installed.*use device=cpu"):
+        resolve_device("npu")
+    with pytest.raises(ImportError, match="needs torch_npu"):
+        set_device("npu:0")
+    set_device("cpu")  # a no-op
+    if not torch.cuda.is_available():
+        assert resolve_device("auto") == torch.device("cpu")  # auto never fails for a missing torch_npu
+
+
+@pytest.mark.skipif(not NO_TORCH_NPU, reason="would shadow the real torch_npu")
+def test_torch_npu_that_sees_no_npu_is_a_clear_error(monkeypatch):
+    # a torch_npu that imports but registers no usable device (an Ascend install without a card)
+    monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))
+    with pytest.raises(ValueError, match="torch_npu sees no NPU"):
+        resolve_device("npu")
