@@ -30,6 +30,7 @@ import numpy as np
 import ray
 
 from . import channel, shm
+from .claims import ClaimBoard, SharedDock
 from .codec import ColumnBlock, pack, unpack
 from .dock import TransferDock
 from .errors import DockValueError
@@ -114,8 +115,21 @@ class TransferDockActor:
 
     def __init__(self, columns: Sequence[str], consumers: Sequence[str], prompts_num: int,
                  n_samples_per_prompt: int = 1, shm_tag: str | None = None, metrics_interval_s: float = 1.0,
-                 channel_tag: str | None = None, **dock_kwargs: Any) -> None:
-        self._dock = TransferDock(columns, consumers, prompts_num, n_samples_per_prompt, **dock_kwargs)
+                 channel_tag: str | None = None, local_claims: bool = False, **dock_kwargs: Any) -> None:
+        # With shared memory and the local channel, same-node consumers claim rows themselves
+        # (claims.py); the dock is then a SharedDock, which keeps the shared files in step.
+        local_claims = bool(local_claims and shm_tag and channel_tag)
+        self._dock = (SharedDock if local_claims else TransferDock)(columns, consumers, prompts_num,
+                                                                    n_samples_per_prompt, **dock_kwargs)
+        self._claims: ClaimBoard | None = None
+        if local_claims:
+            try:
+                self._claims = ClaimBoard(shm_tag, self._dock.columns, self._dock.consumers, self._dock.capacity,
+                                          ray.get_runtime_context().get_node_id())
+            except OSError as e:  # no room in /dev/shm: every get goes to the actor, as without claims
+                warnings.warn(f"TransferDock: no local claims ({e}); every get calls the dock", RuntimeWarning)
+            else:
+                self._dock.attach(self._claims)
         # the counters go to ray.util.metrics on a timer (0: never), not per call: see RayMetricsExport
         self._metrics_interval_s = float(metrics_interval_s)
         self._export: RayMetricsExport | None = None
@@ -338,8 +352,10 @@ class TransferDockActor:
                 warnings.warn(f"TransferDock: no local channel at {self._channel_path} ({e}); callers use "
                               "Ray calls", RuntimeWarning)
                 self._channel_path = None
+        claims = self._claims.info() if self._claims is not None and self._channel and self._dock.board else None
         return {"shm": await self.shm_info(),
-                "channel": {"path": self._channel_path, "node_id": node_id} if self._channel else None}
+                "channel": {"path": self._channel_path, "node_id": node_id} if self._channel else None,
+                "claims": claims}
 
     def _channel_handlers(self) -> dict:
         """The methods the local channel serves: the same as by Ray, with puts and gets taking
@@ -363,6 +379,8 @@ class TransferDockActor:
     async def close(self) -> None:
         """Remove this dock's shared-memory files (the segments of every producer) and its
         channel's socket. Callers already connected keep their connection; new ones use Ray."""
+        if self._claims is not None:
+            self._dock.detach()  # local claims end: every get comes to the actor
         if self._channel is not None:
             self._channel.close()  # stops listening; open connections stay
         if self._channel_path is not None:

@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import ray
 
-from . import channel, shm
+from . import channel, claims, shm
 from .actor import HeldReply, RefBlock, remote_actor_class
 from .codec import ColumnBlock, pack, unpack
 from .shm import ShmBlock
@@ -45,11 +45,13 @@ class TransferDockClient:
 
     def __init__(self, actor: Any, default_timeout: float, inline_bytes: int = DEFAULT_INLINE_BYTES,
                  call_timeout: float = 300.0, max_pending_puts: int = 8, shm_info: dict | None = None,
-                 worker: str | None = None, channel_info: dict | None = None) -> None:
+                 worker: str | None = None, channel_info: dict | None = None,
+                 claims_info: dict | None = None) -> None:
         self.actor = actor
         self.worker = worker
         self.shm_info = shm_info  # None: large columns go by Ray object reference
         self.channel_info = channel_info  # None: every call is a Ray actor call
+        self.claims_info = claims_info  # None: every get goes to the dock actor (no local claims)
         self.default_timeout = default_timeout
         self.inline_bytes = inline_bytes
         self.call_timeout = call_timeout
@@ -93,6 +95,24 @@ class TransferDockClient:
                                "calling the dock through Ray")
             cached = self._local.conn = (info, pid, conn)
         return cached[2] or None
+
+    def _claim(self, consumer: str, columns: list[str], count: Any, timeout: Any,
+               copy: bool) -> tuple[dict, list[int]] | None:
+        """Take the rows in shared memory, without a call to the dock (`claims.py`), or None
+        when this get must go to the dock: off its node, a count or timeout the dock would refuse
+        (it raises the error), too few rows ready, the step's tail."""
+        info = self.claims_info
+        if (not isinstance(count, (int, np.integer)) or isinstance(count, bool) or count <= 0
+                or (timeout is not None and not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+                                                 and 0 <= timeout < float("inf")))):
+            return None
+        if _this_node_id() != info["node_id"]:
+            return None
+        claimer = claims.client_for(info)
+        if claimer is None:
+            return None
+        self._check_pending()  # an earlier pipelined put's error, as any later call raises it
+        return claimer.claim(consumer, columns, int(count), self.worker, copy)
 
     def __getstate__(self) -> dict:  # a copy sent to another process starts with nothing pending
         return {k: v for k, v in self.__dict__.items() if k != "_local"}
@@ -238,6 +258,10 @@ class TransferDockClient:
         if indexes is not None:  # the caller's object: a set is refused, not listed
             indexes = checked_index_list("get_experience", indexes)
         columns = [columns] if isinstance(columns, str) else list(columns)
+        if indexes is None and not get_n_samples and self.claims_info is not None:
+            got = self._claim(consumer, columns, count, timeout, copy)
+            if got is not None:
+                return ClaimedGet(self, got)
         wait = (self.default_timeout if timeout is None else timeout) if blocking else 0.0
         request = (consumer, columns, count, indexes, get_n_samples, blocking, timeout, self.worker)
         limit = self.call_timeout + wait + CALL_SLACK_S
@@ -300,6 +324,17 @@ class TransferDockClient:
                     os.unlink(self.channel_info["path"])
                 except OSError:
                     pass
+
+
+class ClaimedGet:
+    """A get answered by a local claim (`claims.py`): its rows are already here."""
+
+    def __init__(self, client: TransferDockClient, got: tuple[dict, list[int]]) -> None:
+        self._client, self._got = client, got
+
+    def result(self) -> tuple[dict[str, list], list[int]]:
+        self._client._check_pending()
+        return self._got
 
 
 class PendingGet:
@@ -377,7 +412,8 @@ def _source_rows(source, src_pos, fetched: list, copy: bool) -> list:
 def create_transfer_dock(columns: Sequence[str], consumers: Sequence[str], prompts_num: int,
                          n_samples_per_prompt: int = 1, *, name: str | None = None, num_cpus: float = 0.0,
                          inline_bytes: int = DEFAULT_INLINE_BYTES, data_plane: str = "auto",
-                         local_channel: bool = True, **dock_kwargs: Any) -> TransferDockClient:
+                         local_channel: bool = True, local_claims: bool = True,
+                         **dock_kwargs: Any) -> TransferDockClient:
     """Start a dock actor (Ray must be initialised) and return a client for it.
 
     `num_cpus` defaults to 0: the dock moves metadata and waits, it does not compute, and on a
@@ -390,6 +426,10 @@ def create_transfer_dock(columns: Sequence[str], consumers: Sequence[str], promp
 
     `local_channel` (default True, where `/dev/shm` is writable): callers on the dock's node call
     it over a Unix socket instead of through Ray (`channel.py`); False makes every call a Ray call.
+
+    `local_claims` (default True; only with shared memory and the local channel): consumers on
+    the dock's node take ready rows themselves, in shared memory, without a call to the dock
+    (`claims.py`); False sends every get to the dock actor.
 
     `metrics_interval_s` (default 1.0; 0: off), among `dock_kwargs`, is how often the actor hands
     its counters to `ray.util.metrics` for Prometheus (see `metrics.RayMetricsExport`).
@@ -410,10 +450,11 @@ def create_transfer_dock(columns: Sequence[str], consumers: Sequence[str], promp
     options = {"name": name} if name else {}
     actor = cls.options(**options).remote(columns, consumers, prompts_num, n_samples_per_prompt,
                                           shm_tag=tag if use_shm else None,
-                                          channel_tag=tag if use_channel else None, **dock_kwargs)
+                                          channel_tag=tag if use_channel else None,
+                                          local_claims=bool(local_claims and use_shm and use_channel), **dock_kwargs)
     client = TransferDockClient(actor, default_timeout=float(dock_kwargs.get("default_timeout", 600.0)),
                                 inline_bytes=inline_bytes)
     client.layout()  # fail here, with the dock's own error, if its arguments are bad
     info = client._call("local_info")
-    client.shm_info, client.channel_info = info["shm"], info["channel"]
+    client.shm_info, client.channel_info, client.claims_info = info["shm"], info["channel"], info.get("claims")
     return client

@@ -123,7 +123,8 @@ class TransferDock:
         self.step = 0
         self.metrics = DockMetrics(event_log_size=event_log_size)
         self.metrics.register(self.consumers, self.columns)
-        self._cond = threading.Condition(threading.Lock())
+        # re-entrant: the actor's dock (claims.SharedDock) wraps methods that take it in methods that take it
+        self._cond = threading.Condition(threading.RLock())
         self._cells: dict[str, list] = {c: [None] * self.capacity for c in self.columns}
         self._written = {c: np.zeros(self.capacity, dtype=bool) for c in self.columns}
         self._written_count = {c: 0 for c in self.columns}

@@ -34,16 +34,20 @@ class ReadyRows:
         self._group_count = np.zeros(capacity // n_samples_per_prompt, dtype=np.int32)
         self.full_groups: set[int] = set()
 
-    def add(self, rows) -> None:
+    def add(self, rows) -> list[int]:
+        """Add rows that became ready; returns those that were not ready before (in order)."""
         n, counts = self.n, self._group_count
+        added = []
         for r in rows:
             if r in self.rows:
                 continue
             self.rows.add(r)
+            added.append(r)
             g = r // n
             counts[g] += 1
             if counts[g] == n:
                 self.full_groups.add(g)
+        return added
 
     def discard(self, rows) -> None:
         n, counts = self.n, self._group_count
