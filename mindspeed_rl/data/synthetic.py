@@ -13,7 +13,7 @@ one kind, so the kind needs no marker in the prompt:
 | `sort`    | `312=` / `+312=`  | `123` / `321` | ascending; descending when the prompt starts with `+` (drawn per prompt) |
 | `add`     | `123+456=`        | `579`         | digit-wise sum mod 10, no carries: (a_i + b_i) % 10 |
 
-Why these rules: each answer digit depends on a few prompt positions (learnable by a 75k-parameter
+Why these rules: each answer digit depends on a few prompt positions (learnable by an 84k-parameter
 model), and a policy that ignores the prompt cannot do well: random digits score 0.10 on every
 kind. Every answer position of `copy`, `reverse` and `add` is uniform over 0-9, so the best
 constant answer also scores 0.10. Ascending-only sort would not be fair (the smallest of 3 digits

@@ -2,7 +2,7 @@
 
 A real HF tokenizer (saved as `tokenizer.json`, loaded with `AutoTokenizer`) so the tiny default
 goes through exactly the code path of a downloaded checkpoint; one token per character over a
-16-token vocabulary (digits, `=`, `+`, and the specials) keeps a 75k-parameter model's random
+16-token vocabulary (digits, `=`, `+`, and the specials) keeps an 84k-parameter model's random
 start close to the task: measured, a 100-token vocabulary needs far more RL steps to find digits.
 Any other character maps to `<unk>`; the tiny model is for the built-in synthetic tasks, real
 data comes with a real model's tokenizer.
