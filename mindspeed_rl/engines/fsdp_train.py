@@ -240,9 +240,10 @@ class FSDPTrainEngine(TrainEngine):
         a tied parameter is gathered again under its second name rather than kept alive."""
         for name, p in self.model.named_parameters(remove_duplicate=False):
             with torch.no_grad():
-                t = p.full_tensor() if _is_dtensor(p) else p.detach()
-                if t.dtype != self.export_dtype:
-                    t = t.to(self.export_dtype)
+                if _is_dtensor(p):  # cast the shard, then gather: the gather moves and holds the export dtype
+                    t = (p.to(self.export_dtype) if p.dtype != self.export_dtype else p).full_tensor()
+                else:
+                    t = p.detach().to(self.export_dtype)
             yield name, t
 
     def export_weights(self, bucket_bytes: int) -> Iterator[Bucket]:

@@ -303,7 +303,7 @@ class VLLMRolloutEngine(RolloutEngine):
             self._pending.clear()
         self._pending_version = version
         for name, tensor in named_tensors:
-            self._pending[name] = tensor.detach()
+            self._pending[name] = tensor.detach().clone()  # a sync bucket is a view its next bucket overwrites
         by_group: dict[str, list[str]] = {}
         for name in self._pending:
             by_group.setdefault(self._group_of(name), []).append(name)

@@ -355,17 +355,23 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------- receiving
 
 def receive_buckets(group: SyncGroup, device: torch.device | str | None = None, src: int = 0,
-                    prefetch: bool = True, reuse_buffers: bool = True) -> Iterator[Bucket]:
+                    prefetch: bool = True, reuse_buffers: bool = True,
+                    targets: dict[str, torch.Tensor] | None = None) -> Iterator[Bucket]:
     """Yield the buckets `src` sends, as [(name, view into the received buffer)].
 
     Pass each straight to `engine.update_weights(bucket, version)`. With `reuse_buffers` (the
     default) the views are valid until the generator is resumed (the consumer copies them out);
     with `prefetch` the next bucket is received while the consumer loads this one (two buffers).
+    `targets` ({HF name: the reader's own tensor}, e.g. an HF model's
+    `dict(named_parameters(remove_duplicate=False))`): a tensor the sender sends in place whose
+    target has the same shape and dtype and is contiguous on `device` is received straight into the
+    target, with no copy, and left out of the yielded bucket (a bucket left empty is not yielded).
     The generator must be exhausted: every member takes part in every broadcast of a sync.
-    `group.last_sync` then says what came (buckets, bytes, layout_version, layout_changed)."""
+    `group.last_sync` then says what came (buckets, bytes, bytes_into_targets, layout_version,
+    layout_changed)."""
     device = torch.device(device) if device is not None else group.device
     changed = False
-    nbytes_total = 0
+    nbytes_total = direct_total = 0
     header = torch.empty(3, dtype=torch.int64, device=group.device)
     group.broadcast(header, src).wait()
     pending: Bucket | None = None
@@ -384,34 +390,73 @@ def receive_buckets(group: SyncGroup, device: torch.device | str | None = None, 
         if spec.nbytes != nbytes:
             raise RuntimeError(f"weight sync: bucket {index} of layout version {version} is {nbytes} bytes "
                                f"on the sender but {spec.nbytes} in its stored layout")
-        if reuse_buffers:
+        direct = _direct_targets(spec, targets, device) if targets else {}
+        rest = spec.nbytes - sum(t.numel() * t.element_size() for t in direct.values())
+        if rest == 0:
+            buf = None
+        elif reuse_buffers:
             buf = group.buffer(("recv", slot), spec.nbytes, device)[:spec.nbytes]
             slot = (slot + 1) % 2 if prefetch else 0
         else:
             buf = torch.empty(spec.nbytes, dtype=torch.uint8, device=device)
-        works = [group.broadcast(buf[start:end], src) for start, end, _ in spec.segments]
+        works = [group.broadcast(_bytes_of(direct[start]) if start in direct else buf[start:end], src)
+                 for start, end, _ in spec.segments]
         header = torch.empty(3, dtype=torch.int64, device=group.device)
         works.append(group.broadcast(header, src))
         nbytes_total += spec.nbytes
+        direct_total += spec.nbytes - rest
         if not prefetch:
             for w in works:
                 w.wait()
-            yield spec.views(buf)
+            got = _views(spec, buf, direct, device)
+            if got:
+                yield got
             continue
-        if pending is not None:
+        if pending:
             yield pending                      # loaded while this bucket arrives
-            pending = None
         for w in works:
             w.wait()
-        pending = spec.views(buf)
-    if pending is not None:
+        pending = _views(spec, buf, direct, device)
+    if pending:
         yield pending
     if version != group.layout_version:     # only the bucket count changed (seen in the end header)
         group.layout, group.layout_version = {}, version
         group.layout_changes += 1
         changed = True
-    group.last_sync = {"buckets": nbytes, "bytes": nbytes_total, "layout_version": version,
-                       "layout_changed": changed}   # the end header's third field is the bucket count
+    group.last_sync = {"buckets": nbytes, "bytes": nbytes_total, "bytes_into_targets": direct_total,
+                       "layout_version": version, "layout_changed": changed}  # end header: the bucket count
+
+
+def _direct_targets(spec: BucketSpec, targets: dict, device: torch.device) -> dict[int, torch.Tensor]:
+    """offset -> the reader's tensor, for in-place segments that can be received straight into it."""
+    out = {}
+    by_offset = {}
+    for e in spec.entries:
+        if e.nbytes:
+            by_offset.setdefault(e.offset, []).append(e)
+    for start, end, packed in spec.segments:
+        if packed:
+            continue
+        entries = by_offset[start]
+        t = targets.get(entries[0].name)
+        if (t is not None and t.is_contiguous() and t.device == device and t.dtype == _dtype(entries[0].dtype)
+                and tuple(t.shape) == entries[0].shape
+                and all(targets.get(e.name) is not None and targets[e.name].data_ptr() == t.data_ptr()
+                        for e in entries[1:])):   # aliases in the bucket must share the target too
+            out[start] = t.detach()
+    return out
+
+
+def _views(spec: BucketSpec, buf: torch.Tensor | None, direct: dict[int, torch.Tensor],
+           device: torch.device) -> Bucket:
+    """The bucket's tensors that were not received straight into targets."""
+    out = []
+    for e in spec.entries:
+        if e.nbytes == 0:
+            out.append((e.name, torch.empty(e.shape, dtype=_dtype(e.dtype), device=device)))
+        elif e.offset not in direct:
+            out.append((e.name, buf[e.offset:e.offset + e.nbytes].view(_dtype(e.dtype)).view(e.shape)))
+    return out
 
 
 # ---------------------------------------------------------------------------- in one process
@@ -437,27 +482,6 @@ def copy_weights(buckets: Iterable[Bucket], readers: Sequence, version: int) -> 
         n += 1
         nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
     return {"buckets": n, "bytes": nbytes}
-
-
-@torch.no_grad()
-def load_by_name(module: torch.nn.Module, named: NamedTensors) -> int:
-    """Copy (name, tensor) pairs into `module`'s parameters and buffers of those HF names (tied
-    names included); a name the module lacks raises KeyError. Returns the number copied."""
-    targets = dict(module.named_parameters(remove_duplicate=False))
-    targets.update(module.named_buffers(remove_duplicate=False))
-    n = 0
-    for name, t in named:
-        try:
-            dst = targets[name]
-        except KeyError:
-            raise KeyError(f"weight sync: the reader has no weight named {name!r}; it does not hold the "
-                           "architecture the trainer exports") from None
-        if dst.shape != t.shape:
-            raise ValueError(f"weight sync: {name} is {tuple(t.shape)} from the trainer but "
-                             f"{tuple(dst.shape)} in the reader")
-        dst.copy_(t)
-        n += 1
-    return n
 
 
 class Checksum:
@@ -489,41 +513,3 @@ class Checksum:
 def checksum(named_tensors: NamedTensors | Sequence[torch.Tensor]) -> str:
     """`Checksum` of (name, tensor) pairs in one go; bare tensors are named by their position."""
     return Checksum().update(named_tensors).hexdigest()
-
-
-# ---------------------------------------------------------------------------- legacy (to be removed)
-# The whole-model float32 flat buffer that weight sync used before buckets. Kept only while
-# mindspeed_rl/workers/worker.py and tests/engines/_mp_workers.py / test_train_ddp.py still import
-# it; delete once they do not.
-
-def flatten(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
-    """All tensors, in order, as one 1-D float32 buffer (reused when `out` is given). Legacy."""
-    total = sum(t.numel() for t in tensors)
-    if out is None or out.numel() != total:
-        out = torch.empty(total, dtype=torch.float32)
-    offset = 0
-    for t in tensors:
-        n = t.numel()
-        out[offset:offset + n].copy_(t.detach().reshape(-1))
-        offset += n
-    return out
-
-
-@torch.no_grad()
-def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    """Legacy counterpart of `flatten`."""
-    need = sum(t.numel() for t in tensors)
-    if flat.numel() != need:
-        raise ValueError(f"weight sync: received {flat.numel()} values for parameters that hold {need}; "
-                         "the rollout model's architecture differs from the trained model's")
-    offset = 0
-    for t in tensors:
-        n = t.numel()
-        t.copy_(flat[offset:offset + n].view_as(t))
-        offset += n
-
-
-def broadcast_flat(group: SyncGroup, flat: torch.Tensor, src: int = 0) -> torch.Tensor:
-    """Legacy: one broadcast of a whole flat buffer."""
-    group.broadcast(flat, src).wait()
-    return flat

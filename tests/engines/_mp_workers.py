@@ -109,38 +109,6 @@ def _outcome(out: Path) -> str:
     return "returned" if r["ok"] else f"raised:\n{r['error']}"
 
 
-# ---------------------------------------------------------------------------- weight sync
-
-def broadcast_weights(rank: int, world: int, port: int) -> dict:
-    """Rank 0 (a train engine, seed 0) sends its flat parameters; the others (rollout engines built
-    with other seeds) receive them into their own parameters."""
-    from mindspeed_rl.engines.weight_sync import broadcast_flat, checksum, flatten, stateless_group, unflatten_into
-    model = tiny_qwen2(seed=rank)
-    if rank == 0:
-        tensors = TorchTrainEngine(model, PAD, OptimConfig()).parameters()
-    else:
-        tensors = [t for _, t in HFRolloutEngine(model, PAD).named_parameters_for_sync()]
-    before = checksum(tensors)
-    group = stateless_group(HOST, port, rank, world, timeout_s=60)
-    flat = flatten(tensors) if rank == 0 else torch.empty(sum(t.numel() for t in tensors))
-    broadcast_flat(group, flat, src=0)
-    if rank != 0:
-        unflatten_into(flat, tensors)
-    return {"before": before, "after": checksum(tensors)}
-
-
-def join_group(rank: int, world: int, port: int, timeout_s: float) -> dict:
-    """Try to form a group some members of which never come; report how it ended and when."""
-    from mindspeed_rl.engines.weight_sync import stateless_group
-    t0 = time.monotonic()
-    try:
-        stateless_group(HOST, port, rank, world, timeout_s=timeout_s)
-    except Exception as e:  # noqa: BLE001 - the test inspects it
-        return {"raised": type(e).__name__, "is_runtime_error": isinstance(e, RuntimeError),
-                "message": str(e)[:2000], "elapsed": time.monotonic() - t0}
-    return {"raised": None, "elapsed": time.monotonic() - t0}
-
-
 # ---------------------------------------------------------------------------- DDP
 
 def as_process_group(group):

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from mindspeed_rl.engines.base import bucketed, hf_named_weights
-from mindspeed_rl.engines.weight_sync import (Checksum, checksum, load_by_name, receive_buckets, send_buckets,
+from mindspeed_rl.engines.base import load_named as load_by_name
+from mindspeed_rl.engines.weight_sync import (Checksum, checksum, receive_buckets, send_buckets,
                                               stateless_group, tee_buckets)
 
 from ._common import tiny_qwen2
