@@ -61,16 +61,22 @@ TRAIN_BACKENDS: dict[str, Backend] = {b.name: b for b in (
                     "Ascend: torch_npu, megatron-core and MindSpeed's megatron adaptor",
             doc="megatron-core GPTModel from the HF Qwen2 config and weights, megatron DDP + distributed "
                 "optimizer, 1F1B, dist_checkpointing (needs CUDA or NPU; not run here)"),
+    Backend("mesh", "mindspeed_rl.engines.mesh_train:MeshTrainEngine", ("cpu", "cuda", "npu"), lockstep=True,
+            doc="TP (DTensor plans), PP (torch.distributed.pipelining) and FSDP2 over dp on a (pp, dp, tp) device "
+                "mesh; one dock reader and writer per replica. The trainer runs every worker group with tp or pp "
+                "> 1 (placement.mode: mesh) on it, whatever actor_config.backend says"),
     Backend("simulate", "mindspeed_rl.engines.simulate:SimulatedTrainEngine", ("cpu", "cuda", "npu"),
             doc="sleeps trainer.simulate_cost_s_per_row per row, no model (benchmarks)"),
 )}
 
-# backends a user names in a config; `simulate` is chosen by trainer.simulate_cost_s_per_row instead
+# backends a user names in a config; `simulate` is chosen by trainer.simulate_cost_s_per_row instead, and
+# `mesh` by the placement (a worker group with tp or pp > 1 in placement.mode: mesh; trainer/plan.py)
 SIMULATE = "simulate"
+MESH = "mesh"
 
 
 def user_backends(table: dict[str, Backend]) -> list[str]:
-    return [n for n in table if n != SIMULATE]
+    return [n for n in table if n not in (SIMULATE, MESH)]
 
 
 def _backend(table: dict[str, Backend], kind: str, name: str) -> Backend:

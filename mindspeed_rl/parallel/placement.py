@@ -256,6 +256,28 @@ class PlacementPlan:
                      f"{sum(len(v) for v in dmap.values())} MFC ranks on them")
         return "\n".join(lines)
 
+    def format_ranks(self, groups: Mapping[str, str] | None = None) -> str:
+        """Each MFC's ranks: which device each sub-rank runs on, its TP/PP/DP groups and the ranks that
+        read from and write to the dock (one each per DP replica; `topology.io_role`). Ranks are the
+        MFC's sub-ranks, which are the worker ranks of its group; `groups` (MFC -> worker group name)
+        adds the group column."""
+        from .topology import dock_reader_ranks, dock_writer_ranks
+
+        def grp(gs: list[list[int]]) -> str:
+            return " ".join("[" + ",".join(str(r) for r in g) + "]" for g in gs)
+
+        head = ("MFC",) + (("group",) if groups else ()) + ("DP/TP/PP", "rank:device", "TP groups", "PP groups",
+                                                             "DP groups", "dock readers", "dock writers")
+        rows = [head]
+        for name, p in self.placements.items():
+            t = p.topology
+            devs = p.mesh.devices
+            rows.append((name,) + ((groups.get(name, "-"),) if groups else ()) + (
+                p.strategy, " ".join(f"{k}:{d}" for k, d in enumerate(devs)), grp(t.groups("tp")),
+                grp(t.groups("pp")), grp(t.groups("dp")), ",".join(str(r) for r in dock_reader_ranks(t)),
+                ",".join(str(r) for r in dock_writer_ranks(t))))
+        return "\n".join(_table(rows))
+
 
 def _table(rows: list[tuple[str, ...]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

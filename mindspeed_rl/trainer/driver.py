@@ -344,7 +344,7 @@ class Trainer:
         except Exception as e:  # the dock itself is gone: say so rather than hide the stall
             return f"stages {waiting} stalled (the dock did not answer for details: {_first_line(e)})"
         groups = {m.name: self.plan.group_of(m.name) for m in self.plan.order}
-        lanes = {name: f"{g}/{_ranks(self.plan.groups[g].resources.dp)}" for name, g in groups.items()}
+        lanes = {name: f"{g}/{_ranks(self.plan.groups[g].world)}" for name, g in groups.items()}
         return describe_stall(self.plan.order, waiting, columns, consumers, lanes,
                               self.cfg.trainer.stage_timeout_s)
 
@@ -479,7 +479,7 @@ class Trainer:
         lanes = [{"stage": "dataset", "worker": "driver"}]
         for m in plan.order:
             group = plan.group_of(m.name)
-            lanes += [{"stage": m.name, "worker": f"{group}/{rank}"} for rank in range(plan.groups[group].resources.dp)]
+            lanes += [{"stage": m.name, "worker": f"{group}/{rank}"} for rank in range(plan.groups[group].world)]
         producers = {c: m.name for m in plan.order for c in m.output_keys}
         return {"title": os.path.basename(os.path.normpath(cfg.trainer.output_dir)),
                 "output_dir": os.path.abspath(cfg.trainer.output_dir), "algorithm": cfg.rl_config.algorithm,
@@ -574,18 +574,20 @@ class Trainer:
                 opts["num_gpus"] = r.num_gpus
             if r.num_npus:
                 opts["resources"] = {"NPU": r.num_npus}
-            def pinned(k: int, gp=gp, opts=opts):  # mode mesh: rank k on device k of the group's mesh
+            # mode mesh: dp * tp * pp ranks, rank k (the topology's sub-rank k) on device k of the group's mesh
+            def pinned(k: int, gp=gp, opts=opts):
                 if not gp.devices:
                     return ray.remote(Worker).options(**opts)
                 from ..parallel import scheduling_strategy
                 return ray.remote(Worker).options(
                     **opts, scheduling_strategy=scheduling_strategy(self.placement_groups, gp.devices[k]))
             self.workers[name] = [
-                pinned(k).remote(WorkerSpec(group=name, rank=k, dp=r.dp, mfcs=gp.mfcs, config=cfg, docks=self.docks,
-                                      model_paths=plan.model_paths, trained_models=plan.trained,
-                                      same_step_outputs=plan.same_step_outputs, rows_per_step=plan.rows_per_step,
-                                      torch_threads=r.torch_threads, device=r.device, env=env))
-                for k in range(r.dp)]
+                pinned(k).remote(WorkerSpec(group=name, rank=k, dp=r.dp, tp=gp.tp, pp=gp.pp, mfcs=gp.mfcs, config=cfg,
+                                            docks=self.docks, model_paths=plan.model_paths, trained_models=plan.trained,
+                                            same_step_outputs=plan.same_step_outputs,
+                                            rows_per_step=plan.rows_per_step, torch_threads=r.torch_threads,
+                                            device=r.device, env=env))
+                for k in range(gp.world)]
         all_workers = [w for ws in self.workers.values() for w in ws]
         infos = self._get([w.ping.remote() for w in all_workers], "starting workers")
         for name, ws in self.workers.items():
@@ -596,11 +598,13 @@ class Trainer:
         for name, ws in self.workers.items():
             engines = {InterfaceType(m.interface_type) for m in plan.groups[name].mfcs}
             if len(ws) > 1 and engines & {InterfaceType.TRAIN_STEP, InterfaceType.INFERENCE}:
-                # the DP group of a model's ranks (DDP, FSDP); never in a rollout-only group, whose engine
-                # (vLLM) may take torch's default group for itself
+                # the default group over a model's ranks (DDP, FSDP; all dp*tp*pp of a model-parallel group);
+                # never in a rollout-only group, whose engine (vLLM) may take torch's default group for itself.
+                # Its collectives may wait for a reader waiting on the dock: a timeout beyond the stage's
                 host = infos[all_workers.index(ws[0])]["host"]
                 port = self._get([ws[0].free_port.remote()], "DDP port")[0]
-                self._get([w.init_ddp.remote(host, port) for w in ws], f"DDP group of '{name}'")
+                timeout = max(60.0, 2 * t.stage_timeout_s + 60.0)
+                self._get([w.init_ddp.remote(host, port, timeout) for w in ws], f"DDP group of '{name}'")
         self._get([w.setup.remote() for w in all_workers], "loading models")
         # weight sync groups: the trainer's rank 0 + every worker hosting a reader without the trainer
         self._sync_members: dict[str, list[Any]] = {}

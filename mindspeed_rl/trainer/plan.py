@@ -22,8 +22,20 @@ from ..parallel import ClusterSpec, PlacementPlan, plan_placement
 class GroupPlan:
     name: str
     mfcs: list[MFCDef]
-    resources: GroupConfig
+    resources: GroupConfig                  # resources.dp: the data-parallel replicas
     devices: list[int] = field(default_factory=list)  # placement.mode=mesh: rank k runs on devices[k]
+    tp: int = 1                             # placement.mode=mesh: tensor- and pipeline-parallel sizes; the
+    pp: int = 1                             # group runs dp * tp * pp actors, one per device of its mesh
+
+    @property
+    def world(self) -> int:
+        """The group's actors (ranks): dp * tp * pp, sub-rank k on `devices[k]` (parallel/topology.py)."""
+        return self.resources.dp * self.tp * self.pp
+
+    @property
+    def model_parallel(self) -> bool:
+        """TP or PP > 1: the mesh train backend runs its models, one dock reader and writer per replica."""
+        return self.tp * self.pp > 1
 
 
 @dataclass
@@ -50,9 +62,9 @@ class Plan:
     def resource_totals(self) -> dict[str, float]:
         tot = {"CPU": 0.0, "GPU": 0.0, "NPU": 0.0}
         for p in self.groups.values():
-            tot["CPU"] += p.resources.num_cpus * p.resources.dp
-            tot["GPU"] += p.resources.num_gpus * p.resources.dp
-            tot["NPU"] += p.resources.num_npus * p.resources.dp
+            tot["CPU"] += p.resources.num_cpus * p.world
+            tot["GPU"] += p.resources.num_gpus * p.world
+            tot["NPU"] += p.resources.num_npus * p.world
         return tot
 
 
@@ -145,9 +157,9 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
 
     # worker groups: the mode's preset, then the config's groups (which may move MFCs or add resources)
     assign: dict[str, str] = {}
-    placement, mesh_resources, mesh_devices = None, {}, {}
+    placement, mesh_resources, mesh_devices, mesh_splits = None, {}, {}, {}
     if cfg.placement.mode == "mesh":
-        placement, assign, mesh_resources, mesh_devices = mesh_groups(cfg, order, check_files)
+        placement, assign, mesh_resources, mesh_devices, mesh_splits = mesh_groups(cfg, order, check_files)
     elif cfg.placement.mode != "custom":
         for g, names in preset_groups(cfg.placement.mode, order, rollout_spec.own_process).items():
             for n in names:
@@ -174,7 +186,8 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
         g = assign[m.name]
         if g not in groups:
             res = dataclasses.replace(resources.get(g, GroupConfig()), mfcs=[])
-            groups[g] = GroupPlan(name=g, mfcs=[], resources=res, devices=list(mesh_devices.get(g, [])))
+            tp, pp = mesh_splits.get(g, (1, 1))
+            groups[g] = GroupPlan(name=g, mfcs=[], resources=res, devices=list(mesh_devices.get(g, [])), tp=tp, pp=pp)
         groups[g].mfcs.append(m)
         groups[g].resources.mfcs.append(m.name)
     for g, gc in cfg.placement.groups.items():
@@ -238,17 +251,24 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
                                   "the generate MFCs to a group of their own")
     model_kinds = {m.name: functions[m.name].engine for m in order}
     for g, p in groups.items():  # the train backend runs every model engine but rollout: can it run here?
+        spec = group_train_backend(train_spec, p)
         engines = [m.name for m in p.mfcs if model_kinds[m.name] in ("policy", "value")]
-        if engines and p.resources.device != "auto" and p.resources.device not in train_spec.devices:
-            raise ConfigError(f"actor_config.backend={train_spec.name}: runs on {list(train_spec.devices)}, but worker "
+        if engines and p.resources.device != "auto" and p.resources.device not in spec.devices:
+            raise ConfigError(f"actor_config.backend={spec.name}: runs on {list(spec.devices)}, but worker "
                               f"group '{g}' ({engines}) has device={p.resources.device!r}; pick a backend that runs "
-                              f"there (docs/engines.md) or put the group on {train_spec.devices[0]}")
+                              f"there (docs/engines.md) or put the group on {spec.devices[0]}")
         values = [m.name for m in p.mfcs if model_kinds[m.name] == "value"]
-        if values and not train_spec.value_models:
+        if values and not spec.value_models:
             raise ConfigError(f"actor_config.backend={train_spec.name}: cannot run a critic ({values}: a value head); "
                               "use torch or fsdp for algorithms with a critic")
     engine_backends(cfg, check_files)  # a backend's package missing: said once the placement is known good
     notes = [f"engines: rollout {rollout_spec.name}, training {train_spec.name}"]
+    split = {g: f"{p.resources.dp}/{p.tp}/{p.pp}" for g, p in groups.items()
+             if p.model_parallel and not all(_unsplittable(m) for m in p.mfcs)}
+    if split:
+        notes.append(f"model-parallel worker groups {split} (dp/tp/pp) run the mesh train backend (TP, PP and FSDP "
+                     f"over dp; docs/engines.md) whatever actor_config.backend says; one dock reader and one writer "
+                     f"per replica, and their MFCs take turns on the group's ranks within a step")
     if rl.max_weight_staleness:
         late = train_time_mfcs(graph)
         notes.append(f"max_weight_staleness={rl.max_weight_staleness}: {[m.name for m in order if m.name not in late]} "
@@ -278,10 +298,12 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
     same_step = {t: [k for r in same_step_readers(graph, t) for k in by_name[r].output_keys]
                  for t in trained.values()}
     if placement is not None:
-        strategies = {n: p.strategy for n, p in placement.placements.items() if p.tp > 1 or p.pp > 1}
+        strategies = {n: p.strategy for n, p in placement.placements.items()
+                      if (p.tp > 1 or p.pp > 1) and n in by_name and _unsplittable(by_name[n])}
         if strategies:
-            notes.append(f"placement.mfcs with tp or pp > 1 ({strategies}): planned, not run; the torch and hf "
-                         "engines split data only (dp) so far, so a real run stops before any worker starts")
+            notes.append(f"placement.mfcs with tp or pp > 1 ({strategies}): planned, not run; the rollout engines "
+                         "generate data parallel only so far (and a compute MFC runs no model), so a real run stops "
+                         "before any worker starts")
     return Plan(graph=graph, order=order, columns=dock_columns(graph), consumers=dock_consumers(graph),
                 dataset_keys=tuple(dataset_keys), groups=groups, trained=trained,
                 sync_targets=weight_sync_targets(graph), same_step_outputs=same_step, model_paths=model_paths,
@@ -294,15 +316,67 @@ def _dp_key(cfg: Config, group: str) -> str:
     return "placement.mfcs (dp)" if cfg.placement.mode == "mesh" else f"placement.groups.{group}.dp"
 
 
+def group_train_backend(train_spec, group: GroupPlan):
+    """The registry entry of the train backend a worker group's models run on: the mesh backend for a
+    model-parallel group (tp or pp > 1), else the configured one (`actor_config.backend`)."""
+    from ..engines import registry
+    if group.model_parallel and train_spec.name != registry.SIMULATE:
+        return registry.TRAIN_BACKENDS[registry.MESH]
+    return train_spec
+
+
+def _unsplittable(m: MFCDef) -> bool:
+    """An MFC whose model cannot be split across TP/PP ranks yet: generation (the rollout engines run
+    data parallel only) and compute MFCs (they run no model)."""
+    return InterfaceType(m.interface_type) in (InterfaceType.GENERATE, InterfaceType.COMPUTE)
+
+
+def _model_config(path: str) -> dict | None:
+    """The HF config.json of a model path (a built-in model's from the repo), or None when unreadable."""
+    import json
+    from pathlib import Path
+
+    from ..models import checkpoint as ck
+    try:
+        if ck.is_builtin(path):
+            name = str(path)[len(ck.BUILTIN_PREFIX):]
+            return json.loads((ck._CONFIG_DIR / ck._BUILTIN_CONFIGS[name]).read_text())
+        return json.loads((Path(path).expanduser() / "config.json").read_text())
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _check_split(mfc: str, placement, model_path: str, path_key: str) -> None:
+    """Megatron's rules, before any worker starts: each TP rank takes whole heads, KV heads and an equal
+    share of the MLP; each pipeline stage at least one decoder layer."""
+    cfg = _model_config(model_path)
+    if cfg is None:
+        return
+    tp, pp = placement.tp, placement.pp
+    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        v = cfg.get(key)
+        if key == "num_key_value_heads" and v is None:
+            v = cfg.get("num_attention_heads")
+        if isinstance(v, int) and v % tp:
+            raise ConfigError(f"placement.mfcs.{mfc}: tp={tp} must divide the model's {key}={v} ({path_key}="
+                              f"{model_path!r}; each TP rank takes whole heads); use a tp that divides it")
+    layers = cfg.get("num_hidden_layers")
+    if isinstance(layers, int) and pp > layers:
+        raise ConfigError(f"placement.mfcs.{mfc}: pp={pp} stages but the model ({path_key}={model_path!r}) has "
+                          f"{layers} decoder layers; use pp <= {layers}")
+
+
 def mesh_groups(cfg: Config, order: list[MFCDef], check_files: bool):
     """placement.mode=mesh: per-MFC meshes (ReaLHF's allocation) -> worker groups pinned to devices.
 
     MFCs of one model on the same mesh with the same DP/TP/PP share a worker group (one copy of the
     weights, as `actor_log_prob` and `actor_train` share the trainer's); each rank runs on one device
-    of the mesh. A device that k groups share gives each of their actors 1/k of it, so Ray packs
-    them onto the device's placement-group bundle. MFCs without a model (rule reward, advantages)
-    that are not listed run in a light CPU group outside the meshes.
-    Returns (PlacementPlan, mfc -> group, group -> GroupConfig, group -> devices).
+    of the mesh, so a group has dp * tp * pp ranks. A device that k groups share gives each of their
+    actors 1/k of it, so Ray packs them onto the device's placement-group bundle. MFCs without a model
+    (rule reward, advantages) that are not listed run in a light CPU group outside the meshes.
+    TP/PP > 1 is run for the inference and train MFCs of a model (the mesh train backend); a real run
+    refuses it for generation (the rollout engines are data parallel only) and compute MFCs.
+    Returns (PlacementPlan, mfc -> group, group -> GroupConfig, group -> devices, group -> (tp, pp)).
     """
     pc = cfg.placement
     by_name = {m.name: m for m in order}
@@ -321,12 +395,30 @@ def mesh_groups(cfg: Config, order: list[MFCDef], check_files: bool):
                               {n: by_name[n].model_name for n in pc.mfcs}, cluster)
     except ValueError as e:
         raise ConfigError(f"placement.mfcs: {e}") from None
-    if check_files:
-        model_parallel = {n: p.strategy for n, p in plan.placements.items() if p.tp > 1 or p.pp > 1}
-        if model_parallel:
-            raise ConfigError(f"placement.mfcs: {model_parallel} (dp/tp/pp) split the model, which the engines "
-                              "cannot yet (they run data parallel only); use tp: 1, pp: 1 with dp = mesh size, or "
+    model_parallel = {n: p.strategy for n, p in plan.placements.items() if p.tp > 1 or p.pp > 1}
+    if check_files and model_parallel:
+        rollout = {n: s for n, s in model_parallel.items()
+                   if InterfaceType(by_name[n].interface_type) is InterfaceType.GENERATE}
+        if rollout:
+            raise ConfigError(f"placement.mfcs: {rollout} (dp/tp/pp) split a rollout model, which the rollout "
+                              "engines cannot yet (hf and vllm generate data parallel only; vLLM tensor parallelism "
+                              "is separate work); use tp: 1, pp: 1 with dp = mesh size for generation, or "
                               "trainer.dry_run=true to see the plan")
+        compute = {n: s for n, s in model_parallel.items()
+                   if InterfaceType(by_name[n].interface_type) is InterfaceType.COMPUTE}
+        if compute:
+            raise ConfigError(f"placement.mfcs: {compute} (dp/tp/pp): compute MFCs run no model, so there is "
+                              "nothing to split; give them tp: 1, pp: 1")
+        if cfg.trainer.simulate_cost_s_per_row:
+            raise ConfigError(f"placement.mfcs: {model_parallel} (dp/tp/pp) with trainer.simulate_cost_s_per_row: "
+                              "the simulate backend splits no model; use tp: 1, pp: 1 for simulated runs")
+        paths = {"actor": ("actor_config.model_path", cfg.actor_config.model_path),
+                 "ref": ("ref_config.model_path", cfg.ref_config.model_path or cfg.actor_config.model_path),
+                 "critic": ("critic_config.model_path", cfg.critic_config.model_path or cfg.actor_config.model_path)}
+        for n in model_parallel:
+            key, path = paths.get(by_name[n].model_name, (None, None))
+            if path:
+                _check_split(n, plan.placements[n], path, key)
     assign: dict[str, str] = {}
     members: dict[str, list[str]] = {}
     for name, p in plan.placements.items():
@@ -343,6 +435,7 @@ def mesh_groups(cfg: Config, order: list[MFCDef], check_files: bool):
     device = {"cpu": "cpu", "gpu": "cuda", "npu": "npu"}[cluster.device_kind]
     resources: dict[str, GroupConfig] = {}
     devices: dict[str, list[int]] = {}
+    splits: dict[str, tuple[int, int]] = {}
     for group, names in members.items():
         p = plan.placements[names[0]]
         k = max(share[d] for d in p.mesh.devices)
@@ -354,7 +447,8 @@ def mesh_groups(cfg: Config, order: list[MFCDef], check_files: bool):
             res.num_npus = frac
         resources[group] = res
         devices[group] = list(p.mesh.devices)
-    return plan, assign, resources, devices
+        splits[group] = (p.tp, p.pp)
+    return plan, assign, resources, devices, splits
 
 
 def _floor4(x: float) -> float:
@@ -393,7 +487,9 @@ def check_cluster(plan: Plan, available: dict[str, float]) -> None:
     for res, amount in need.items():
         have = float(available.get(res, 0.0))
         if amount > have + 1e-9:
-            detail = ", ".join(f"{g}: {getattr(p.resources, 'num_' + res.lower() + 's')} x dp {p.resources.dp}"
+            detail = ", ".join(f"{g}: {getattr(p.resources, 'num_' + res.lower() + 's')} x "
+                               + (f"dp {p.resources.dp}" if not p.model_parallel else
+                                  f"{p.world} ranks (dp*tp*pp {p.resources.dp}*{p.tp}*{p.pp})")
                                for g, p in plan.groups.items()
                                if getattr(p.resources, "num_" + res.lower() + "s") > 0)
             more = ("give Ray more (placement.ray_num_cpus)" if res == "CPU" else
@@ -410,19 +506,26 @@ def format_plan(plan: Plan) -> str:
 
 def _format_mesh_plan(plan: Plan) -> str:
     """mode mesh: the per-MFC table and the devices' sharing (docs/parallel.md), then the worker groups."""
+    group_of = {m.name: g for g, p in plan.groups.items() for m in p.mfcs}
     return ("per-MFC placement on " + str(plan.placement.cluster) + "\n" + plan.placement.format_table()
+            + "\n\nranks of each MFC (rank k of its worker group runs on the k-th device of its mesh; a replica's "
+              "dock reader pulls its micro-batches and broadcasts them to the replica, its writer pushes the "
+              "outputs)\n" + plan.placement.format_ranks(group_of)
             + "\n\nworker groups (MFCs of one model on one mesh share a group)\n" + _format_groups(plan))
 
 
 def _format_groups(plan: Plan) -> str:
     from ..parallel import format_ids
-    rows = [("group", "MFCs", "role/type", "dp", "cpus", "gpus", "npus", "device", "on devices")]
+    split = any(p.model_parallel for p in plan.groups.values())
+    rows = [("group", "MFCs", "role/type", "dp") + (("tp", "pp", "ranks") if split else ())
+            + ("cpus", "gpus", "npus", "device", "on devices")]
     for g, p in plan.groups.items():
         r = p.resources
         rows.append((g, ", ".join(m.name for m in p.mfcs),
                      ", ".join(sorted({f"{m.model_name}/{InterfaceType(m.interface_type).value}" for m in p.mfcs})),
-                     str(r.dp), f"{r.num_cpus:g}", f"{r.num_gpus:g}", f"{r.num_npus:g}", r.device,
-                     format_ids(p.devices) if p.devices else "-"))
+                     str(r.dp)) + ((str(p.tp), str(p.pp), str(p.world)) if split else ())
+                    + (f"{r.num_cpus:g}", f"{r.num_gpus:g}", f"{r.num_npus:g}", r.device,
+                       format_ids(p.devices) if p.devices else "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))

@@ -5,6 +5,14 @@ actor is threaded, so in non-blocking mode its stages run at the same time and t
 as they become ready. Disaggregated placement gives MFCs actors of their own. Either way, the
 worker talks to other stages only through the dock, and to other workers only for weight sync
 and DDP (torch.distributed groups of its own, beside Ray).
+
+A model-parallel group (placement.mode: mesh with tp or pp > 1) has dp * tp * pp ranks, rank k the
+topology's sub-rank k, and runs its models on the mesh train backend. MindSpeed-RL's rule: only a
+replica's reader (pp 0, tp 0) pulls micro-batches from the dock, so each replica takes its rows
+exactly once; every rank calls the engine as many times, in the same order (the readers tell their
+peers when a stage is done); only a replica's writer (tp 0 of the last stage) pushes outputs. Its
+MFCs take turns within a step (log-probs, then training), since every one of them is collective over
+the same ranks.
 """
 from __future__ import annotations
 
@@ -44,6 +52,16 @@ class WorkerSpec:
     torch_threads: int = 1
     device: str = "cpu"
     env: dict = field(default_factory=dict)
+    tp: int = 1                                 # placement.mode=mesh: the group's tensor- and pipeline-parallel
+    pp: int = 1                                 # sizes; the group has dp * tp * pp ranks, `rank` its sub-rank
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def model_parallel(self) -> bool:
+        return self.tp * self.pp > 1
 
 
 class Worker:
@@ -66,6 +84,8 @@ class Worker:
         self._awake_lock = threading.Lock()
         self._awake_count: dict[str, int] = {}
         self._locks: dict[str, ReadWriteLock] = {}  # model -> generate (read) vs weight update (write)
+        self._turns = threading.Condition()         # model-parallel groups: the MFCs take turns (`_turn`)
+        self._turn_next: tuple[int, int] | None = None  # (step, index of the split MFC) whose turn it is
 
     # ------------------------------------------------------------------ setup
     def ping(self) -> dict:
@@ -78,7 +98,8 @@ class Worker:
         return free_port()
 
     def init_ddp(self, host: str, port: int, timeout_s: float = 60.0) -> None:
-        """torch's default process group over this group's DP ranks, for DDP (gloo on CPU).
+        """torch's default process group over this group's ranks (gloo on CPU): the DP ranks for DDP and
+        FSDP, all dp * tp * pp ranks of a model-parallel group (the mesh backend's device mesh).
 
         Weight sync uses groups of its own (`init_sync_group`), so the two never collide.
         """
@@ -87,10 +108,10 @@ class Worker:
         import torch.distributed as dist
 
         from ..device import dist_backend, resolve_device
-        if self.spec.dp > 1:
+        if self.spec.world > 1:
             dist.init_process_group(dist_backend(resolve_device(self.spec.device)),
                                     init_method=f"tcp://{host}:{port}", rank=self.spec.rank,
-                                    world_size=self.spec.dp, timeout=timedelta(seconds=timeout_s))
+                                    world_size=self.spec.world, timeout=timedelta(seconds=timeout_s))
             self.ddp_group = dist.group.WORLD
 
     def setup(self) -> dict:
@@ -101,13 +122,16 @@ class Worker:
         self._decode_label = decode_label  # imported here so a broken install fails at setup, not mid-step
         from ..device import resolve_device
         from ..engines import OptimConfig, RolloutSpec, TrainSpec, make_rollout_engine, make_train_engine
-        from ..engines.registry import SIMULATE, chosen_backends
+        from ..engines.registry import MESH, SIMULATE, chosen_backends
 
         hf_logging.disable_progress_bar()
         hf_logging.set_verbosity_error()
         torch.manual_seed(self.cfg.trainer.seed)
         rollout_backend, train_backend = chosen_backends(self.cfg)
         self.simulated = rollout_backend == SIMULATE
+        split = self.spec.model_parallel and not self.simulated
+        if split:  # a model-parallel group: every model engine here is split over the group's mesh
+            train_backend = MESH
         device = str(resolve_device(self.spec.device))
         a, g = self.cfg.actor_config, self.cfg.generate_config
         fns = {m.name: C.check_mfc(m) for m in self.spec.mfcs}
@@ -123,11 +147,16 @@ class Worker:
             return str(resolve_model_path(self.spec.model_paths[model])) if not self.simulated else ""
 
         def train_spec(model: str, f: C.ComputeFn, optim) -> TrainSpec:
+            if self.simulated:
+                options = {"costs": costs.get(model, {})}
+            elif split:
+                options = {"tp": self.spec.tp, "pp": self.spec.pp, "dp": self.spec.dp}
+            else:
+                options = {}
             return TrainSpec(model_path=model_path(model), model_kind="value" if f.engine == "value" else "causal_lm",
                              dtype=a.dtype, device=device, pad_token_id=pad, temperature=g.temperature or 1.0,
                              optim=optim, process_group=self.ddp_group if optim is not None else None,
-                             seed=self.cfg.trainer.seed,
-                             options={"costs": costs.get(model, {})} if self.simulated else {})
+                             seed=self.cfg.trainer.seed, options=options)
 
         for m in self.spec.mfcs:
             f, model = fns[m.name], m.model_name
@@ -183,7 +212,11 @@ class Worker:
             raise StageError(f"worker group '{self.spec.group}' does not host stage '{mfc_name}'")
         try:
             kind = InterfaceType(mfc.interface_type)
-            if kind is InterfaceType.TRAIN_STEP:
+            if self._split(mfc):
+                with self._turn(mfc, step):
+                    rep = (self._run_train(mfc, step, kl_coef) if kind is InterfaceType.TRAIN_STEP else
+                           self._run_replica_inference(mfc, step, policy_version))
+            elif kind is InterfaceType.TRAIN_STEP:
                 rep = self._run_train(mfc, step, kl_coef)
             elif kind is InterfaceType.GENERATE:
                 with self._awake(mfc.model_name):
@@ -207,6 +240,94 @@ class Worker:
                              f"failed: {type(e).__name__}: {e} (at {os.path.basename(where.filename)}:"
                              f"{where.lineno})") from e
         return rep.as_dict()
+
+    # ------------------------------------------------------------------ model-parallel groups
+    def _split(self, mfc: MFCDef) -> bool:
+        """Does `mfc` run on a model split over this group's ranks (tp or pp > 1)?"""
+        return (self.spec.model_parallel and not self.simulated
+                and InterfaceType(mfc.interface_type) in (InterfaceType.TRAIN_STEP, InterfaceType.INFERENCE))
+
+    @contextlib.contextmanager
+    def _turn(self, mfc: MFCDef, step: int):
+        """The split MFCs run one at a time, in (step, the graph's order) order: each is collective over the
+        group's ranks, and two of them at once in two threads could issue their collectives in different
+        orders on different ranks and wait on each other crosswise. Every rank keeps the same order.
+
+        A group hosts one model's MFCs, and the trainer starts all of them for each step it runs, in that
+        order (`actor_log_prob` then `actor_train`; a reference's one MFC): so the turn after (s, last) is
+        (s + 1, first). Steps overlap only with max_weight_staleness > 0, where a frozen reference's MFC of
+        step s + 1 may be called while step s's still runs; it then waits for it."""
+        names = [m.name for m in self.spec.mfcs if self._split(m)]
+        mine = (step, names.index(mfc.name))
+        with self._turns:
+            if self._turn_next is None:  # the first step this process runs (0, or a resumed run's)
+                self._turn_next = (step, 0)
+            while self._turn_next < mine:
+                self._turns.wait(1.0)
+        try:
+            yield
+        finally:
+            with self._turns:
+                if self._turn_next <= mine:
+                    s, i = mine
+                    self._turn_next = (s, i + 1) if i + 1 < len(names) else (s + 1, 0)
+                self._turns.notify_all()
+
+    def _run_replica_inference(self, mfc: MFCDef, step: int, policy_version: int) -> StageReport:
+        """An inference MFC on a split model: the replica's reader pulls micro-batches from the dock (all
+        it can get: the dock hands each row to one reader), every rank calls the engine once per
+        micro-batch, the writer computes the outputs and pushes them.
+
+        Before each engine call the readers say, by a MAX all-reduce over the group's ranks, whether any
+        of them has a micro-batch; all stop together when none has. A replica that has run out while
+        another has not calls the engine with no rows (the engine pads FSDP's forwards). With pp > 1 the
+        writer is not the reader: the reader broadcasts each micro-batch (rows and columns) to its
+        replica (`parallel.broadcast_micro_batch`), so the writer knows which rows it writes."""
+        import torch.distributed as dist
+
+        from ..parallel import broadcast_micro_batch
+        engine = self.train.get(mfc.model_name) or self.infer[mfc.model_name]
+        rep = StageReport(stage=mfc.name, rank=self.spec.rank, step=step)
+        rep.t_start = time.time()
+        dock = self.dock_of(step)
+        count = self._count(mfc)
+        reader, writer = engine.is_reader, engine.is_writer
+        batches = (micro_batches(dock, stage=mfc.name, rank=self.spec.rank, step=step, input_keys=mfc.input_keys,
+                                 count=count, get_n_samples=mfc.get_n_samples,
+                                 timeout_s=self.cfg.trainer.stage_timeout_s, report=rep) if reader else None)
+        compute = self._compute_fn(mfc, step, policy_version) if writer else None
+        call = getattr(engine, C.fn_name(mfc))   # log_probs or values
+        device = engine.device if engine.device.type != "cpu" else None
+        bcast = engine.replica_group is not None and engine.reader != engine.last_tp0
+        more = torch.zeros(1, dtype=torch.long, device=engine.device)
+        while True:
+            item = next(batches, None) if reader else None
+            more.fill_(int(item is not None))
+            dist.all_reduce(more, op=dist.ReduceOp.MAX)
+            if not int(more.item()):
+                break
+            batch, rows = item if item is not None else ({}, [])
+            t1 = time.perf_counter()
+            if bcast:
+                batch, rows = broadcast_micro_batch(batch if reader else None, rows if reader else None,
+                                                    src=engine.reader, group=engine.replica_group, device=device)
+            if writer and rows:
+                out = compute(batch, rows)
+                t2 = time.perf_counter()
+                if out.columns:
+                    dock.put_experience(out.columns, rows, producer=mfc.name, wait=False)
+                add_metrics(rep.metrics, out.metrics)
+                rep.put_s += time.perf_counter() - t2
+                rep.compute_s += t2 - t1
+            else:
+                args = {mfc.arg_name(k): v for k, v in batch.items()}
+                call(args.get("prompts", []) if reader else None, args.get("responses", []) if reader else None,
+                     count)
+                rep.compute_s += time.perf_counter() - t1
+        if reader or writer:
+            dock.flush()
+        rep.t_end = time.time()
+        return rep
 
     def dock_of(self, step: int):
         """The dock of `step`'s rows (one per step in flight: rl_config.max_weight_staleness + 1)."""
@@ -326,7 +447,7 @@ class Worker:
         engine = self.train[mfc.model_name]
         rl = self.cfg.rl_config
         sizes = train_sizes(o.ppo_mini_batch_size, o.ppo_micro_batch_size_per_device, rl.prompts_per_step,
-                            rl.n_samples_per_prompt, self.spec.dp)
+                            rl.n_samples_per_prompt, self.spec.dp)   # dp replicas: tp/pp ranks share their rows
         per_rank, mini, micro = sizes.rows_per_device, sizes.mini_rows_per_device, sizes.micro_rows
         if f.name == "value_train":
             loss_fn = C.value_loss_fn(C.ValueLossConfig(clip_value=o.cliprange_value, agg=o.loss_agg_mode))
@@ -351,15 +472,29 @@ class Worker:
                 self._wait_columns(mfc.name, self.spec.same_step_outputs.get(mfc.name, []), step)
                 waited[0] = True
 
-        for start in range(0, per_rank, mini):
-            it = mini_batch(min(per_rank, start + mini))
-            t0, get_before = time.perf_counter(), rep.get_s
-            first = next(it, None)
-            if first is None:  # the step's rows are all taken (by other DP ranks)
-                break
-            add_metrics(rep.metrics, engine.train_step(itertools.chain([first], it), loss_fn))
-            rep.metrics["updates"] = rep.metrics.get("updates", 0.0) + 1
-            rep.compute_s += time.perf_counter() - t0 - (rep.get_s - get_before)
+        if self._split(mfc):
+            # a split model: every rank takes each optimizer step (their count is fixed by the sizes); only the
+            # replica's reader iterates the dock's micro-batches (the engine broadcasts them), and reports
+            # the replica's metrics (every rank of the replica gets them)
+            reader = engine.is_reader
+            rep.t_start = time.time()
+            for start in range(0, per_rank, mini):
+                t0, get_before = time.perf_counter(), rep.get_s
+                metrics = engine.train_step(mini_batch(min(per_rank, start + mini)) if reader else None, loss_fn)
+                if reader:
+                    add_metrics(rep.metrics, metrics)
+                    rep.metrics["updates"] = rep.metrics.get("updates", 0.0) + 1
+                rep.compute_s += time.perf_counter() - t0 - (rep.get_s - get_before)
+        else:
+            for start in range(0, per_rank, mini):
+                it = mini_batch(min(per_rank, start + mini))
+                t0, get_before = time.perf_counter(), rep.get_s
+                first = next(it, None)
+                if first is None:  # the step's rows are all taken (by other DP ranks)
+                    break
+                add_metrics(rep.metrics, engine.train_step(itertools.chain([first], it), loss_fn))
+                rep.metrics["updates"] = rep.metrics.get("updates", 0.0) + 1
+                rep.compute_s += time.perf_counter() - t0 - (rep.get_s - get_before)
         self.dock_of(step).flush()
         rep.t_end = time.time()
         rep.metrics["version"] = float(engine.version)
@@ -408,47 +543,38 @@ class Worker:
         Nobody holds the whole model twice. With `weight_sync.verify` every side reports a checksum
         of what it sent, received and now serves.
         """
-        ws = self.cfg.weight_sync
+        from ..engines.weight_sync import Checksum
         t0 = time.perf_counter()
-        group = self.sync_groups.get(model)
         readers = self._readers(model)
-        seen: list | None = [] if ws.verify else None
+        digest = Checksum() if self.cfg.weight_sync.verify else None
         out: dict[str, Any] = {"received": [], "readers": len(readers)}
-
-        def load(buckets):
-            for bucket in buckets:
-                for r in readers:
-                    r.update_weights(bucket, version)
-                if seen is not None:
-                    seen.extend((n, t.detach().clone()) for n, t in bucket)
-                yield bucket
-
         with self._weights_lock(model).writing():  # between the rollout's micro-batches, never inside one
-            out = self._sync(model, version, group, readers, load, seen, out)
-        if seen is not None:
+            self._sync(model, version, readers, digest, out)
+        if digest is not None:
             out["received"] += [c for c in (r.state_checksum() for r in readers) if c is not None]
         out["seconds"] = time.perf_counter() - t0
         return out
 
-    def _sync(self, model: str, version: int, group, readers, load, seen, out) -> dict:
-        from ..engines.weight_sync import checksum, receive_buckets, send_buckets
+    def _sync(self, model: str, version: int, readers: list, digest, out: dict) -> None:
+        from ..engines.weight_sync import receive_buckets, send_buckets, tee_buckets
+        group = self.sync_groups.get(model)
         if model in self.train:
-            stream = load(self.train[model].export_weights(self.cfg.weight_sync.bucket_mb << 20))
+            stream = tee_buckets(self.train[model].export_weights(self.cfg.weight_sync.bucket_mb << 20),
+                                 readers, version, digest)
             if group is not None and self.spec.rank == 0:
                 out["transfer"] = send_buckets(group, stream)
             else:
-                for _ in stream:
+                for _ in stream:  # a sharded engine's other ranks take part in each bucket's gather
                     pass
-            if seen is not None and self.spec.rank == 0:
-                out["sent"] = checksum(seen)
+            if digest is not None and self.spec.rank == 0:
+                out["sent"] = digest.hexdigest()
         elif group is not None:
-            for _ in load(receive_buckets(group, group.device)):
+            for _ in tee_buckets(receive_buckets(group, group.device), readers, version, digest):
                 pass
-            if seen is not None:
-                out["received"].append(checksum(seen))
+            if digest is not None:
+                out["received"].append(digest.hexdigest())
         else:
             raise StageError(f"worker group '{self.spec.group}' has no way to get weights of '{model}'")
-        return out
 
     def _weights_lock(self, model: str) -> "ReadWriteLock":
         with self._awake_lock:

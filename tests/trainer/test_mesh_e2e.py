@@ -1,0 +1,132 @@
+"""Tensor- and pipeline-parallel training in the real trainer (placement.mode: mesh, the mesh train
+backend): the shipped configs/grpo_tiny_tp2.yaml and grpo_tiny_pp2.yaml, with the actor's log-prob
+and train MFCs split over two ranks, give the pg_loss of the same run on one unsplit rank per step
+(issue 18: within 1e-4), and every consumer takes each row of a step exactly once (one dock reader per
+replica). All runs share the test session's Ray instance."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mindspeed_rl.config import ConfigError, config_from_dict
+from mindspeed_rl.trainer import Trainer
+from mindspeed_rl.trainer.plan import format_plan, make_plan
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+ROWS = 16 * 8  # prompts_per_step x n_samples_per_prompt
+STEPS = 3
+
+
+class Recording(Trainer):
+    """The trainer, keeping what the dock saw of each step: its consumers' status just before it is
+    cleared, and the stage reports."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.consumed: list[dict] = []
+        self.reports: list[list[dict]] = []
+
+    def _sync_weights(self) -> dict:  # after the step's stages, before the dock is cleared (not the first sync)
+        if self._launched > self.step:
+            self.consumed.append(self.dock_of(self.step).get_consumer_status())
+        return super()._sync_weights()
+
+    def _metrics(self, step, reports, *args):
+        self.reports.append(list(reports))
+        return super()._metrics(step, reports, *args)
+
+
+def config(name: str, out: Path, **sections) -> dict:
+    d = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())
+    d["trainer"].update({"total_steps": STEPS, "output_dir": str(out), "progress": False, "logger": ["jsonl"],
+                         "plot": False, "save_interval": 0, "stage_timeout_s": 60, "dashboard": False,
+                         "report": False})
+    d["rl_config"]["guarantee_order"] = True
+    for section, values in sections.items():
+        for k, v in values.items():
+            if isinstance(v, dict) and isinstance(d[section].get(k), dict):
+                d[section][k] = {**d[section][k], **v}
+            else:
+                d[section][k] = v
+    return d
+
+
+def run(name: str, out: Path, **sections) -> tuple[list[dict], Recording]:
+    trainer = Recording(config_from_dict(config(name, out, **sections)))
+    return trainer.run(), trainer
+
+
+@pytest.mark.parametrize("mfcs, others, words", [
+    ({"actor_rollout": {"mesh": [2, 3], "tp": 2}}, {}, ["actor_rollout': '1/2/1'", "data parallel only"]),
+    ({"actor_log_prob": {"mesh": "0-3", "tp": 4}, "actor_train": {"mesh": "0-3", "tp": 4}}, {},
+     ["actor_log_prob: tp=4 must divide the model's num_key_value_heads=2"]),
+    ({"actor_log_prob": {"mesh": "0-3", "pp": 4}, "actor_train": {"mesh": "0-3", "pp": 4}},
+     {"actor_config": {"model_path": "builtin:tiny-qwen2"}}, ["pp=4 stages but the model", "has 2 decoder layers"]),
+    ({}, {"trainer": {"simulate_cost_s_per_row": {"actor_train": 0.001}}}, ["the simulate backend splits no model"]),
+], ids=["rollout-tp", "kv-heads", "layers", "simulated"])
+def test_real_run_refuses_what_cannot_be_split(tmp_path, mfcs, others, words):
+    with pytest.raises(ConfigError) as e:
+        make_plan(config_from_dict(config("grpo_tiny_tp2", tmp_path, placement={"mfcs": mfcs}, **others)))
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_dry_run_names_each_mfcs_ranks_readers_and_writers(tmp_path):
+    plan = make_plan(config_from_dict(config("grpo_tiny_pp2", tmp_path)), check_files=False)
+    lines = format_plan(plan).splitlines()
+    g = "actor@node0:0-1/1/1/2"
+    # MFC, group, DP/TP/PP, rank:device, TP groups, PP groups, DP groups, dock readers, dock writers
+    assert ["actor_train", g, "1/1/2", "0:0", "1:1", "[0]", "[1]", "[0,1]", "[0]", "[1]", "0", "1"] in \
+        [line.split() for line in lines]
+    assert [g, "actor_log_prob,", "actor_train", "actor/inference,", "actor/train_step", "1", "1", "2", "2"] == \
+        next(line.split()[:9] for line in lines if line.startswith(g))
+    assert plan.groups[g].world == 2 and plan.resource_totals()["CPU"] == 2.0
+
+
+@pytest.fixture(scope="module")
+def reference(ray_session, tmp_path_factory):
+    """tp = pp = 1: the tp2 config with the actor's MFCs on device 0 alone (dp 1, so each optimizer step
+    takes the same rows in the same micro-batches as the split runs; dp 2 would halve them per rank)."""
+    one = {"mfcs": {"actor_log_prob": {"mesh": [0]}, "actor_train": {"mesh": [0]}}}
+    history, trainer = run("grpo_tiny_tp2", tmp_path_factory.mktemp("mesh") / "ref", placement=one)
+    assert [g for g, p in trainer.plan.groups.items() if p.model_parallel] == []
+    return history
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("name, split, legs", [
+    ("grpo_tiny_tp2", (2, 1), [STEPS]),
+    ("grpo_tiny_pp2", (1, 2), [2, STEPS]),  # saved at step 2 (every rank writes its shards), resumed to 3
+], ids=["tp2", "pp2-resumed"])
+def test_split_actor_matches_one_rank_and_takes_rows_once(reference, tmp_path, name, split, legs):
+    out, trainers = tmp_path / name, []
+    for i, steps in enumerate(legs):
+        resume = {"resume": True} if i else {}
+        history, trainer = run(name, out, trainer={"total_steps": steps, "save_interval": 2 if i + 1 < len(legs) else 0,
+                                                  **resume})
+        trainers.append(trainer)
+    group = trainer.plan.groups[trainer.plan.group_of("actor_train")]
+    assert (group.tp, group.pp, group.resources.dp, group.world) == (*split, 1, 2)
+    assert [m.name for m in group.mfcs] == ["actor_log_prob", "actor_train"]
+    assert len(trainer.worker_nodes[group.name]) == 2  # one actor per device of the mesh
+    assert [r["step"] for r in history] == list(range(STEPS))  # a resumed run: the first leg's records too
+    for ref, got in zip(reference, history):
+        assert abs(ref["actor/pg_loss"] - got["actor/pg_loss"]) <= 1e-4, (ref["actor/pg_loss"], got["actor/pg_loss"])
+        assert got["reward/mean"] == ref["reward/mean"]
+        assert got["actor/updates"] == ref["actor/updates"] == 4  # the replica's steps, reported once
+        assert got["rollout/logprob_diff_max"] < 1e-5  # the gathered weights reached the rollout
+    consumed = [c for t in trainers for c in t.consumed]
+    reports = [r for t in trainers for r in t.reports]
+    assert len(consumed) == len(reports) == STEPS
+    for step in range(STEPS):
+        # exactly once: every consumer took the step's 128 rows (a second reader would be refused by the
+        # dock, a missing one would leave rows untaken); the reader's report counts them, its peer's none
+        assert all(s["taken"] == s["total"] == ROWS for s in consumed[step].values()), consumed[step]
+        rows: dict[str, int] = {}
+        for r in reports[step]:
+            rows[r["stage"]] = rows.get(r["stage"], 0) + r["rows"]
+        assert rows["actor_log_prob"] == rows["actor_train"] == rows["rule_reward"] == ROWS, rows
+        assert sum(r["metrics"].get("reward_rows", 0) for r in reports[step]) == ROWS
+        assert {r["rank"]: r["rows"] for r in reports[step] if r["stage"] == "actor_train"} == {0: ROWS, 1: 0}
