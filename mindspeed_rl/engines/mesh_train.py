@@ -25,7 +25,7 @@ What runs where:
   q/k/v/gate/up, RowwiseParallel on o/down (outputs are plain local tensors; HF's attention views
   its projections as ``(..., -1, head_dim)``, so it runs on the local heads unchanged).
   Needs num_attention_heads, num_key_value_heads and intermediate_size divisible by tp (Megatron's
-  rule; the built-in 2-layer tiny model has one KV head, so it runs with tp=1 only). The
+  rule; the built-in 2-layer tiny model has 2 heads and 2 KV heads: tp up to 2). The
   embedding, norms and head stay replicated (plain tensors on every TP rank): their gradients are
   complete on every rank because the TP layers' input hooks all-reduce the gradients of their
   (replicated) inputs.

@@ -156,6 +156,7 @@ def update_and_infer(rank: int, world: int, port: int, path: str, new_weights: d
     alone = _engine(path, None, None)
     alone_logp = alone.log_probs(*rows, micro_batch_size=2)
     alone.close()
+    dist.barrier()  # rank 0 hosts the store that new_group above uses: it must not leave before the others
     dist.destroy_process_group()
     return {"weights": weights, "version": engine.version, "log_probs": logp, "sharded": sharded,
             "alone_log_probs": alone_logp, "alone_mesh_size": alone.mesh.size(), "values": values,
