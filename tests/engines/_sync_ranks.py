@@ -1,19 +1,13 @@
 """Rank processes of the weight sync tests (tests/engines/test_weight_sync.py).
 
-Self-contained (its own fork server and `run_procs`), so the sync tests depend on nothing but
-`weight_sync` and a tiny HF model. A worker writes what its function returned, or its traceback,
-to a file the test reads; a hung worker is killed at the deadline and its stacks reported.
+Run by `_mp_workers.run_procs` (re-exported here): a worker writes what its function returned, or
+its traceback, to a file the test reads; a hung worker is killed at the deadline and its stacks
+reported.
 """
 from __future__ import annotations
 
-import faulthandler
 import importlib
-import multiprocessing
-import os
-import signal
 import time
-import traceback
-from pathlib import Path
 
 import torch
 
@@ -23,71 +17,10 @@ from mindspeed_rl.engines.weight_sync import (Checksum, checksum, receive_bucket
                                               stateless_group, tee_buckets)
 
 from ._common import tiny_qwen2
+from ._mp_workers import run_procs  # noqa: F401  (the tests run these ranks with it)
 
 HOST = "127.0.0.1"
 importlib.import_module("transformers.models.qwen2.modeling_qwen2")  # lazy in transformers: load it here
-
-
-def _context():
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
-    return ctx
-
-
-def _entry(fn, args, out: str) -> None:
-    torch.set_num_threads(1)
-    faulthandler.register(signal.SIGUSR1, file=open(out + ".stack", "w"), all_threads=True)
-    try:
-        result = {"ok": True, "value": fn(*args)}
-    except BaseException:  # noqa: BLE001 - reported to the test, whatever it is
-        result = {"ok": False, "error": traceback.format_exc()}
-    torch.save(result, out)
-
-
-def run_procs(jobs, tmp_path: Path, timeout_s: float = 90.0) -> list:
-    """Run `jobs` ([(fn, args)]) in parallel processes; their return values, in order. Fails (and
-    kills what is left) if any raised, died or outlived `timeout_s`."""
-    ctx = _context()
-    outs = [tmp_path / f"rank{i}.pt" for i in range(len(jobs))]
-    procs = [ctx.Process(target=_entry, args=(fn, tuple(args), str(out)), daemon=True)
-             for (fn, args), out in zip(jobs, outs)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout_s
-    try:
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        hung = [i for i, p in enumerate(procs) if p.is_alive()]
-        if hung:
-            for i in hung:
-                os.kill(procs[i].pid, signal.SIGUSR1)
-            time.sleep(1.0)
-            stacks = "\n".join(f"--- rank {i}:\n{_read(str(outs[i]) + '.stack')}" for i in hung)
-            raise AssertionError(f"ranks {hung} still running after {timeout_s}s\n{stacks}")
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    results, errors = [], []
-    for i, (p, out) in enumerate(zip(procs, outs)):
-        if not out.is_file():
-            errors.append(f"rank {i} exited with code {p.exitcode} and no result")
-            continue
-        r = torch.load(out, weights_only=False)
-        if not r["ok"]:
-            errors.append(f"rank {i} raised:\n{r['error']}")
-        results.append(r.get("value"))
-    if errors:
-        raise AssertionError("\n".join(errors))
-    return results
-
-
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text()
-    except OSError as e:
-        return f"(unreadable: {e})"
 
 
 # ---------------------------------------------------------------------------- syncs
