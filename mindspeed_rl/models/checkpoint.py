@@ -53,9 +53,27 @@ def resolve_model_path(path: str) -> Path:
     name = str(path)[len(BUILTIN_PREFIX):]
     check_model_path("model_path", path)
     target = cache_dir() / f"{name}-{builtin_fingerprint(name)}"
-    if not (target / "model.safetensors").is_file():
-        save_tiny_checkpoint(target, name)
+    if not _complete(target):
+        import fcntl
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # one writer at a time: the many workers of a mesh placement all resolve the path at start
+        lock_path = target.parent / f".{target.name}.lock"
+        with open(lock_path, "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not _complete(target):
+                save_tiny_checkpoint(target, name)
+            # removed while held: a process still waiting on it re-checks and finds the checkpoint whole
+            lock_path.unlink(missing_ok=True)
     return target
+
+
+BUILTIN_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+
+
+def _complete(target: Path) -> bool:
+    """A cached built-in checkpoint with every file a loader reads (a directory left half-written,
+    or with files removed, is rebuilt rather than loaded)."""
+    return all((target / f).is_file() for f in BUILTIN_FILES)
 
 
 def builtin_fingerprint(name: str = "tiny-qwen2") -> str:
@@ -89,10 +107,14 @@ def save_tiny_checkpoint(target: Path, name: str = "tiny-qwen2") -> Path:
         model = Qwen2ForCausalLM(config)
     model.save_pretrained(tmp, safe_serialization=True)
     build_char_tokenizer().save_pretrained(tmp)
+    import shutil
+    if target.exists() and not _complete(target):  # an incomplete copy: set it aside, then replace it
+        stale = target.parent / f".{target.name}.stale-{os.getpid()}"
+        os.replace(target, stale)
+        shutil.rmtree(stale, ignore_errors=True)
     try:
         os.replace(tmp, target)
     except OSError:  # another process won the race: its copy is identical
-        import shutil
         shutil.rmtree(tmp, ignore_errors=True)
     return target
 

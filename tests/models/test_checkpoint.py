@@ -34,6 +34,20 @@ def test_builtin_is_created_once_as_a_real_hf_checkpoint(cache_env, builtin_dir)
     assert {f.name: (f.stat().st_ino, f.stat().st_mtime_ns) for f in path.iterdir()} == stamp
 
 
+def test_an_incomplete_cached_checkpoint_is_rebuilt(cache_env, builtin_dir):
+    """A cache directory that lost its weights and config (seen once under many workers) is rebuilt,
+    not loaded or left broken."""
+    path = resolve_model_path(BUILTIN)
+    want = load_file(str(path / "model.safetensors"))
+    for name in ("config.json", "model.safetensors"):
+        (path / name).unlink()
+    assert resolve_model_path(BUILTIN) == path
+    got = load_file(str(path / "model.safetensors"))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert (path / "config.json").is_file()
+    assert not [p.name for p in cache_env.iterdir() if p.name.startswith(".")]  # no lock or stale copy left
+
+
 def test_loads_with_the_auto_classes(builtin_dir):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
