@@ -6,15 +6,18 @@ What runs (all on the CPU, in separate processes talking over loopback TCP):
 
 * single sender: a plain HF Qwen2ForCausalLM built from mindspeed_rl/models/configs/qwen2_5_0_5b.json
   (random init, 494M parameters, tied embeddings) sends `bucketed(hf_named_weights(model), bucket)`
-  with `weight_sync.send_buckets` to a receiver process, which loads every bucket into its own HF
-  model by name (`engines.base.load_named`, the copy a rollout engine's `update_weights` does). float32 and
-  bfloat16, several bucket sizes, the default wire (big tensors in place, small ones packed) and
-  the pack-everything wire, and receivers with/without prefetch and buffer reuse, and one that
-  receives big tensors straight into its parameters (`targets`, no copy-out).
+  with `weight_sync.send_buckets` to a receiver process that runs what a rollout worker runs,
+  `weight_sync.receive_weights(group, [engine], version)` (`Worker._sync` calls exactly it), on an
+  `HFRolloutEngine` over its own model: big tensors straight into the engine's parameters
+  (`receive_targets`), the rest through its `update_weights`. float32 and bfloat16, several bucket
+  sizes; variants: the pack-everything wire, and the same function with an engine that offers no
+  targets (every bucket copied out by name, as vLLM's reload does), with/without prefetch and
+  buffer reuse.
 * FSDP2 sender: the same model in an `FSDPTrainEngine` over 2 ranks (a gloo default group); both
-  ranks iterate `export_weights(bucket)` (its gathers are collective), rank 0 sends to a 3rd process.
-  Also timed: the export alone (both ranks iterate `export_weights`, nothing is sent), the part of
-  the sync that is FSDP's gathers (gloo's all-gather is slow on the CPU). One timed sync per case.
+  ranks iterate `export_weights(bucket)` (its gathers are collective), rank 0 sends to a 3rd process
+  that receives as above. Also timed: the export alone (both ranks iterate `export_weights`, nothing
+  is sent), and a variant that gathers with `DTensor.full_tensor` (gloo's all-gather) instead of the
+  engine's per-rank broadcasts. One timed sync per case.
 * the floor: one `broadcast` of a single flat buffer of the same bytes, in the same group between
   the same processes. Single sender: the sender's parameters are views into that buffer (so it
   costs no extra memory) and each timed sync follows a timed flat broadcast, so both see the same
@@ -123,23 +126,19 @@ def _flat_floor(group, is_sender: bool, nbytes: int, repeats: int) -> list[float
     return times
 
 
-def _sync_case(group, is_sender: bool, case: dict, repeats: int, send_iter, receive_into,
-               warmup: bool = True, flat: torch.Tensor | None = None, targets: dict | None = None) -> dict:
+def _sync_case(group, is_sender: bool, case: dict, repeats: int, send_iter, receive,
+               warmup: bool = True, flat: torch.Tensor | None = None) -> dict:
     """One configuration: a warm-up sync, `repeats` timed syncs (buffers kept between them, as in a
     run; each after a timed broadcast of `flat` when given), then one sync from released buffers
-    with the peak RSS measured."""
-    from mindspeed_rl.engines.weight_sync import receive_buckets, send_buckets
+    with the peak RSS measured. `receive(case)`: the receiver's whole side of one sync."""
+    from mindspeed_rl.engines.weight_sync import send_buckets
 
     def sync():
         if is_sender:
             send_buckets(group, send_iter(case["bucket_bytes"]), src=0,
                          inplace_min_bytes=case["inplace_min_bytes"], overlap=case.get("overlap", True))
         else:
-            opts = dict(case["receiver"])
-            if opts.get("targets"):
-                opts["targets"] = targets
-            for bucket in receive_buckets(group, src=0, **opts):
-                receive_into(bucket)
+            receive(case)
 
     if warmup:
         sync()
@@ -156,23 +155,28 @@ def _sync_case(group, is_sender: bool, case: dict, repeats: int, send_iter, rece
     _barrier(group)
     cold = time.perf_counter() - t0
     extra = _peak() - before
+    last = {k: v for k, v in group.last_sync.items() if k != "names_into_targets"}
     return {"seconds": times, "flat_seconds": flat_times, "cold_seconds": cold, "peak_extra_bytes": extra,
-            "max_packed_bytes": 0, **dict(group.last_sync)}
+            "max_packed_bytes": 0, "bytes_into_targets": 0, **last}
 
 
-def _plan(dtype: str, buckets_mb: list[int], variants: bool) -> list[dict]:
-    base = {"inplace_min_bytes": None, "receiver": {}, "wire": "in place + packed", "recv": "prefetch, reused"}
+WORKER = "into params (worker)"     # receive_weights with an engine that offers its parameters
+COPY_OUT = "copy out (worker)"      # the same function, an engine that offers none: every bucket copied
+
+
+def _plan(dtype: str, buckets_mb: list[int], variants: bool, copy_out: bool) -> list[dict]:
+    base = {"inplace_min_bytes": None, "receiver": {}, "wire": "in place + packed", "recv": WORKER}
     cases = [{**base, "dtype": dtype, "bucket_mb": b} for b in buckets_mb]
+    mid = buckets_mb[len(buckets_mb) // 2]
+    if copy_out:
+        cases += [{**base, "dtype": dtype, "bucket_mb": mid, "recv": COPY_OUT, "copy_out": True}]
     if variants:
-        mid = buckets_mb[len(buckets_mb) // 2]
         cases += [
             {**base, "dtype": dtype, "bucket_mb": mid, "inplace_min_bytes": BIG, "wire": "all packed"},
-            {**base, "dtype": dtype, "bucket_mb": mid, "receiver": {"prefetch": False},
-             "recv": "no prefetch, reused"},
+            {**base, "dtype": dtype, "bucket_mb": mid, "receiver": {"prefetch": False}, "copy_out": True,
+             "recv": "copy out, no prefetch"},
             {**base, "dtype": dtype, "bucket_mb": mid, "receiver": {"prefetch": False, "reuse_buffers": False},
-             "recv": "no prefetch, fresh per bucket"},
-            {**base, "dtype": dtype, "bucket_mb": mid, "receiver": {"targets": True},
-             "recv": "prefetch, into params"},
+             "copy_out": True, "recv": "copy out, fresh per bucket"},
         ]
     from mindspeed_rl.engines.weight_sync import INPLACE_MIN_BYTES
     for c in cases:
@@ -180,6 +184,22 @@ def _plan(dtype: str, buckets_mb: list[int], variants: bool) -> list[dict]:
         if c["inplace_min_bytes"] is None:
             c["inplace_min_bytes"] = INPLACE_MIN_BYTES
     return cases
+
+
+def _receiver(group, model):
+    """The rollout worker's side of a sync over `model`: `receive_weights` into an HFRolloutEngine
+    (parameters offered as targets) or, for a case with `copy_out`, one that offers none."""
+    from mindspeed_rl.engines.hf_rollout import HFRolloutEngine
+    from mindspeed_rl.engines.weight_sync import receive_weights
+
+    engine, copying = HFRolloutEngine(model, pad_token_id=0), HFRolloutEngine(model, pad_token_id=0)
+    copying.receive_targets = lambda: None
+    version = [0]
+
+    def receive(case):
+        version[0] += 1
+        receive_weights(group, [copying if case.get("copy_out") else engine], version[0], **case["receiver"])
+    return receive
 
 
 # ---------------------------------------------------------------------------- ranks
@@ -209,7 +229,6 @@ def single_rank(rank: int, port: int, args: dict) -> dict:
     the sync take turns, so both see the same load on a shared machine. The sender's parameters
     live in its flat buffer; the receiver holds its model and a flat buffer (at most ~7 GB in all)."""
     from mindspeed_rl.engines.base import bucketed, hf_named_weights
-    from mindspeed_rl.engines.base import load_named as load_by_name
     from mindspeed_rl.engines.weight_sync import checksum, stateless_group
 
     torch.set_num_threads(args["threads"])
@@ -233,11 +252,10 @@ def single_rank(rank: int, port: int, args: dict) -> dict:
             flat = torch.empty(nbytes, dtype=torch.uint8)
         group.broadcast(flat, 0).wait()   # warm-up (the receiver's pages get mapped here)
         send_iter = (lambda b: bucketed(hf_named_weights(model), b)) if sender else None
+        receive = None if sender else _receiver(group, model)
         out["floor"][d] = []
-        for case in _plan(d, args["buckets_mb"], args["variants"] and i == 0):
-            r = _sync_case(group, sender, case, args["repeats"], send_iter,
-                           lambda bucket: load_by_name(model, bucket), flat=flat,
-                           targets=None if sender else dict(model.named_parameters(remove_duplicate=False)))
+        for case in _plan(d, args["buckets_mb"], args["variants"] and i == 0, args["variants"]):
+            r = _sync_case(group, sender, case, args["repeats"], send_iter, receive, flat=flat)
             out["cases"].append({**case, **r})
             out["floor"][d] += r["flat_seconds"]
         out["checks"][d] = checksum(hf_named_weights(model)) if args["verify"] else None
@@ -252,7 +270,6 @@ def fsdp_rank(rank: int, ports: tuple[int, int], args: dict) -> dict:
     import torch.distributed as dist
 
     from mindspeed_rl.engines.base import TrainSpec, hf_named_weights
-    from mindspeed_rl.engines.base import load_named as load_by_name
     from mindspeed_rl.engines.weight_sync import checksum, stateless_group
 
     torch.set_num_threads(args["threads"])
@@ -281,10 +298,15 @@ def fsdp_rank(rank: int, ports: tuple[int, int], args: dict) -> dict:
             model = model.to(getattr(torch, d))
             gc.collect()
         send_iter = (lambda b: engine.export_weights(b)) if engine is not None else None
-        plan = _plan(d, args["fsdp_buckets_mb"], False)
-        if i == 0 and args["fsdp_no_overlap"]:
-            plan += [{**plan[0], "overlap": False, "wire": "no overlap"}]
+        receive = _receiver(group, model) if rank == 2 else None
+        plan = _plan(d, args["fsdp_buckets_mb"], False, False)
+        if i == 0 and args["fsdp_variants"]:
+            plan += [{**plan[0], "overlap": False, "wire": "no overlap"},
+                     {**plan[0], "all_gather": True, "wire": "full_tensor gather"}]
         for case in plan:
+            if engine is not None:   # the engine's per-rank broadcasts, or DTensor.full_tensor (an all-gather)
+                engine._broadcast_gather = (lambda p: False) if case.get("all_gather") else \
+                    type(engine)._broadcast_gather.__get__(engine)
             if rank == 1:   # iterates the export (its gathers are collective) without sending
                 for _ in range(3 if case.get("overlap", True) else 2):  # timed, cold, export alone
                     for _ in engine.export_weights(case["bucket_bytes"]):
@@ -292,8 +314,7 @@ def fsdp_rank(rank: int, ports: tuple[int, int], args: dict) -> dict:
                 continue
             # one timed sync (no warm-up: a gathered export is slow on gloo; its first sync only
             # adds writing the layout to the store)
-            r = _sync_case(group, sender, case, 1, send_iter, lambda bucket: load_by_name(model, bucket),
-                           warmup=False)
+            r = _sync_case(group, sender, case, 1, send_iter, receive, warmup=False)
             export = {}
             if rank == 0 and case.get("overlap", True):   # the export alone (gathers and casts, nothing sent)
                 before = _reset_peak()
@@ -305,7 +326,7 @@ def fsdp_rank(rank: int, ports: tuple[int, int], args: dict) -> dict:
             out["cases"].append({**case, **r, **export})
             nbytes[d] = r["bytes"]
         if args["verify"]:
-            if rank == 2:
+            if rank == 2:   # what the rollout engine serves now
                 out["checks"][d] = checksum(hf_named_weights(model))
             else:   # the export, as the receiver should now hold it (both ranks gather)
                 named = [(n, t.clone()) for b in engine.export_weights(256 * MiB) for n, t in b]
@@ -314,7 +335,7 @@ def fsdp_rank(rank: int, ports: tuple[int, int], args: dict) -> dict:
                 gc.collect()
     # the floor in this very group, at the end (the receiver's model dropped; the shards stay)
     if rank == 2:
-        del model
+        del model, receive
         gc.collect()
     if in_sync:
         for d in dtypes:
@@ -372,7 +393,8 @@ def _summarize(sender: dict, receiver: dict, kind: str) -> list[dict]:
         rows.append({
             "sender": kind, "dtype": c["dtype"], "bucket_mb": c["bucket_mb"], "wire": c["wire"],
             "receiver": c["recv"], "buckets": c["buckets"], "bytes": c["bytes"],
-            "max_bucket_bytes": biggest, "seconds_median": t, "seconds": c["seconds"],
+            "max_bucket_bytes": biggest, "bytes_into_targets": rc["bytes_into_targets"],
+            "seconds_median": t, "seconds": c["seconds"],
             "cold_seconds": c["cold_seconds"], "sync_gbps": gbps, "flat_gbps": flat,
             "sync_over_flat_broadcast": gbps / flat if flat else None,
             "sender_peak_extra_bytes": c["peak_extra_bytes"], "sender_staging_bytes": 2 * c["max_packed_bytes"],
@@ -394,13 +416,13 @@ def _floor_gbps(sender: dict) -> dict[str, float]:
 def _print_table(rows: list[dict], floors: dict) -> None:
     print("floor (one broadcast of one flat buffer of the same bytes): "
           + ", ".join(f"{k}: {v:.2f} GB/s" for k, v in floors.items()))
-    head = (f"{'sender':<7} {'dtype':<9} {'bucket':>6} {'wire':<17} {'receiver':<29} {'bkts':>4} "
+    head = (f"{'sender':<7} {'dtype':<9} {'bucket':>6} {'wire':<18} {'receiver':<26} {'bkts':>4} "
             f"{'GB':>5} {'s':>6} {'GB/s':>5} {'/flat':>5} {'snd+MB':>7} {'/bkt':>5} {'rcv+MB':>7}")
     print(head)
     print("-" * len(head))
     for r in rows:
         ratio = f"{r['sync_over_flat_broadcast']:.2f}" if r["sync_over_flat_broadcast"] else "  -"
-        print(f"{r['sender']:<7} {r['dtype']:<9} {r['bucket_mb']:>4}Mi {r['wire']:<17} {r['receiver']:<29} "
+        print(f"{r['sender']:<7} {r['dtype']:<9} {r['bucket_mb']:>4}Mi {r['wire']:<18} {r['receiver']:<26} "
               f"{r['buckets']:>4} {r['bytes'] / 1e9:>5.2f} {r['seconds_median']:>6.2f} {r['sync_gbps']:>5.2f} "
               f"{ratio:>5} {r['sender_peak_extra_bytes'] / MiB:>7.0f} {r['sender_peak_extra_over_bucket']:>5.2f} "
               f"{r['receiver_peak_extra_bytes'] / MiB:>7.0f}")
@@ -415,11 +437,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--bucket-mb", default="64,256,512")
     ap.add_argument("--fsdp-bucket-mb", default="256")
-    ap.add_argument("--repeats", type=int, default=2, help="timed syncs per case (single sender)")
+    ap.add_argument("--repeats", type=int, default=4,
+                    help="timed syncs per case (single sender), each after a timed flat broadcast; "
+                         "flat broadcasts of the FSDP floor")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process")
     ap.add_argument("--no-variants", action="store_true", help="skip the all-packed wire and receiver variants")
     ap.add_argument("--cases", default="hf,fsdp", help="hf: a plain HF sender; fsdp: an FSDP2 sender over 2 ranks")
-    ap.add_argument("--fsdp-overlap-only", action="store_true", help="skip the FSDP case with overlap=False")
+    ap.add_argument("--no-fsdp-variants", action="store_true",
+                    help="skip the FSDP cases with overlap=False and with DTensor.full_tensor gathers")
     ap.add_argument("--layers", type=int, help="fewer decoder layers (a quick trial, not the benchmark)")
     ap.add_argument("--no-verify", action="store_true", help="skip the sha256 of both sides after the syncs")
     ap.add_argument("--json", help="write the results here")
@@ -429,7 +454,7 @@ def main(argv=None) -> dict:
     args = {"dtypes": ns.dtypes.split(","), "buckets_mb": [int(x) for x in ns.bucket_mb.split(",")],
             "fsdp_buckets_mb": [int(x) for x in ns.fsdp_bucket_mb.split(",")], "repeats": ns.repeats,
             "threads": ns.threads, "variants": not ns.no_variants, "verify": not ns.no_verify,
-            "fsdp_no_overlap": not ns.fsdp_overlap_only}
+            "fsdp_variants": not ns.no_fsdp_variants}
     cases = ns.cases.split(",")
     if ns.layers:
         os.environ["WEIGHT_SYNC_BENCH_CONFIG"] = json.dumps({"num_hidden_layers": ns.layers})
@@ -483,14 +508,15 @@ def main(argv=None) -> dict:
 
 
 def _ratios(rows: list[dict]) -> dict:
-    """The headline ratios over the default wire and receiver (a receiver that copies every bucket
-    out by name; worst case over dtypes and buckets), with the raw figures beside them; per sender
-    kind. FSDP's throughput ratio is bounded by its export (gloo all-gathers): see its rows'
-    export_only_seconds."""
+    """The headline ratios over the default wire and the worker's receiver (`receive_weights` into a
+    rollout engine that offers its parameters; worst case over dtypes and buckets), with the raw
+    figures beside them; per sender kind. Beside them, the same function with an engine that copies
+    every bucket out by name (a reader without targets, e.g. vLLM). FSDP's throughput ratio is
+    bounded by its export (gathers over gloo): see its rows' export_only_seconds."""
     out = {}
     for kind in sorted({r["sender"] for r in rows}):
         default = [r for r in rows if r["sender"] == kind and r["wire"] == "in place + packed"
-                   and r["receiver"] == "prefetch, reused"]
+                   and r["receiver"] == WORKER]
         if not default:
             continue
         slow = min(default, key=lambda r: r["sync_over_flat_broadcast"])
@@ -498,15 +524,17 @@ def _ratios(rows: list[dict]) -> dict:
         prefix = "" if kind == "hf" else f"{kind}_"
         out[prefix + "sync_over_flat_broadcast"] = {
             "value": slow["sync_over_flat_broadcast"], "target": ">= 0.8", "worst_at": _where(slow),
-            "sync_gbps": slow["sync_gbps"], "flat_gbps": slow["flat_gbps"],
+            "sync_gbps": slow["sync_gbps"], "flat_gbps": slow["flat_gbps"], "receiver": WORKER,
             "all": {_where(r): round(r["sync_over_flat_broadcast"], 3) for r in default}}
-        direct = [r for r in rows if r["sender"] == kind and r["receiver"] == "prefetch, into params"]
-        if direct:
-            r = direct[0]
-            out[prefix + "sync_over_flat_broadcast_into_params"] = {
-                "value": r["sync_over_flat_broadcast"], "at": _where(r), "sync_gbps": r["sync_gbps"],
-                "flat_gbps": r["flat_gbps"],
-                "note": "the receiver takes big tensors straight into its parameters (no copy-out)"}
+        copying = [r for r in rows if r["sender"] == kind and r["wire"] == "in place + packed"
+                   and r["receiver"] == COPY_OUT]
+        if copying:
+            r = min(copying, key=lambda r: r["sync_over_flat_broadcast"])
+            out[prefix + "sync_over_flat_broadcast_copy_out"] = {
+                "value": r["sync_over_flat_broadcast"], "worst_at": _where(r), "sync_gbps": r["sync_gbps"],
+                "flat_gbps": r["flat_gbps"], "all": {_where(r): round(r["sync_over_flat_broadcast"], 3)
+                                                     for r in copying},
+                "note": "the same receive_weights with an engine that offers no targets: every bucket copied out"}
         out[prefix + "sender_peak_extra_over_bucket"] = {
             "value": fat["sender_peak_extra_over_bucket"], "target": "<= 2.5", "worst_at": _where(fat),
             "sender_peak_extra_bytes": fat["sender_peak_extra_bytes"], "max_bucket_bytes": fat["max_bucket_bytes"],

@@ -69,6 +69,16 @@ class RolloutEngine(abc.ABC):
         (None otherwise); `weight_sync.verify` compares it with the trainer's."""
         return None
 
+    def receive_targets(self) -> dict[str, torch.Tensor] | None:
+        """{HF name: the tensor it serves that name from} when its weights map 1:1 onto HF names, so
+        a sync from another process can receive big tensors straight into them
+        (`weight_sync.receive_weights`): no receive buffer to copy out of, which on a CPU was a third
+        of a sync's time. None (the default) when they do not (vLLM's fused qkv/gate_up, a sharded
+        copy): every bucket then goes through `update_weights`. An engine that returns targets is
+        afterwards told `update_weights((), version)` with no tensors, to serve `version` as if it
+        had loaded them."""
+        return None
+
     def sleep(self) -> None:
         """Free device memory between rollouts when it shares a device with training (vLLM's
         sleep mode); a no-op where there is nothing to free."""
@@ -198,6 +208,11 @@ class TrainEngine(abc.ABC):
     def state_checksum(self) -> str | None:
         """`weight_sync.checksum` of the weights it holds in HF names (None when it cannot read them
         back cheaply); `weight_sync.verify` compares it with what the trainer sent."""
+        return None
+
+    def receive_targets(self) -> dict[str, torch.Tensor] | None:
+        """As `RolloutEngine.receive_targets`: an inference copy of a model trained elsewhere whose
+        parameters are its HF names returns them, so a sync receives into them with no copy-out."""
         return None
 
     def close(self) -> None:

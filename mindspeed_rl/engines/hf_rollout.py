@@ -104,6 +104,13 @@ class HFRolloutEngine(RolloutEngine):
         load_named(self.model, named_tensors)
         self.weight_version = int(version)
 
+    def receive_targets(self) -> dict[str, torch.Tensor]:
+        """Its parameters by HF name, tied ones under each name (`lm_head.weight` is the embedding's
+        storage: a sync writes it under either name with the same bytes, as `update_weights` would).
+        The worker holds the weights' write lock while a sync writes into them, so no generate
+        reads a half-received tensor."""
+        return {n: p.detach() for n, p in self.model.named_parameters(remove_duplicate=False)}
+
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         return hf_named_weights(self.model)
 

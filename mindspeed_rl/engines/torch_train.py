@@ -165,6 +165,13 @@ class TorchTrainEngine(TrainEngine):
         from .weight_sync import checksum
         return checksum(hf_named_weights(self.module))
 
+    def receive_targets(self) -> dict[str, torch.Tensor] | None:
+        """An inference copy's parameters by HF name (tied ones under each name); None for a trained
+        engine, which is never a reader: its parameters belong to its optimizer and DDP."""
+        if self.optimizer is not None:
+            return None
+        return {n: p.detach() for n, p in self.module.named_parameters(remove_duplicate=False)}
+
     # ---- checkpoints
     def state_dict(self) -> dict:
         return {"model": self.module.state_dict(), "version": self.version,

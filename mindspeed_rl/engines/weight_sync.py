@@ -39,7 +39,8 @@ Usage (the worker's side):
     # trainer, sync rank 0 (rank 0 of the model's DP group):
     send_buckets(group, tee_buckets(engine.export_weights(bucket_bytes), local_readers, version))
     # trainer, other DP ranks:    for _ in engine.export_weights(bucket_bytes): pass
-    # a reader in another process: for b in receive_buckets(group): engine.update_weights(b, version)
+    # a reader in another process (big tensors straight into the engine's own where it can):
+    receive_weights(group, [engine], version)
     # colocated, no group:         copy_weights(engine.export_weights(bucket_bytes), readers, version)
 """
 from __future__ import annotations
@@ -367,11 +368,12 @@ def receive_buckets(group: SyncGroup, device: torch.device | str | None = None, 
     target has the same shape and dtype and is contiguous on `device` is received straight into the
     target, with no copy, and left out of the yielded bucket (a bucket left empty is not yielded).
     The generator must be exhausted: every member takes part in every broadcast of a sync.
-    `group.last_sync` then says what came (buckets, bytes, bytes_into_targets, layout_version,
-    layout_changed)."""
+    `group.last_sync` then says what came (buckets, bytes, bytes_into_targets, names_into_targets,
+    layout_version, layout_changed). A reader engine's side of a sync is `receive_weights`."""
     device = torch.device(device) if device is not None else group.device
     changed = False
     nbytes_total = direct_total = 0
+    into_targets: list[str] = []
     header = torch.empty(3, dtype=torch.int64, device=group.device)
     group.broadcast(header, src).wait()
     pending: Bucket | None = None
@@ -405,6 +407,7 @@ def receive_buckets(group: SyncGroup, device: torch.device | str | None = None, 
         works.append(group.broadcast(header, src))
         nbytes_total += spec.nbytes
         direct_total += spec.nbytes - rest
+        into_targets += [e.name for e in spec.entries if e.nbytes and e.offset in direct]
         if not prefetch:
             for w in works:
                 w.wait()
@@ -424,7 +427,43 @@ def receive_buckets(group: SyncGroup, device: torch.device | str | None = None, 
         group.layout_changes += 1
         changed = True
     group.last_sync = {"buckets": nbytes, "bytes": nbytes_total, "bytes_into_targets": direct_total,
+                       "names_into_targets": into_targets,
                        "layout_version": version, "layout_changed": changed}  # end header: the bucket count
+
+
+def receive_weights(group: SyncGroup, readers: Sequence, version: int, digest: "Checksum | None" = None,
+                    src: int = 0, prefetch: bool = True, reuse_buffers: bool = True) -> dict:
+    """A reader process's whole side of a sync (`Worker.sync_weights` runs exactly this): receive
+    every bucket `src` sends and have `readers` serve `version`.
+
+    The first reader whose `receive_targets()` is not None gets the big tensors straight into its
+    own (`receive_buckets(targets=...)`): on a CPU the copy out of the receive buffer was a third of
+    the sync. Every reader loads the rest a bucket at a time (`update_weights`); the other readers
+    then load the tensors that went in place from that reader's (a copy in this process, as before),
+    and that reader is told `update_weights((), version)`. `digest` hashes what arrived: the yielded
+    buckets and then the in-place tensors themselves, so it equals the sender's digest only if every
+    byte arrived, and `weight_sync.verify` still compares it (and each reader's `state_checksum`)
+    with what was sent. Returns `group.last_sync` (bytes_into_targets: what needed no copy)."""
+    direct, targets = None, None
+    for reader in readers:
+        t = reader.receive_targets()
+        if t:
+            direct, targets = reader, t
+            break
+    for bucket in tee_buckets(receive_buckets(group, group.device, src, prefetch, reuse_buffers, targets),
+                              readers, version, digest):
+        pass
+    info = dict(group.last_sync)
+    in_place = [(name, targets[name]) for name in info.get("names_into_targets", ())]
+    if in_place:
+        for reader in readers:
+            if reader is not direct:
+                reader.update_weights(in_place, version)
+        if digest is not None:
+            digest.update(in_place)
+    if direct is not None:
+        direct.update_weights((), version)   # its tensors are loaded: serve `version` (versions, caches)
+    return info
 
 
 def _direct_targets(spec: BucketSpec, targets: dict, device: torch.device) -> dict[int, torch.Tensor]:

@@ -539,8 +539,9 @@ class Worker:
 
         The trainer's ranks export (a sharded engine gathers each bucket: every rank iterates) and
         hand each bucket to their own local readers (a copy in one process); rank 0 also broadcasts it
-        to the sync group when readers live elsewhere, whose members load each bucket as it arrives.
-        Nobody holds the whole model twice. With `weight_sync.verify` every side reports a checksum
+        to the sync group when readers live elsewhere, whose members load each bucket as it arrives
+        (`weight_sync.receive_weights`: big tensors straight into a reader's own where it offers
+        them). Nobody holds the whole model twice. With `weight_sync.verify` every side reports a checksum
         of what it sent, received and now serves.
         """
         from ..engines.weight_sync import Checksum
@@ -556,7 +557,7 @@ class Worker:
         return out
 
     def _sync(self, model: str, version: int, readers: list, digest, out: dict) -> None:
-        from ..engines.weight_sync import receive_buckets, send_buckets, tee_buckets
+        from ..engines.weight_sync import receive_weights, send_buckets, tee_buckets
         group = self.sync_groups.get(model)
         if model in self.train:
             stream = tee_buckets(self.train[model].export_weights(self.cfg.weight_sync.bucket_mb << 20),
@@ -568,9 +569,8 @@ class Worker:
                     pass
             if digest is not None and self.spec.rank == 0:
                 out["sent"] = digest.hexdigest()
-        elif group is not None:
-            for _ in tee_buckets(receive_buckets(group, group.device), readers, version, digest):
-                pass
+        elif group is not None:  # big tensors straight into a reader's own (`receive_targets`)
+            out["bytes_into_targets"] = receive_weights(group, readers, version, digest)["bytes_into_targets"]
             if digest is not None:
                 out["received"].append(digest.hexdigest())
         else:

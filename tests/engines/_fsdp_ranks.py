@@ -4,6 +4,8 @@ returns plain tensors for the test to compare with a single-process reference.""
 from __future__ import annotations
 
 import datetime
+import gc
+import time
 import weakref
 
 import torch
@@ -81,34 +83,42 @@ def train(rank: int, world: int, port: int, path: str, rows: tuple, splits: list
     return runs
 
 
-def export(rank: int, world: int, port: int, path: str, bucket_bytes: int) -> dict:
-    """Export in buckets, counting the bytes of gathered tensors alive at each moment (each
-    `DTensor.full_tensor()` result is tracked until freed), while the consumer drops each bucket."""
-    from torch.distributed.tensor import DTensor
-
+def export(rank: int, world: int, port: int, path: str, bucket_bytes: int,
+           dtypes: tuple[str, ...] = ("float32",)) -> dict:
+    """Export in buckets, once per export dtype, counting the bytes of gathered tensors alive at each
+    moment (each tensor a bucket holds is tracked from when it is yielded until freed, whichever
+    way the engine gathered it), while the consumer drops each bucket."""
     group = _join(rank, world, port)
     engine = _engine(path, group, OptimConfig())
     alive, peak = [0], [0]
-    original = DTensor.full_tensor
+    tracked: set[int] = set()
 
-    def tracked(self, *a, **k):
-        t = original(self, *a, **k)
+    def track(t):
+        if id(t) in tracked:       # a tied tensor under its second name
+            return
         n = t.numel() * t.element_size()
+        tracked.add(id(t))
         alive[0] += n
         peak[0] = max(peak[0], alive[0])
-        weakref.finalize(t, lambda: alive.__setitem__(0, alive[0] - n))
-        return t
+        weakref.finalize(t, lambda i=id(t): (alive.__setitem__(0, alive[0] - n), tracked.discard(i)))
 
-    DTensor.full_tensor = tracked
-    try:
+    out = {}
+    for dtype in dtypes:
+        engine.export_dtype = getattr(torch, dtype)
         buckets = []
         for bucket in engine.export_weights(bucket_bytes):
+            for _, t in bucket:
+                track(t)
             buckets.append([(n, t.clone(), t.dtype, t.numel() * t.element_size()) for n, t in bucket])
-            del bucket
-    finally:
-        DTensor.full_tensor = original
+            del bucket, t
+        out[dtype] = buckets
+    # gloo's worker thread lets go of a finished broadcast's tensor a moment after `wait()` returns
+    deadline = time.monotonic() + 5
+    while alive[0] and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
     dist.destroy_process_group()
-    return {"buckets": buckets, "peak_gathered": peak[0], "alive_after": alive[0]}
+    return {"buckets": out, "peak_gathered": peak[0], "alive_after": alive[0]}
 
 
 def checkpoint(rank: int, world: int, port: int, path: str, rows: tuple, optim: OptimConfig, ckpt: str) -> dict:

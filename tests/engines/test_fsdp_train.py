@@ -106,29 +106,33 @@ def test_grad_norm_is_global_across_shards(path, trained):
     assert abs(r0[0]["stats"]["grad_norm"] - ref_norm) <= 1e-5 * ref_norm
 
 
-def test_export_weights_gathers_bucket_by_bucket(path, tmp_path):
+@pytest.mark.parametrize("world", [WORLD, 3])   # 3 ranks: uneven shards (16 rows: 6, 6, 4)
+def test_export_weights_gathers_bucket_by_bucket(path, tmp_path, world):
     bucket_bytes = 40_000
     port = free_port()
-    r0, r1 = W.run_procs([(F.export, (r, WORLD, port, path, bucket_bytes)) for r in range(WORLD)],
-                         tmp_path, TIMEOUT_S)
+    results = W.run_procs([(F.export, (r, world, port, path, bucket_bytes, ("float32", "bfloat16")))
+                           for r in range(world)], tmp_path, TIMEOUT_S)
     ref = load_causal_lm(path)
     want = {n: p.detach() for n, p in ref.named_parameters(remove_duplicate=False)}
     largest = max(t.numel() * t.element_size() for t in want.values())
-    for res in (r0, r1):
-        names = [n for b in res["buckets"] for n, *_ in b]
-        assert names == list(want)  # every HF name, in order, tied lm_head.weight included
-        assert "lm_head.weight" in names and "model.embed_tokens.weight" in names
-        assert len(res["buckets"]) > 1
-        for b in res["buckets"]:
-            size = sum(nbytes for *_, nbytes in b)
-            assert size <= bucket_bytes or len(b) == 1
-            for n, t, dtype, _ in b:
-                assert dtype == torch.float32 and torch.equal(t, want[n]), n
+    for res in results:
+        for dtype, buckets in res["buckets"].items():
+            dtype = getattr(torch, dtype)
+            names = [n for b in buckets for n, *_ in b]
+            assert names == list(want)  # every HF name, in order, tied lm_head.weight included
+            assert "lm_head.weight" in names and "model.embed_tokens.weight" in names
+            assert len(buckets) > 1
+            for b in buckets:
+                size = sum(nbytes for *_, nbytes in b)
+                assert size <= bucket_bytes or len(b) == 1   # bytes of the export dtype
+                for n, t, got_dtype, _ in b:
+                    assert got_dtype == dtype and torch.equal(t, want[n].to(dtype)), n
+        assert len(res["buckets"]["bfloat16"]) < len(res["buckets"]["float32"])   # planned in bf16 bytes
         # gathered tensors alive at once: at most a bucket plus the parameter that overflowed it
         assert 0 < res["peak_gathered"] <= bucket_bytes + largest
         assert res["alive_after"] == 0
     total = sum(t.numel() * t.element_size() for t in want.values())
-    assert r0["peak_gathered"] < total / 2  # never the whole model
+    assert results[0]["peak_gathered"] < total / 2  # never the whole model
 
 
 def test_checkpoint_round_trip_resumes_exactly(path, tmp_path):

@@ -271,3 +271,144 @@ def test_receiver_fails_within_timeout_when_nothing_is_sent(tmp_path):
     r = S.run_procs([(S.sender_gone, (rank, 2, port, timeout_s)) for rank in range(2)], tmp_path, timeout_s=60)[1]
     assert r["raised"] is not None, r
     assert 0.8 * timeout_s <= r["elapsed"] <= 4 * timeout_s + 5, r
+
+
+# ---------------------------------------------------------------------------- a reader worker's side
+
+def _reader_worker(group, rollout, infer):
+    """A rollout worker process's `Worker` (its real `__init__` and `sync_weights`) holding an HF
+    rollout engine and an inference copy of 'actor', both fed by `group` with verify on."""
+    from types import SimpleNamespace
+
+    from mindspeed_rl.workers.worker import Worker
+
+    cfg = SimpleNamespace(weight_sync=SimpleNamespace(verify=True, bucket_mb=1))
+    w = Worker(SimpleNamespace(config=cfg, env={}, docks=[], torch_threads=torch.get_num_threads(),
+                               group="rollout", rank=0))
+    w.rollout["actor"], w.infer["actor"] = rollout, infer
+    w.sync_groups["actor"] = group
+    return w
+
+
+def _spy_update_weights(engine) -> list:
+    """Record the names each `update_weights` call of `engine` was given (one list per call)."""
+    calls, load = [], engine.update_weights
+
+    def update_weights(named, version):
+        named = list(named)
+        calls.append([n for n, _ in named])
+        load(named, version)
+
+    engine.update_weights = update_weights
+    return calls
+
+
+def _segment_broadcasts(buckets, inplace_min_bytes) -> dict[str, int]:
+    """Index on the wire of the first in-place and the first packed segment of the second bucket
+    (broadcasts go: per bucket its header, then its segments; then the end header). Not the first
+    bucket: its embedding is received again as the tied lm_head, which would repair it."""
+    at, first = 0, {}
+    for i, bucket in enumerate(buckets):
+        at += 1
+        for _, _, packed in BucketSpec.describe(bucket, inplace_min_bytes).segments:
+            if i == 1:
+                first.setdefault("packed" if packed else "in place", at)
+            at += 1
+    return first
+
+
+def _sync_to_reader_worker(bucket_bytes, inplace_min_bytes, corrupt=None):
+    """The trainer's side as `Worker._sync` runs it (tee into a digest, `send_buckets`) over a `_Wire`,
+    then a reader worker's `sync_weights("actor", 3)`; `corrupt` flips one byte of that segment on
+    the wire. Returns what a test looks at (`verified`: the driver's verdict)."""
+    from types import SimpleNamespace
+
+    from mindspeed_rl.engines.hf_rollout import HFRolloutEngine
+    from mindspeed_rl.engines.torch_train import TorchTrainEngine
+    from mindspeed_rl.engines.weight_sync import send_buckets
+
+    wire = _Wire()
+    sender = tiny_qwen2(seed=0, initializer_range=0.3)
+    rollout = HFRolloutEngine(tiny_qwen2(seed=1), pad_token_id=0)
+    infer = TorchTrainEngine(tiny_qwen2(seed=2), pad_token_id=0)   # no optimizer: a reader
+    calls = _spy_update_weights(rollout)
+    storage = {n: p.data_ptr() for n, p in rollout.model.named_parameters(remove_duplicate=False)}
+    buffers = {n: b.clone() for n, b in rollout.model.named_buffers()}
+    digest = Checksum()
+    send_buckets(wire.group(0), tee_buckets(bucketed(hf_named_weights(sender), bucket_bytes), digest=digest),
+                 inplace_min_bytes=inplace_min_bytes)
+    if corrupt is not None:
+        i = _segment_broadcasts(bucketed(hf_named_weights(sender), bucket_bytes), inplace_min_bytes)[corrupt]
+        wire.sent[i].view(-1)[3] ^= 1
+    out = _reader_worker(wire.group(1), rollout, infer).sync_weights("actor", 3)
+    sent = digest.hexdigest()
+    # the driver's check (trainer/driver.py `_sync_weights`): every reported checksum equals the sent one
+    verified = bool(out["received"]) and all(c == sent for c in out["received"])
+    return SimpleNamespace(sender=sender, sent=sent, out=out, rollout=rollout, infer=infer, calls=calls,
+                           verified=verified, storage=storage, buffers=buffers)
+
+
+@pytest.mark.parametrize("bucket_bytes", [40_000, 1 << 20])   # tied weights in two buckets / in one
+def test_reader_worker_receives_big_tensors_into_its_rollout_engine_bit_exact(bucket_bytes):
+    """`Worker.sync_weights` on a reader: tensors of 4096 bytes and more (the 16x64 embedding and so
+    the tied lm_head too) land straight in the HF rollout engine's parameters, the rest through its
+    `update_weights`; the inference copy in the same worker gets everything; both serve version 3
+    with the sender's exact bytes, the digest of what arrived and both engines' checksums equal the
+    sent digest, and nothing else of the reader changes."""
+    r = _sync_to_reader_worker(bucket_bytes, 4096)
+    sender, out, rollout, infer, calls = r.sender, r.out, r.rollout, r.infer, r.calls
+    rollout_model = rollout.model
+    assert r.verified and len(out["received"]) == 3, out   # the stream's digest and both engines'
+    n_bytes = sum(t.numel() * t.element_size() for _, t in hf_named_weights(sender))
+    assert 0 < out["bytes_into_targets"] < n_bytes
+    want = dict(hf_named_weights(sender))
+    for engine_params in (dict(rollout_model.named_parameters(remove_duplicate=False)),
+                          dict(infer.module.named_parameters(remove_duplicate=False))):
+        assert engine_params.keys() == want.keys()
+        for name, t in want.items():
+            assert torch.equal(engine_params[name], t), name
+    # the tie survives: one parameter under both names, holding the sender's embedding
+    assert rollout_model.lm_head.weight is rollout_model.model.embed_tokens.weight
+    assert infer.module.lm_head.weight is infer.module.model.embed_tokens.weight
+    # in place, with no copy: update_weights never saw those names; it was told the version at the end
+    in_place = {n for n, t in want.items() if t.numel() * t.element_size() >= 4096}
+    assert {"model.embed_tokens.weight", "lm_head.weight", "model.layers.0.mlp.up_proj.weight"} <= in_place
+    seen = {n for c in calls for n in c}
+    assert not seen & in_place and seen == want.keys() - in_place
+    assert calls[-1] == []
+    assert rollout.weight_version == 3 and infer.version == 3
+    assert all(not p.requires_grad for p in rollout_model.parameters())
+    assert {n: p.data_ptr() for n, p in rollout_model.named_parameters(remove_duplicate=False)} == r.storage
+    assert all(torch.equal(b, r.buffers[n]) for n, b in rollout_model.named_buffers())   # rotary tables etc.
+    ids = torch.tensor([[1, 5, 6, 7, 3]])
+    with torch.no_grad():
+        assert torch.equal(rollout_model(ids).logits, sender(ids).logits)
+        assert torch.equal(infer.module(ids).logits, sender(ids).logits)
+
+
+def test_reader_worker_without_targets_loads_every_bucket():
+    """A reader that offers no targets (vLLM) gets the whole stream through `update_weights`: the
+    same weights, nothing received in place."""
+    from mindspeed_rl.engines import weight_sync as W
+    from mindspeed_rl.engines.hf_rollout import HFRolloutEngine
+
+    wire = _Wire()
+    sender = tiny_qwen2(seed=0)
+    rollout = HFRolloutEngine(tiny_qwen2(seed=1), pad_token_id=0)
+    rollout.receive_targets = lambda: None
+    calls = _spy_update_weights(rollout)
+    W.send_buckets(wire.group(0), bucketed(hf_named_weights(sender), 40_000), inplace_min_bytes=4096)
+    info = W.receive_weights(wire.group(1), [rollout], 5)
+    assert info["bytes_into_targets"] == 0 and info["names_into_targets"] == []
+    assert [n for c in calls for n in c] == [n for n, _ in hf_named_weights(sender)]
+    assert rollout.weight_version == 5 and rollout.state_checksum() == checksum(hf_named_weights(sender))
+
+
+@pytest.mark.parametrize("corrupt", ["in place", "packed"])
+def test_verify_catches_a_corrupted_bucket_received_in_place(corrupt):
+    """One byte flipped on the wire, in a tensor received straight into the rollout engine's
+    parameters or in a packed run it copies out: the digest of what arrived and both engines'
+    checksums differ from the sent digest, so the driver's check fails."""
+    r = _sync_to_reader_worker(40_000, 4096, corrupt=corrupt)
+    assert not r.verified
+    assert len(r.out["received"]) == 3 and all(c != r.sent for c in r.out["received"]), r.out
