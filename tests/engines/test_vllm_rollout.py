@@ -269,3 +269,20 @@ def test_unknown_option_is_refused(ckpt):
     from mindspeed_rl.engines.vllm_rollout import VLLMRolloutEngine
     with pytest.raises(ValueError, match="kv_cache_gib"):
         VLLMRolloutEngine.build(RolloutSpec(model_path=ckpt, options={"kv_cache_gib": 1}))
+
+
+def test_a_model_vllm_cannot_run_on_cpu_is_refused_by_the_plan_before_any_worker():
+    """head_dim 16 (builtin:tiny-qwen2-4l) fails in vLLM's CPU attention only at the first generate,
+    after a build of tens of seconds: the plan refuses it with the model, the head size and the fix."""
+    from mindspeed_rl.config import ConfigError, config_from_dict
+    from mindspeed_rl.trainer.plan import make_plan
+
+    cfg = config_from_dict({"generate_config": {"backend": "vllm"},
+                            "actor_config": {"model_path": "builtin:tiny-qwen2-4l"},
+                            "placement": {"groups": {"rollout": {"device": "cpu"}}}})
+    with pytest.raises(ConfigError) as e:
+        make_plan(cfg)
+    for words in ("generate_config.backend='vllm'", "builtin:tiny-qwen2-4l", "head_dim=16",
+                  "generate_config.backend=hf"):
+        assert words in str(e.value), (words, str(e.value))
+    make_plan(config_from_dict({"generate_config": {"backend": "vllm"}}))  # head_dim 32: planned

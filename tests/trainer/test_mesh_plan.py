@@ -32,7 +32,7 @@ def test_realhf_ppo_example_dry_run_table():
     assert device_map[0] == ["actor_rollout", "actor_log_prob", "critic_values", "actor_train"]
     assert device_map[2] == ["actor_rollout", "rule_reward", "actor_log_prob", "actor_train"]
     assert device_map[4] == ["actor_rollout", "ref_log_prob", "critic_train"]
-    assert "planned, not run" in text  # pp=2 for generation: a dry run shows it, a real run refuses
+    assert "planned, not run" not in text  # every split here runs (generation pp 2 on the mesh backend)
 
 
 def test_mesh_groups_share_a_model_copy_and_split_devices():
@@ -47,9 +47,21 @@ def test_mesh_groups_share_a_model_copy_and_split_devices():
     assert plan.groups["critic@node0:4-7"].resources.num_gpus == 0.3333  # 4-7: generation, ref, critic train
 
 
-def test_real_run_refuses_model_parallel_strategies():
-    with pytest.raises(ConfigError, match=r"actor_rollout': '4/1/2'.*data parallel only"):
-        plan_of(REALHF_PPO, check_files=True)
+def test_real_run_plans_split_generation_on_the_mesh_backend():
+    plan = plan_of(REALHF_PPO, check_files=True)
+    gen = plan.groups["actor@all/4/1/2"]
+    assert gen.world == 8 and gen.mesh_rollout  # 4 replicas x 2 stages, one actor per rank
+    assert not plan.groups["actor@node0:0-3"].mesh_rollout
+
+
+def test_a_split_the_rollout_backend_cannot_run_is_refused_and_shown_by_a_dry_run():
+    vllm = {"generate_config": {"backend": "vllm"}}
+    cfg = config_from_dict({"rl_config": {"algorithm": "ppo", "n_samples_per_prompt": 1, "prompts_per_step": 128},
+                            **vllm, "placement": {"mode": "mesh", "n_nodes": 1, "n_devices_per_node": 8,
+                                                  "device_kind": "gpu", "cpus_per_device": 3, "mfcs": REALHF_PPO}})
+    with pytest.raises(ConfigError, match=r"actor_rollout: pp=2 with generate_config.backend='vllm'"):
+        make_plan(cfg, check_files=True)
+    assert "planned, not run: placement.mfcs.actor_rollout: pp=2" in format_plan(make_plan(cfg, check_files=False))
 
 
 @pytest.mark.parametrize("mfcs, placement, words", [
