@@ -76,7 +76,9 @@ class RolloutEngine(abc.ABC):
         of a sync's time. None (the default) when they do not (vLLM's fused qkv/gate_up, a sharded
         copy): every bucket then goes through `update_weights`. An engine that returns targets is
         afterwards told `update_weights((), version)` with no tensors, to serve `version` as if it
-        had loaded them."""
+        had loaded them. Targets that lie side by side in one buffer (`flatten_parameters`) take a
+        whole bucket of a flattened trainer in one broadcast; the alignment padding between them
+        is written too, so it must belong to no other tensor."""
         return None
 
     def sleep(self) -> None:
@@ -217,6 +219,55 @@ class TrainEngine(abc.ABC):
 
     def close(self) -> None:
         """Release process groups and memory."""
+
+
+ALIGN = 64  # byte alignment of a tensor in a flat parameter buffer and in a weight sync bucket
+
+
+def flatten_parameters(module: torch.nn.Module, align: int = ALIGN) -> dict[tuple, torch.Tensor]:
+    """Move `module`'s parameters into one contiguous byte buffer per (device, dtype), in
+    `named_parameters()` order, each at an `align`-byte-aligned offset; `p.data` becomes a view.
+
+    Why: weight sync sends a bucket whose tensors lie side by side in one storage, at the same
+    relative offsets as its wire layout (`weight_sync.BucketSpec`, also `ALIGN`-aligned), as ONE
+    broadcast straight from that memory, and a reader whose parameters lie the same way receives
+    it straight into them. Per-tensor broadcasts (~180 for Qwen2.5-0.5B) cost a quarter of the
+    throughput of one flat broadcast over gloo.
+
+    The Parameter objects stay the same (a tied parameter, e.g. Qwen2's `lm_head.weight`, is one
+    Parameter: it gets one view and stays tied; optimizers and hooks that hold the Parameters keep
+    working); values are unchanged. Existing `.grad`s are left as they are. Idempotent: a group
+    already laid out this way is not copied again. Returns {(device, dtype): buffer}.
+
+    Only for engines whose weights are saved with `torch.save`/DCP (views of one storage are
+    fine there): safetensors' `save_pretrained` refuses tensors that share a storage. A later
+    `module.to(...)` that changes device or dtype makes fresh tensors again (contiguity is lost,
+    nothing breaks), so call it after moving the module."""
+    groups: dict[tuple, list[torch.nn.Parameter]] = {}
+    for _, p in module.named_parameters():           # a tied parameter once
+        groups.setdefault((p.device, p.dtype), []).append(p)
+    out = {}
+    for key, params in groups.items():
+        offsets, total = [], 0
+        for p in params:
+            offsets.append(total)
+            total = (total + p.numel() * p.element_size() + align - 1) // align * align
+        base = params[0].data
+        storage = base.untyped_storage()
+        start = base.storage_offset() * base.element_size()
+        if all(p.data.is_contiguous() and p.data.untyped_storage().data_ptr() == storage.data_ptr()
+               and p.data.storage_offset() * p.element_size() - start == off for p, off in zip(params, offsets)):
+            n = min(total, storage.nbytes() - start)   # the last tensor's alignment tail may be absent
+            out[key] = torch.empty(0, dtype=torch.uint8, device=base.device).set_(storage, start, (n,))
+            continue
+        buf = torch.empty(total, dtype=torch.uint8, device=key[0])
+        with torch.no_grad():
+            for p, off in zip(params, offsets):
+                view = buf[off:off + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+                view.copy_(p.data)
+                p.data = view
+        out[key] = buf
+    return out
 
 
 def bucketed(named: NamedTensors, bucket_bytes: int) -> Iterator[Bucket]:

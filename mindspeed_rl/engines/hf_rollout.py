@@ -13,7 +13,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .base import NamedTensors, Rollout, RolloutEngine, RolloutSpec, SamplingParams, hf_named_weights, load_named
+from .base import (NamedTensors, Rollout, RolloutEngine, RolloutSpec, SamplingParams, flatten_parameters,
+                   hf_named_weights, load_named)
 from .batching import left_pad, positions
 
 
@@ -55,6 +56,8 @@ class HFRolloutEngine(RolloutEngine):
         self.model = model.to(self.device).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
+        # one buffer, in HF order: a sync from a flattened trainer lands in one broadcast per bucket
+        flatten_parameters(self.model)
         self.pad_token_id = int(pad_token_id)
         self.weight_version = 0
 

@@ -17,7 +17,7 @@ import torch
 
 from ..algorithms import entropy_from_logits, log_probs_from_logits
 from .base import (Bucket, LossFn, MicroBatch, ModelOutput, NamedTensors, OptimConfig, TrainEngine, TrainSpec,
-                   bucketed, hf_named_weights, load_named)
+                   bucketed, flatten_parameters, hf_named_weights, load_named)
 from .batching import SequenceBatch, collate, unpad_rows
 
 
@@ -49,6 +49,10 @@ class TorchTrainEngine(TrainEngine):
         self.device = torch.device(device)
         self.model = model.to(self.device)
         self.module = model  # the bare model, also when wrapped in DDP
+        # parameters in one buffer, in HF order (before DDP and the optimizer see them): weight sync
+        # sends each bucket as one broadcast straight from it, and an inference copy receives into
+        # it the same way. Checkpoints are torch.save of the state dict, which views do not hurt.
+        flatten_parameters(self.module)
         self.pad_token_id = int(pad_token_id)
         self.temperature = float(temperature)
         self.model_kind = model_kind

@@ -83,3 +83,66 @@ def sender_gone(rank: int, world: int, port: int, timeout_s: float) -> dict:
     except Exception as e:  # noqa: BLE001
         return {"raised": type(e).__name__, "message": str(e)[:500], "elapsed": time.monotonic() - t0}
     return {"raised": None, "elapsed": time.monotonic() - t0}
+
+
+def flat_sync(rank: int, port: int, bucket_bytes: int, inplace_min_bytes: int) -> dict:
+    """A trained `TorchTrainEngine` (rank 0, parameters flattened by the engine) syncs twice, with
+    an optimizer step between, to an `HFRolloutEngine` (rank 1) through `receive_weights`, the
+    worker's path. Every broadcast either side issues on the real gloo group is counted."""
+    from mindspeed_rl.engines import MicroBatch, OptimConfig
+    from mindspeed_rl.engines.hf_rollout import HFRolloutEngine
+    from mindspeed_rl.engines.torch_train import TorchTrainEngine
+    from mindspeed_rl.engines.weight_sync import receive_weights
+
+    from ._common import PAD, nll_loss_fn, random_rows
+
+    group = stateless_group(HOST, port, rank, 2, "gloo", timeout_s=60)
+    counted, broadcast = [], group.broadcast
+
+    def counting_broadcast(tensor, src):
+        counted.append(tensor.numel() * tensor.element_size())
+        return broadcast(tensor, src)
+
+    group.broadcast = counting_broadcast
+    ids = torch.tensor([[1, 5, 6, 7, 3]])
+    out = {"rounds": []}
+    if rank == 0:
+        engine = TorchTrainEngine(tiny_qwen2(seed=0, initializer_range=0.3), PAD, OptimConfig(lr=1e-2))
+        for version in (1, 2):
+            counted.clear()
+            digest = Checksum()
+            info = send_buckets(group, tee_buckets(engine.export_weights(bucket_bytes), digest=digest),
+                                inplace_min_bytes=inplace_min_bytes)
+            with torch.no_grad():
+                logits = engine.module(ids).logits
+            out["rounds"].append({"broadcasts": list(counted), "digest": digest.hexdigest(), "info": info,
+                                  "logits": logits})
+            mb = MicroBatch({"prompts": random_rows(4, 3, seed=1), "responses": random_rows(4, 5, seed=2)}, 1.0,
+                            last=True)
+            engine.train_step([mb], nll_loss_fn)
+        return out
+    rollout = HFRolloutEngine(tiny_qwen2(seed=1), pad_token_id=PAD)
+    calls, load = [], rollout.update_weights
+
+    def update_weights(named, version):
+        named = list(named)
+        calls.append([n for n, _ in named])
+        load(named, version)
+
+    rollout.update_weights = update_weights
+    storage = {n: p.data_ptr() for n, p in rollout.model.named_parameters(remove_duplicate=False)}
+    for version in (1, 2):
+        counted.clear()
+        calls.clear()
+        digest = Checksum()
+        info = receive_weights(group, [rollout], version, digest)
+        with torch.no_grad():
+            logits = rollout.model(ids).logits
+        m = rollout.model
+        out["rounds"].append({
+            "broadcasts": list(counted), "digest": digest.hexdigest(), "served": rollout.state_checksum(),
+            "info": {k: v for k, v in info.items() if k != "names_into_targets"},
+            "names_into_targets": list(info["names_into_targets"]), "calls": list(calls), "logits": logits,
+            "tied": m.lm_head.weight is m.model.embed_tokens.weight, "version": rollout.weight_version,
+            "same_storage": storage == {n: p.data_ptr() for n, p in m.named_parameters(remove_duplicate=False)}})
+    return out

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from mindspeed_rl.engines.base import bucketed, hf_named_weights
+from mindspeed_rl.engines.base import bucketed, flatten_parameters, hf_named_weights
 from mindspeed_rl.engines.weight_sync import (ALIGN, BucketSpec, Checksum, checksum, copy_weights, free_port,
                                               tee_buckets)
 from mindspeed_rl.engines.base import load_named as load_by_name
@@ -317,10 +317,11 @@ def _segment_broadcasts(buckets, inplace_min_bytes) -> dict[str, int]:
     return first
 
 
-def _sync_to_reader_worker(bucket_bytes, inplace_min_bytes, corrupt=None):
+def _sync_to_reader_worker(bucket_bytes, inplace_min_bytes, corrupt=None, flat_sender=False):
     """The trainer's side as `Worker._sync` runs it (tee into a digest, `send_buckets`) over a `_Wire`,
     then a reader worker's `sync_weights("actor", 3)`; `corrupt` flips one byte of that segment on
-    the wire. Returns what a test looks at (`verified`: the driver's verdict)."""
+    the wire; `flat_sender`: the sender's parameters in one buffer, as a train engine holds them.
+    Returns what a test looks at (`verified`: the driver's verdict)."""
     from types import SimpleNamespace
 
     from mindspeed_rl.engines.hf_rollout import HFRolloutEngine
@@ -329,6 +330,8 @@ def _sync_to_reader_worker(bucket_bytes, inplace_min_bytes, corrupt=None):
 
     wire = _Wire()
     sender = tiny_qwen2(seed=0, initializer_range=0.3)
+    if flat_sender:
+        flatten_parameters(sender)
     rollout = HFRolloutEngine(tiny_qwen2(seed=1), pad_token_id=0)
     infer = TorchTrainEngine(tiny_qwen2(seed=2), pad_token_id=0)   # no optimizer: a reader
     calls = _spy_update_weights(rollout)
@@ -412,3 +415,130 @@ def test_verify_catches_a_corrupted_bucket_received_in_place(corrupt):
     r = _sync_to_reader_worker(40_000, 4096, corrupt=corrupt)
     assert not r.verified
     assert len(r.out["received"]) == 3 and all(c != r.sent for c in r.out["received"]), r.out
+
+
+# ---------------------------------------------------------------------------- flat parameters: one broadcast per bucket
+
+def _flat_specs(bucket_bytes):
+    """The layout a flattened train engine's export takes (what `flat_sync`'s sender sends)."""
+    from mindspeed_rl.engines import OptimConfig
+    from mindspeed_rl.engines.torch_train import TorchTrainEngine
+
+    engine = TorchTrainEngine(tiny_qwen2(seed=0), 0, OptimConfig())
+    return [BucketSpec.describe(b, 4096) for b in engine.export_weights(bucket_bytes)]
+
+
+@pytest.mark.parametrize("bucket_bytes", [1 << 20, 40_000])   # the whole model in one bucket / in 10
+def test_flattened_trainer_sends_each_bucket_as_one_broadcast_over_gloo(tmp_path, bucket_bytes):
+    """A trained engine (parameters in one buffer) syncs to a rollout engine over a real gloo group,
+    twice with an optimizer step between: each bucket is its header and ONE broadcast straight
+    from the trainer's parameters into the reader's (the bucket holding the tied lm_head, which
+    lies at the embedding, not after the final norm, takes one more), both sides issue the same
+    broadcasts, no bucket goes through `update_weights`, and the reader serves the sender's exact
+    weights, tie kept, in the storage it had."""
+    port = free_port()
+    # spans of 4096 bytes and more go straight (the tiny model is 327 KiB, under the default 1 MiB)
+    sender, reader = S.run_procs([(S.flat_sync, (r, port, bucket_bytes, 4096)) for r in range(2)], tmp_path)
+    specs = _flat_specs(bucket_bytes)
+    assert all(not packed for s in specs for _, _, packed in s.segments)
+    for s in specs:
+        head = any(e.name == "lm_head.weight" for e in s.entries)
+        # in one bucket the head is the embedding's own view (one offset); in another it is not adjacent
+        assert len(s.segments) == (2 if head and len(specs) > 1 else 1), s.segments
+    expected = sum(1 + len(s.segments) for s in specs) + 1   # headers, spans, the end header
+    payload = sum(e.nbytes for s in specs for e in {e.offset: e for e in s.entries if e.nbytes}.values())
+    assert len(specs) == (1 if bucket_bytes == 1 << 20 else 10)
+    for tx, rx in zip(sender["rounds"], reader["rounds"]):
+        assert len(tx["broadcasts"]) == expected and rx["broadcasts"] == tx["broadcasts"]
+        assert rx["digest"] == rx["served"] == tx["digest"]
+        assert torch.equal(rx["logits"], tx["logits"])
+        assert rx["tied"] and rx["same_storage"]
+        assert rx["calls"] == [[]]          # nothing copied out: only told the version at the end
+        assert rx["info"]["bytes_into_targets"] == payload
+    assert sender["rounds"][0]["digest"] != sender["rounds"][1]["digest"]   # it did train in between
+    assert [rx["version"] for rx in reader["rounds"]] == [1, 2]
+
+
+@pytest.mark.parametrize("reader_layout", ["plain", "swapped"])
+def test_contiguous_bucket_into_targets_that_lie_otherwise_is_copied_out_right(reader_layout):
+    """A flattened sender's spans meet a reader whose targets do not lie as the span: separate
+    tensors (plain), or one buffer but two same-shaped targets swapped in the dict. Those spans
+    go into the receive buffer and are copied out by name (a wrong direct receive would swap
+    q and k): the reader ends bit-exact; spans whose targets do lie right still go straight in."""
+    from mindspeed_rl.engines.weight_sync import receive_buckets, send_buckets
+
+    wire = _Wire()
+    sender, reader = tiny_qwen2(seed=0), tiny_qwen2(seed=1)
+    flatten_parameters(sender)
+    targets = dict(reader.named_parameters(remove_duplicate=False))
+    if reader_layout == "swapped":
+        flatten_parameters(reader)
+        targets = dict(reader.named_parameters(remove_duplicate=False))
+        q, k = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"
+        targets[q], targets[k] = targets[k], targets[q]
+    info = send_buckets(wire.group(0), bucketed(hf_named_weights(sender), 40_000), inplace_min_bytes=4096)
+    rx = wire.group(1)
+    got = []
+    for bucket in receive_buckets(rx, targets=targets):
+        got += [n for n, _ in bucket]
+        load_by_name(reader, bucket)
+    assert checksum(hf_named_weights(reader)) == checksum(hf_named_weights(sender))
+    direct = rx.last_sync["bytes_into_targets"]
+    if reader_layout == "plain":   # only spans of one tensor (the lm_head, lone MLP weights) lie right
+        lone = 0
+        for b in bucketed(hf_named_weights(sender), 40_000):
+            spec = BucketSpec.describe(b, 4096)
+            for start, end, packed in spec.segments:
+                inside = {e.offset for e in spec.entries if e.nbytes and start <= e.offset < end}
+                lone += end - start if not packed and len(inside) == 1 else 0
+        assert 0 < direct == lone < info["bytes"] / 2 and "lm_head.weight" not in got
+    else:                          # only the bucket holding q and k was copied out, the others went straight in
+        first = next(iter(bucketed(hf_named_weights(sender), 40_000)))
+        assert q in got and k in got and got == [n for n, _ in first]
+        assert 0 < direct < info["bytes"]
+
+
+def test_verify_catches_a_corrupted_byte_of_a_contiguous_bucket():
+    """A flattened sender: the rollout engine gets every bucket in one broadcast straight into its
+    parameters (verified); one byte flipped in such a broadcast makes every reported checksum
+    differ from the sent digest, so the driver's check fails."""
+    r = _sync_to_reader_worker(40_000, 4096, flat_sender=True)
+    assert r.verified and r.calls == [[]], r.calls   # all straight in, and still proven
+    bad = _sync_to_reader_worker(40_000, 4096, corrupt="in place", flat_sender=True)
+    assert not bad.verified
+    assert len(bad.out["received"]) == 3 and all(c != bad.sent for c in bad.out["received"]), bad.out
+
+
+@pytest.mark.parametrize("intruder", [False, True])
+def test_span_with_another_target_in_its_padding_is_not_received_in_place(intruder):
+    """Two 40-byte tensors side by side at offsets 0 and 64 go as one span of 104 bytes, padding
+    included. A reader laid out the same way takes it in place, unless another of its targets
+    lives in the padding: then the span is received into the buffer and copied out, and that
+    target keeps its value."""
+    from mindspeed_rl.engines.weight_sync import receive_buckets, send_buckets
+
+    def laid_out(fill):
+        buf = torch.full((128,), fill, dtype=torch.uint8)
+        return buf, buf[0:40].view(torch.float32), buf[64:104].view(torch.float32)
+
+    _, a, b = laid_out(0)
+    a.copy_(torch.arange(10.0))
+    b.copy_(-torch.arange(10.0))
+    spec = BucketSpec.describe([("a", a), ("b", b)], inplace_min_bytes=1)
+    assert spec.segments == ((0, 104, False),)
+    rbuf, ra, rb = laid_out(1)
+    targets = {"a": ra, "b": rb}
+    if intruder:
+        targets["other"] = rbuf[40:64].view(torch.float32)   # 6 floats in the padding after `a`
+    before = rbuf[40:64].clone()
+    wire = _Wire()
+    send_buckets(wire.group(0), [[("a", a), ("b", b)]], inplace_min_bytes=1)
+    rx = wire.group(1)
+    got = [(n, t.clone()) for bucket in receive_buckets(rx, targets=targets) for n, t in bucket]
+    if intruder:
+        assert [n for n, _ in got] == ["a", "b"] and rx.last_sync["bytes_into_targets"] == 0
+        assert torch.equal(rbuf[40:64], before)
+        assert torch.equal(got[0][1], a) and torch.equal(got[1][1], b)
+    else:
+        assert got == [] and rx.last_sync["bytes_into_targets"] == 80
+        assert torch.equal(ra, a) and torch.equal(rb, b)
