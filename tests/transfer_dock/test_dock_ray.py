@@ -107,7 +107,11 @@ def refusal_problems(dock, calls: dict) -> list[str]:
 class DockWorker:
     """One data-parallel rank of a stage, in its own process."""
 
-    def __init__(self, client):
+    def __init__(self, client=None):
+        self.client = client
+
+    def attach(self, client) -> None:
+        """Work against another dock (the pool below reuses these processes across data paths)."""
         self.client = client
 
     def produce(self, rows: list[int], micro: int, seed: int, wait: bool = True) -> int:
@@ -143,13 +147,22 @@ class DockWorker:
 
 
 # ---------------------------------------------------------------------- many clients at once
-def test_eight_clients_of_one_consumer_get_every_row_exactly_once(ray_session, make_dock, actors):
+@pytest.fixture(scope="module")
+def worker_pool(ray_session):
+    """10 worker processes for the module, each attached to a test's dock in turn: starting 10 actors
+    per data path was a minute of the suite on 2 cores."""
+    pool = [DockWorker.remote() for _ in range(10)]
+    yield pool
+    for w in pool:
+        ray_session.kill(w, no_restart=True)
+
+
+def test_eight_clients_of_one_consumer_get_every_row_exactly_once(ray_session, make_dock, worker_pool):
     prompts_num, n = 30, 4  # 120 rows
     dock = make_dock(["prompts", "responses"], ["train"], prompts_num, n, default_timeout=30.0)
     capacity = prompts_num * n
-    consumers = [DockWorker.remote(dock) for _ in range(8)]
-    producers = [DockWorker.remote(dock) for _ in range(2)]
-    actors.extend(consumers + producers)
+    ray.get([w.attach.remote(dock) for w in worker_pool], timeout=60)
+    consumers, producers = worker_pool[:8], worker_pool[8:]
 
     count = 4
     gets = [w.consume.remote("train", ["prompts", "responses"], count, 20.0) for w in consumers]
