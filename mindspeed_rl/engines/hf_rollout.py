@@ -48,6 +48,39 @@ def sample_next(logits: torch.Tensor, params: SamplingParams,
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
+class ResponseBuilder:
+    """A batch's responses as they are sampled, a token per row per step: a row ends with its first
+    stop token (what is sampled after it is padding), and the batch is done when every row has ended
+    or `max_new_tokens` is reached. Shared by the engines that drive their own sampling loop."""
+
+    def __init__(self, batch: int, params: SamplingParams, pad_token_id: int, device: torch.device):
+        self.stop = torch.tensor(sorted(params.stop_token_ids), dtype=torch.long, device=device)
+        self.finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.lengths = torch.full((batch,), params.max_new_tokens, dtype=torch.long)
+        self.max_new_tokens = params.max_new_tokens
+        self.pad_token_id = pad_token_id
+        self.tokens: list[torch.Tensor] = []
+        self.log_probs: list[torch.Tensor] = []
+
+    def add(self, tokens: torch.Tensor, log_probs: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """Record one step; returns (the tokens to feed back, padding for rows that had ended; done)."""
+        t = len(self.tokens)
+        tokens = torch.where(self.finished, torch.full_like(tokens, self.pad_token_id), tokens)
+        self.tokens.append(tokens)
+        self.log_probs.append(log_probs)
+        if self.stop.numel():
+            hit = torch.isin(tokens, self.stop) & ~self.finished
+            self.lengths[hit.cpu()] = t + 1
+            self.finished |= hit
+        return tokens, bool(self.finished.all()) or t + 1 == self.max_new_tokens
+
+    def rollout(self) -> Rollout:
+        resp = torch.stack(self.tokens, dim=1).cpu()
+        lp = torch.stack(self.log_probs, dim=1).float().cpu()
+        n = self.lengths.tolist()
+        return Rollout([resp[i, :k].clone() for i, k in enumerate(n)], [lp[i, :k].clone() for i, k in enumerate(n)])
+
+
 class HFRolloutEngine(RolloutEngine):
     concurrent_generate = True  # each call has its own cache and generators; the weights are only read
 
@@ -76,32 +109,18 @@ class HFRolloutEngine(RolloutEngine):
         ids, attn = left_pad(prompts, self.pad_token_id)
         ids, attn = ids.to(self.device), attn.to(self.device)
         batch = ids.shape[0]
-        stop = torch.tensor(sorted(params.stop_token_ids), dtype=torch.long, device=self.device)
         out = self.model(input_ids=ids, attention_mask=attn, position_ids=positions(attn),
                          past_key_values=DynamicCache(), use_cache=True)
         last_pos = positions(attn)[:, -1:]
-        finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
-        lengths = torch.full((batch,), params.max_new_tokens, dtype=torch.long)
-        tokens, logps = [], []
-        for t in range(params.max_new_tokens):
-            nxt, logp = sample_next(out.logits[:, -1, :], params, gens)
-            nxt = torch.where(finished, torch.full_like(nxt, self.pad_token_id), nxt)
-            tokens.append(nxt)
-            logps.append(logp)
-            if stop.numel():
-                hit = torch.isin(nxt, stop) & ~finished
-                lengths[hit.cpu()] = t + 1
-                finished |= hit
-            if bool(finished.all()) or t + 1 == params.max_new_tokens:
-                break
+        responses = ResponseBuilder(batch, params, self.pad_token_id, self.device)
+        while True:
+            nxt, done = responses.add(*sample_next(out.logits[:, -1, :], params, gens))
+            if done:
+                return responses.rollout()
             attn = torch.cat([attn, torch.ones((batch, 1), dtype=attn.dtype, device=self.device)], dim=1)
             last_pos = last_pos + 1
             out = self.model(input_ids=nxt[:, None], attention_mask=attn, position_ids=last_pos,
                              past_key_values=out.past_key_values, use_cache=True)
-        resp = torch.stack(tokens, dim=1).cpu()
-        lp = torch.stack(logps, dim=1).float().cpu()
-        n = lengths.tolist()
-        return Rollout([resp[i, :k].clone() for i, k in enumerate(n)], [lp[i, :k].clone() for i, k in enumerate(n)])
 
     def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
         load_named(self.model, named_tensors)

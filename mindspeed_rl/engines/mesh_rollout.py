@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from .base import NamedTensors, Rollout, RolloutEngine, RolloutSpec, SamplingParams, TrainSpec
 from .batching import left_pad, positions
-from .hf_rollout import sample_next
+from .hf_rollout import ResponseBuilder, sample_next
 from .mesh_train import MeshTrainEngine
 
 OPTIONS = {"tp", "pp", "dp"}
@@ -91,13 +91,10 @@ class MeshRolloutEngine(RolloutEngine):
         ids, attn = left_pad(prompts, self.pad_token_id)
         ids, attn = ids.to(self.device), attn.to(self.device)
         batch = ids.shape[0]
-        stop = torch.tensor(sorted(params.stop_token_ids), dtype=torch.long, device=self.device)
-        finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
-        lengths = torch.full((batch,), params.max_new_tokens, dtype=torch.long)
-        tokens, logps = [], []
+        responses = ResponseBuilder(batch, params, self.pad_token_id, self.device)
         # tokens (exact in float64) and their log-probs travel together from the last stage's TP rank 0
         box = torch.empty(2, batch, dtype=torch.float64, device=self.device)
-        for t in range(params.max_new_tokens):
+        while True:
             logits = self._last_logits(ids, attn)
             if logits is not None:
                 nxt, logp = sample_next(logits, params, gens)
@@ -105,22 +102,11 @@ class MeshRolloutEngine(RolloutEngine):
                 box[1].copy_(logp)
             if m.replica_group is not None and m.pp > 1:
                 dist.broadcast(box, src=m.last_tp0, group=m.replica_group)
-            nxt, logp = box[0].long(), box[1].float()
-            nxt = torch.where(finished, torch.full_like(nxt, self.pad_token_id), nxt)
-            tokens.append(nxt)
-            logps.append(logp)
-            if stop.numel():
-                hit = torch.isin(nxt, stop) & ~finished
-                lengths[hit.cpu()] = t + 1
-                finished |= hit
-            if bool(finished.all()) or t + 1 == params.max_new_tokens:
-                break
+            nxt, done = responses.add(box[0].long(), box[1].float())
+            if done:
+                return responses.rollout()
             ids = torch.cat([ids, nxt[:, None]], dim=1)
             attn = torch.cat([attn, torch.ones((batch, 1), dtype=attn.dtype, device=self.device)], dim=1)
-        resp = torch.stack(tokens, dim=1).cpu()
-        lp = torch.stack(logps, dim=1).float().cpu()
-        n = lengths.tolist()
-        return Rollout([resp[i, :k].clone() for i, k in enumerate(n)], [lp[i, :k].clone() for i, k in enumerate(n)])
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
