@@ -58,3 +58,16 @@ def flat_grads(module: torch.nn.Module) -> torch.Tensor:
 
 def flat_params(module: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).clone() for p in module.parameters()])
+
+
+def save_tiny4(target, seed: int, **overrides) -> str:
+    """The 4-layer tiny Qwen2 (4 heads, 2 KV heads: TP=2 splits whole heads, PP up to 4 whole layers)
+    with seeded weights, saved as an HF checkpoint at `target`; `overrides` change its config."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(**{**json.loads((_CONFIG_DIR / "config_4layers.json").read_text()), **overrides})
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(cfg)
+    model.save_pretrained(target, safe_serialization=True)
+    return str(target)

@@ -2,7 +2,6 @@
 over gloo on the CPU against the single-process HF rollout engine on the same model, prompts and
 per-row seeds. Equal tokens and log-probs within float rounding are what make a split generation a
 drop-in for the unsplit one (guarantee_order runs stay comparable)."""
-import json
 
 import pytest
 import torch
@@ -10,11 +9,10 @@ import torch
 from mindspeed_rl.engines.base import SamplingParams
 from mindspeed_rl.engines.hf_rollout import HFRolloutEngine
 from mindspeed_rl.engines.weight_sync import free_port
-from mindspeed_rl.models.checkpoint import _CONFIG_DIR
 
 from . import _mesh_rollout_ranks as R
 from . import _mp_workers as W
-from ._common import EOS, PAD, random_rows
+from ._common import EOS, PAD, random_rows, save_tiny4
 
 TIMEOUT_S = 120
 SAMPLED = SamplingParams(max_new_tokens=5, temperature=0.8, stop_token_ids=(EOS,))
@@ -24,15 +22,7 @@ GREEDY = SamplingParams(max_new_tokens=4, greedy=True)
 @pytest.fixture(scope="module")
 def path(tmp_path_factory) -> str:
     """The 4-layer tiny Qwen2 (4 heads, 2 KV heads), logits sharp enough that EOS sometimes wins."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(**{**json.loads((_CONFIG_DIR / "config_4layers.json").read_text()), "initializer_range": 0.2})
-    with torch.random.fork_rng():
-        torch.manual_seed(11)
-        model = Qwen2ForCausalLM(cfg)
-    target = tmp_path_factory.mktemp("tiny4gen") / "model"
-    model.save_pretrained(target, safe_serialization=True)
-    return str(target)
+    return save_tiny4(tmp_path_factory.mktemp("tiny4gen") / "model", seed=11, initializer_range=0.2)
 
 
 def calls(n_replicas: int) -> list:

@@ -1,7 +1,6 @@
 """Mesh (TP/PP) train engine: real multi-process runs over gloo on the CPU (parallelize_module,
 torch.distributed.pipelining, DCP; no mocks) against a single-process `TorchTrainEngine` on the same
 model, batch and micro-batches. Every multi-process run is bounded by `run_procs`' timeout."""
-import json
 
 import pytest
 import torch
@@ -9,11 +8,10 @@ import torch
 from mindspeed_rl.engines.base import OptimConfig
 from mindspeed_rl.engines.torch_train import TorchTrainEngine
 from mindspeed_rl.engines.weight_sync import free_port
-from mindspeed_rl.models.checkpoint import _CONFIG_DIR
 
 from . import _mesh_ranks as M
 from . import _mp_workers as W
-from ._common import PAD, random_rows
+from ._common import PAD, random_rows, save_tiny4
 
 TIMEOUT_S = 120
 # eps large next to tiny gradients keeps Adam's first step a smooth function of the gradient
@@ -27,15 +25,7 @@ TWO_REPLICAS = [[2, 1], [1, 2]]
 @pytest.fixture(scope="module")
 def path(tmp_path_factory) -> str:
     """The 4-layer tiny Qwen2 (4 heads, 2 KV heads: TP=2 splits whole heads) as an HF checkpoint."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(**json.loads((_CONFIG_DIR / "config_4layers.json").read_text()))
-    with torch.random.fork_rng():
-        torch.manual_seed(7)
-        model = Qwen2ForCausalLM(cfg)
-    target = tmp_path_factory.mktemp("tiny4") / "model"
-    model.save_pretrained(target, safe_serialization=True)
-    return str(target)
+    return save_tiny4(tmp_path_factory.mktemp("tiny4") / "model", seed=7)
 
 
 def data():
