@@ -71,3 +71,16 @@ def save_tiny4(target, seed: int, **overrides) -> str:
         model = Qwen2ForCausalLM(cfg)
     model.save_pretrained(target, safe_serialization=True)
     return str(target)
+
+
+def spy_update_weights(engine) -> list:
+    """Record the names each `update_weights` call of `engine` was given (one list per call)."""
+    calls, load = [], engine.update_weights
+
+    def update_weights(named, version):
+        named = list(named)
+        calls.append([n for n, _ in named])
+        load(named, version)
+
+    engine.update_weights = update_weights
+    return calls

@@ -16,7 +16,7 @@ from mindspeed_rl.engines.base import load_named as load_by_name
 from mindspeed_rl.engines.weight_sync import (Checksum, checksum, receive_buckets, send_buckets,
                                               stateless_group, tee_buckets)
 
-from ._common import tiny_qwen2
+from ._common import spy_update_weights, tiny_qwen2
 from ._mp_workers import run_procs  # noqa: F401  (the tests run these ranks with it)
 
 HOST = "127.0.0.1"
@@ -122,14 +122,7 @@ def flat_sync(rank: int, port: int, bucket_bytes: int, inplace_min_bytes: int) -
             engine.train_step([mb], nll_loss_fn)
         return out
     rollout = HFRolloutEngine(tiny_qwen2(seed=1), pad_token_id=PAD)
-    calls, load = [], rollout.update_weights
-
-    def update_weights(named, version):
-        named = list(named)
-        calls.append([n for n, _ in named])
-        load(named, version)
-
-    rollout.update_weights = update_weights
+    calls = spy_update_weights(rollout)
     storage = {n: p.data_ptr() for n, p in rollout.model.named_parameters(remove_duplicate=False)}
     for version in (1, 2):
         counted.clear()

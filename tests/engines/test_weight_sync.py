@@ -8,7 +8,7 @@ from mindspeed_rl.engines.weight_sync import (ALIGN, BucketSpec, Checksum, check
 from mindspeed_rl.engines.base import load_named as load_by_name
 
 from . import _sync_ranks as S
-from ._common import tiny_qwen2
+from ._common import spy_update_weights, tiny_qwen2
 
 
 def _mixed_bucket():
@@ -290,19 +290,6 @@ def _reader_worker(group, rollout, infer):
     return w
 
 
-def _spy_update_weights(engine) -> list:
-    """Record the names each `update_weights` call of `engine` was given (one list per call)."""
-    calls, load = [], engine.update_weights
-
-    def update_weights(named, version):
-        named = list(named)
-        calls.append([n for n, _ in named])
-        load(named, version)
-
-    engine.update_weights = update_weights
-    return calls
-
-
 def _segment_broadcasts(buckets, inplace_min_bytes) -> dict[str, int]:
     """Index on the wire of the first in-place and the first packed segment of the second bucket
     (broadcasts go: per bucket its header, then its segments; then the end header). Not the first
@@ -334,7 +321,7 @@ def _sync_to_reader_worker(bucket_bytes, inplace_min_bytes, corrupt=None, flat_s
         flatten_parameters(sender)
     rollout = HFRolloutEngine(tiny_qwen2(seed=1), pad_token_id=0)
     infer = TorchTrainEngine(tiny_qwen2(seed=2), pad_token_id=0)   # no optimizer: a reader
-    calls = _spy_update_weights(rollout)
+    calls = spy_update_weights(rollout)
     storage = {n: p.data_ptr() for n, p in rollout.model.named_parameters(remove_duplicate=False)}
     buffers = {n: b.clone() for n, b in rollout.model.named_buffers()}
     digest = Checksum()
@@ -399,7 +386,7 @@ def test_reader_worker_without_targets_loads_every_bucket():
     sender = tiny_qwen2(seed=0)
     rollout = HFRolloutEngine(tiny_qwen2(seed=1), pad_token_id=0)
     rollout.receive_targets = lambda: None
-    calls = _spy_update_weights(rollout)
+    calls = spy_update_weights(rollout)
     W.send_buckets(wire.group(0), bucketed(hf_named_weights(sender), 40_000), inplace_min_bytes=4096)
     info = W.receive_weights(wire.group(1), [rollout], 5)
     assert info["bytes_into_targets"] == 0 and info["names_into_targets"] == []
