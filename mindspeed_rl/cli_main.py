@@ -1,6 +1,7 @@
 """What every `cli/train_*.py` entry point does with its Hydra config (they are thin aliases)."""
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -34,16 +35,28 @@ def refuse_renamed_overrides(argv: list[str]) -> None:
 
 
 def train_main(raw_cfg, algorithm: str | None = None) -> list[dict]:
-    """Build the typed config, fail fast on bad input, run the trainer; exit 1 with a clear error."""
+    """Build the typed config, fail fast on bad input, run the trainer. A user's mistake (config, output
+    directory, checkpoint, cluster size) exits 2 with one line; a failed run exits 1 with one line."""
     from .config import ConfigError, config_from_dict
     from .trainer import Trainer, TrainingError
 
+    import signal
+
+    def stop(signum, frame):  # Ctrl-C while the plan is made (tokenizer, dataset, model checks): nothing ran yet
+        print(f"stopped by {signal.Signals(signum).name} during start-up; nothing ran", file=sys.stderr)
+        sys.stdout.flush()
+        os._exit(128 + signum)  # nothing to clean up yet, and no library's except-clause can swallow it
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         cfg = config_from_dict(raw_cfg)
         trainer = Trainer(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if not cfg.trainer.dry_run:
         print(f"mindspeed_rl: {cfg.rl_config.algorithm} on {cfg.data.dataset}, {cfg.trainer.total_steps} steps, "
               f"{'blocking' if cfg.rl_config.blocking else 'non-blocking'}, placement {cfg.placement.mode}; "
@@ -56,6 +69,9 @@ def train_main(raw_cfg, algorithm: str | None = None) -> list[dict]:
     except Interrupted as e:  # SIGINT/SIGTERM: one line (where it got to, how to resume), exit 130/143
         print(e.summary(sys.argv), file=sys.stderr)
         sys.exit(e.exit_code)
+    except ConfigError as e:  # found once the run started (the cluster's resources, a checkpoint): still the user's
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
     except TrainingError as e:
         print(f"training stopped: {e}", file=sys.stderr)
         sys.exit(1)

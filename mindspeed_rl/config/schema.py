@@ -66,6 +66,7 @@ class TrainerConfig:
     save_interval: int = 0               # checkpoint every N steps (0: only at the end when > 0 steps ran)
     keep_checkpoints: int = 3            # newest complete checkpoints kept, older ones deleted; 0: keep all
     resume: bool = False                 # continue from the newest checkpoint in output_dir
+    overwrite: bool = False              # a fresh run over a previous run's results deletes them (else refused)
     dry_run: bool = False                # validate, print graph and placement plan, start nothing
     logger: list = field(default_factory=lambda: ["console", "jsonl"])  # console, jsonl, tensorboard
     progress: bool = True                # per-step progress bar with per-stage consumption

@@ -121,6 +121,12 @@ def validate_config(cfg: Config, models: Collection[str] | None = None) -> None:
     _positive(e, "generate_config.vllm.kv_cache_gb", v.kv_cache_gb, "vLLM on CPU needs an explicit KV-cache size")
     if v.max_model_len is not None:
         _positive(e, "generate_config.vllm.max_model_len", v.max_model_len, "or null for prompt + response lengths")
+        longest = (cfg.data.max_prompt_length or 0) + g.max_new_tokens
+        if g.backend == "vllm" and cfg.data.max_prompt_length and 0 < v.max_model_len < longest:
+            e.append(f"generate_config.vllm.max_model_len={v.max_model_len}: below data.max_prompt_length + "
+                     f"generate_config.max_new_tokens = {cfg.data.max_prompt_length} + {g.max_new_tokens} = {longest}, "
+                     "so vLLM would refuse the longest prompt at the first generate; raise it to at least "
+                     f"{longest}, or null (prompt + response lengths)")
     _one_of(e, "actor_config.dtype", a.dtype, DTYPES)
     _one_of(e, "actor_config.loss_agg_mode", a.loss_agg_mode, AGG_MODES)
     _one_of(e, "actor_config.kl_loss_type", a.kl_loss_type, KL_TYPES)

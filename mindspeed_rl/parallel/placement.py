@@ -222,9 +222,9 @@ class PlacementPlan:
             blame = (f"MFC(s) {', '.join(alone)} alone need more than that; " if alone else
                      f"the meshes together cover {len(used)} devices ({sizes}); ")
             if res == "CPU" and self.cluster.device_kind == "cpu":
-                fix = "lower cpus_per_device, shrink the meshes, or give Ray more CPUs (placement.ray_num_cpus)"
+                fix = "lower placement.cpus_per_device, shrink the meshes, or give Ray more CPUs (placement.ray_num_cpus)"
             elif res == "CPU":
-                fix = "lower cpus_per_device (0 is fine for actors that ask for no CPU), or give Ray more CPUs"
+                fix = "lower placement.cpus_per_device (0 is fine for actors that ask for no CPU), or give Ray more CPUs"
             else:
                 fix = f"shrink the meshes, or start Ray on nodes with more {res}s"
             raise ValueError(f"placement on {self.cluster} needs {amount:g} {res} ({len(used)} devices x {each:g}) "

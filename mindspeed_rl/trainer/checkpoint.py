@@ -12,11 +12,12 @@ import os
 import re
 import shutil
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
-STEP_DIR = re.compile(r"^step_(\d+)$")
+from ..models.files import CheckpointFileError, check_file, load_file, save_file
 
-import torch
+STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 def checkpoint_dir(output_dir: str, step: int) -> Path:
@@ -25,24 +26,100 @@ def checkpoint_dir(output_dir: str, step: int) -> Path:
 
 def save_driver_state(directory: Path, state: dict) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    torch.save(state, directory / "trainer_state.pt.tmp")
-    os.replace(directory / "trainer_state.pt.tmp", directory / "trainer_state.pt")
+    save_file(state, str(directory / "trainer_state.pt"))
 
 
 def mark_latest(output_dir: str, directory: Path, step: int) -> None:
     root = Path(output_dir) / "checkpoints"
     tmp = root / "latest.json.tmp"
-    tmp.write_text(json.dumps({"step": step, "path": directory.name}))
-    os.replace(tmp, root / "latest.json")
+    try:
+        tmp.write_text(json.dumps({"step": step, "path": directory.name}))
+        os.replace(tmp, root / "latest.json")
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointFileError(f"cannot write {root / 'latest.json'} ({e.strerror or e}): free space on that disk "
+                                  "or point trainer.output_dir elsewhere; the previous checkpoint stays the latest") \
+            from None
+
+
+@dataclass
+class ResumePoint:
+    """The checkpoint a resume starts from, its driver state, and the newer ones passed over (with why)."""
+    directory: Path
+    state: dict
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def step(self) -> int:
+        return int(self.state["step"])
+
+
+def check_checkpoint(directory: Path, models: list[str]) -> dict:
+    """The driver state of a complete, readable checkpoint; CheckpointFileError naming the first bad file.
+
+    Cheap: the driver state is loaded (it is small and needed anyway); each trained model's
+    directory must exist with its `rng.pt`, and every `*.pt` in it passes `check_file` (zip directory and
+    CRCs) without being loaded. Sharded formats (DCP's `.metadata` and shards) are checked for presence."""
+    if not directory.is_dir():
+        raise CheckpointFileError(f"checkpoint directory {directory} is missing")
+    state = load_file(str(directory / "trainer_state.pt"), what="driver state")
+    if not isinstance(state, dict) or "step" not in state:
+        raise CheckpointFileError(f"driver state {directory / 'trainer_state.pt'} holds no step: it is not a "
+                                  "mindspeed_rl checkpoint; delete that directory to resume from the previous one")
+    for model in models:
+        where = directory / model
+        if not where.is_dir():
+            raise CheckpointFileError(f"checkpoint {directory} has no {model}/ directory: it was written by a run "
+                                      f"that did not train {model!r}")
+        check_file(str(where / "rng.pt"), what="RNG state")
+        for f in sorted(where.glob("*.pt")):
+            if f.name != "rng.pt":
+                check_file(str(f), what=f"{model} engine state")
+    return state
+
+
+def resume_point(output_dir: str, models: list[str]) -> ResumePoint | None:
+    """The newest complete, readable checkpoint under `output_dir`, or None when there is none.
+
+    `latest.json` names the newest one; when it, or what it points to, cannot be read (a torn or
+    deleted file, a damaged engine state), the previous complete checkpoint is used, and `skipped`
+    names each newer one passed over and why (the caller warns)."""
+    root = Path(output_dir) / "checkpoints"
+    if not root.is_dir():
+        return None
+    skipped: list[str] = []
+    candidates: list[Path] = []
+    pointer = root / "latest.json"
+    if pointer.exists():
+        try:
+            info = json.loads(pointer.read_text())
+            candidates.append(root / str(info["path"]))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            skipped.append(f"{pointer} is unreadable ({type(e).__name__}: {e})")
+    steps = sorted(((int(m.group(1)), d) for d in root.iterdir() if d.is_dir()
+                    for m in [STEP_DIR.match(d.name)] if m), reverse=True)
+    newest_pointed = None
+    if candidates:
+        m = STEP_DIR.match(candidates[0].name)
+        newest_pointed = int(m.group(1)) if m else None
+    for step, d in steps:  # older than the pointed one (a newer one may be a save that never completed)
+        if d not in candidates and (newest_pointed is None or step < newest_pointed):
+            candidates.append(d)
+    for d in candidates:
+        try:
+            return ResumePoint(d, check_checkpoint(d, models), skipped)
+        except CheckpointFileError as e:
+            skipped.append(str(e))
+    if skipped:
+        raise CheckpointFileError("trainer.resume=true: no readable checkpoint in " + str(root) + ": "
+                                  + "; ".join(skipped))
+    return None
 
 
 def latest_checkpoint(output_dir: str) -> tuple[Path, dict] | None:
-    pointer = Path(output_dir) / "checkpoints" / "latest.json"
-    if not pointer.exists():
-        return None
-    info = json.loads(pointer.read_text())
-    directory = pointer.parent / info["path"]
-    return directory, torch.load(directory / "trainer_state.pt", weights_only=False)
+    """(directory, driver state) of the checkpoint a resume would use (see `resume_point`)."""
+    found = resume_point(output_dir, [])
+    return None if found is None else (found.directory, found.state)
 
 
 def read_latest(output_dir: str) -> dict | None:

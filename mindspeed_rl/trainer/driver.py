@@ -9,8 +9,12 @@
 Every wait is bounded: a stage that makes no progress for `trainer.stage_timeout_s`, a worker that
 dies, or a failed stage stops the run within seconds, naming the stage and the cause: for a stall,
 the stage that is late (found from the graph and the dock's progress), not only the one that waited;
-for a dead worker, the worker and every stage it hosted. SIGINT and SIGTERM stop the run at the next
-poll (within `POLL_S`) and clean up as a crash does; `Interrupted` carries the one line to print.
+for a dead worker, the worker and every stage it hosted (also when a surviving rank's collective failed
+first); for a dock that stops answering, the call, the step and the stages waiting (`dock_calls.py`).
+SIGINT and SIGTERM stop the run at once, start-up included, and clean up as a crash does;
+`Interrupted` carries the one line to print. Before Ray starts, the output directory is locked and
+checked (`run_dir.py`), and a resume's checkpoint is found, checked and compared with the config
+(`checkpoint.resume_point`, `resume.py`), so a user's mistake costs seconds, not a cluster start.
 While it runs, a dashboard on 127.0.0.1 shows each stage's consumption and a timeline of the
 micro-batches; at the end (also after a crash) `report.html` keeps the same views (docs/dashboard.md).
 """
@@ -23,17 +27,24 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 
-from ..config import Config
+from ..config import Config, ConfigError
 from ..dataflow import MFCDef
-from .checkpoint import (checkpoint_dir, latest_checkpoint, mark_latest, prune_checkpoints, read_latest,
+from ..models.files import CheckpointFileError
+from .checkpoint import (ResumePoint, checkpoint_dir, mark_latest, prune_checkpoints, read_latest, resume_point,
                          save_driver_state)
+from .dock_calls import DockCalls, DockSilent
+from .resume import check_resume
+from .run_dir import RunDirectory, refuse_or_clear_previous
 from .plan import Plan, check_cluster, format_plan, make_plan
 from .run_log import MetricsFileError, RunLog, plot_curve
 
 STARTUP_TIMEOUT_S = 300.0
+RAY_CONNECT_TIMEOUT_S = 5.0  # placement.ray_address: a TCP connect to it, before ray.init retries for minutes
+LIVENESS_TIMEOUT_S = 5.0     # after a stage failed: how long the other workers get to answer a ping
 POLL_S = 0.25
 CLOSE_TIMEOUT_S = 30.0  # shutdown: how long engine-split rollout actors get to close their engines (vLLM: ~7 s)
 SAVE_EVERY_S = 2.0  # dashboard.json in output_dir: rewritten at most this often while the run goes
@@ -101,17 +112,85 @@ class Trainer:
         self._signal: int | None = None  # SIGINT/SIGTERM received; raised as Interrupted at the next poll
         self._stopping = False           # cleaning up: a further signal changes nothing
         self._saved_handlers: dict[int, Any] = {}
+        self.run_dir = RunDirectory(cfg.trainer.output_dir)
+        self._resume: ResumePoint | None = None
+        self.dock_calls: DockCalls | None = None
 
     # ------------------------------------------------------------------ the run
+    def preflight(self) -> int | None:
+        """What can be checked before Ray starts: the output directory (writable, not another run's, not
+        in use), and for a resume its checkpoint (readable, else the previous complete one, with a
+        warning) and the config it was saved with. Returns the step the run starts at, or None when a
+        resume has nothing left to train. Raises ConfigError (exit 2) naming the key and the fix."""
+        t = self.cfg.trainer
+        self.run_dir.acquire()
+        if t.resume:
+            try:
+                self._resume = resume_point(t.output_dir, list(self.plan.trained))
+            except CheckpointFileError as e:
+                raise ConfigError(str(e)) from None
+        if self._resume is None:
+            if t.resume:
+                print(f"trainer.resume=true but no checkpoint in {t.output_dir}/checkpoints; starting at step 0",
+                      file=sys.stderr)
+            refuse_or_clear_previous(t.output_dir, t.overwrite)
+            return 0
+        found = self._resume
+        for why in found.skipped:
+            print(f"warning: resume: skipped a newer checkpoint: {why}; resuming from {found.directory} "
+                  f"(step {found.step}) instead", file=sys.stderr)
+        notes = check_resume(found.state.get("config"), self.cfg, found.step,
+                             [int(s_) for s_ in found.state.get("in_flight", {})], str(found.directory))
+        self._check_layouts(found)
+        if notes:
+            print("resume: changed since the checkpoint: " + "; ".join(notes), file=sys.stderr)
+        if found.step >= t.total_steps:
+            print(f"trainer.resume=true: the checkpoint {found.directory} is at step {found.step} and "
+                  f"trainer.total_steps={t.total_steps}: nothing left to train; raise trainer.total_steps to go on",
+                  file=sys.stderr)
+            return None
+        return found.step
+
+    def _layouts(self) -> dict[str, dict]:
+        """Per trained model, the train backend and dp/tp/pp its checkpoint files are written in."""
+        from .plan import engine_backends, group_train_backend
+        _, train_spec = engine_backends(self.cfg, check_files=False)
+        out = {}
+        for model, train_mfc in self.plan.trained.items():
+            g = self.plan.groups[self.plan.group_of(train_mfc)]
+            out[model] = {"backend": group_train_backend(train_spec, g).name, "dp": g.resources.dp, "tp": g.tp,
+                          "pp": g.pp}
+        return out
+
+    def _check_layouts(self, found: ResumePoint) -> None:
+        """A checkpoint's engine files are in its train backend's format: another backend cannot read them
+        (a tp 2 checkpoint of the mesh backend has no engine.pt for one torch rank)."""
+        saved = found.state.get("layouts")
+        if not isinstance(saved, dict):
+            return
+        for model, now in self._layouts().items():
+            old = saved.get(model)
+            if old and old.get("backend") != now["backend"]:
+                raise ConfigError(
+                    f"trainer.resume=true: the checkpoint {found.directory} holds {model!r} as written by the "
+                    f"{old['backend']} train backend (dp {old['dp']}, tp {old['tp']}, pp {old['pp']}), but this run "
+                    f"trains it on {now['backend']} (dp {now['dp']}, tp {now['tp']}, pp {now['pp']}), which cannot "
+                    "read those files; resume with the placement and actor_config.backend it was saved with")
+
     def run(self) -> list[dict]:
         cfg = self.cfg
         if cfg.trainer.dry_run:
             print(self.describe())
             return []
-        self._start_dashboard()  # first: a port in use fails before anything starts
         error: BaseException | None = None
         self._trap_signals()
         try:
+            start_step = self.preflight()
+            if start_step is None:  # a resume with nothing left to train
+                from .run_log import read_metrics
+                path = os.path.join(cfg.trainer.output_dir, "metrics.jsonl")
+                return read_metrics(Path(path)) if os.path.exists(path) else []
+            self._start_dashboard()  # a port in use fails before Ray starts
             self._start_ray()
             self._trap_signals()  # again: ray.init installs a SIGTERM handler of its own (sys.exit)
             self._start()
@@ -167,12 +246,15 @@ class Trainer:
                     self.log.close()
                 self.shutdown()
             finally:
+                self.run_dir.release()
                 self._restore_signals()
 
     # ------------------------------------------------------------------ signals
     def _trap_signals(self) -> None:
-        """SIGINT/SIGTERM only set a flag: the driver raises at its next poll, never in the middle of
-        a dock call (a reply read half-way would desync the channel the final report still reads)."""
+        """SIGINT/SIGTERM raise `Interrupted` in the main thread at once, wherever it is (ray.init
+        retrying an address, a wait for workers, a step). That is safe because the main thread never
+        reads from the dock itself (`dock_calls.py`: a reply read half-way would desync the channel
+        the final report still reads). During clean-up a further signal changes nothing."""
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread; the defaults stay
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -182,6 +264,7 @@ class Trainer:
     def _on_signal(self, signum: int, frame) -> None:
         if self._signal is None and not self._stopping:
             self._signal = signum
+            raise _Signalled(signum)  # a BaseException: no library's `except Exception` retry loop swallows it
 
     def _restore_signals(self) -> None:
         for sig, handler in self._saved_handlers.items():
@@ -224,7 +307,7 @@ class Trainer:
                                             **({"weight_version": int(r["metrics"]["weight_version_min"])}
                                                if "weight_version_min" in r["metrics"] else {})}
                                            for r in reports])
-        self.dock_of(step).clear()
+        self._dock("clear()", self.dock_of(step).clear, context=f"step {step}")
         self._dock_own[step % len(self.docks)] += 1
         record = self._metrics(step, reports, time.perf_counter() - t0, t_stages - t0, sync)
         record["data/prompts_truncated"] = self._truncated.pop(step, 0)  # this step's prompts cut to max_prompt_length
@@ -270,7 +353,8 @@ class Trainer:
         batch = self.loader.next_batch()
         self._truncated[step] = self.loader.last_truncated
         rows = {key: [torch.from_numpy(v) for v in batch[key] for _ in range(n)] for key in plan.dataset_keys}
-        self.dock_of(step).put_experience(rows, list(range(plan.rows_per_step)), producer="dataset")
+        self._dock("put_experience() of the prompts", self.dock_of(step).put_experience, rows,
+                   list(range(plan.rows_per_step)), producer="dataset", context=f"step {step}")
         j = step % len(self.docks)
         self._dock_steps[(j, self._dock_own[j])] = step
         if self.cfg.rl_config.blocking:  # started by _wait's caller one stage at a time: see _calls
@@ -314,6 +398,10 @@ class Trainer:
                     reports.append(ray.get(ref))
                 except RayTaskError as e:
                     cause = getattr(e, "cause", None)
+                    dead = self._dead_worker(step, stage_of[ref], worker_of[ref])
+                    if dead:  # a survivor's collective failed because a peer died: name the dead one
+                        raise TrainingError(dead + f"; the surviving {worker_of[ref][0]}/{worker_of[ref][1]} then "
+                                            f"failed: {_cause(e)}") from None
                     if isinstance(cause, StageTimeout):  # who waited is known; who is late is found here
                         raise TrainingError(f"step {step}: {self._stall(step, [cause.stage])}"
                                             f"; {cause.stage} (rank {cause.rank}): {cause}") from None
@@ -323,7 +411,8 @@ class Trainer:
                         from None
             if not refs:
                 break
-            status = self.dock_of(step).get_consumer_status()
+            status = self._dock("get_consumer_status()", self.dock_of(step).get_consumer_status,
+                                context=f"step {step}, stages {sorted({stage_of[r] for r in refs})} running")
             taken = {c: s["taken"] for c, s in status.items()}
             if taken != last_taken:
                 last_taken, last_progress = taken, time.time()
@@ -341,13 +430,45 @@ class Trainer:
         """The late stages behind `waiting`, with their progress, read from the dock now."""
         try:
             dock = self.dock_of(step)
-            columns, consumers = dock.get_column_status(), dock.get_consumer_status()
+            columns = self._dock("get_column_status()", dock.get_column_status, context=f"step {step}")
+            consumers = self._dock("get_consumer_status()", dock.get_consumer_status, context=f"step {step}")
         except Exception as e:  # the dock itself is gone: say so rather than hide the stall
             return f"stages {waiting} stalled (the dock did not answer for details: {_first_line(e)})"
         groups = {m.name: self.plan.group_of(m.name) for m in self.plan.order}
         lanes = {name: f"{g}/{_ranks(self.plan.groups[g].world)}" for name, g in groups.items()}
         return describe_stall(self.plan.order, waiting, columns, consumers, lanes,
                               self.cfg.trainer.stage_timeout_s)
+
+    def _dock(self, what: str, fn, *args, context: str = "", **kwargs):
+        """A dock call from the driver: bounded and interruptible (`dock_calls.py`); a silent dock ends
+        the run naming the call, the step and the stages that were running."""
+        try:
+            return self.dock_calls.call(what, fn, *args, context=context, **kwargs)
+        except DockSilent as e:
+            raise TrainingError(str(e)) from None
+
+    def _dead_worker(self, step: int, stage: str, where: tuple[str, int]) -> str | None:
+        """After a stage failed on `where`: is another worker dead (killed, OOM)? Then that one is the
+        cause (a peer's gloo/NCCL error, "Connection reset by peer", is only its echo). Every worker
+        is pinged at once, for at most LIVENESS_TIMEOUT_S; a worker that does not answer is not
+        counted as dead (it may be busy)."""
+        import ray
+        from ray.exceptions import RayActorError
+        pings = [((g, r), w.ping.remote()) for g, ws in self.workers.items() for r, w in enumerate(ws)
+                 if (g, r) != where]
+        if not pings:
+            return None
+        ray.wait([r for _, r in pings], num_returns=len(pings), timeout=LIVENESS_TIMEOUT_S)
+        for key, ref in pings:
+            try:
+                ray.get(ref, timeout=0)
+            except RayActorError as e:
+                hosted = [m.name for m in self.plan.groups[key[0]].mfcs]
+                stage_here = stage if stage in hosted else hosted[0]
+                return f"step {step}: {self._worker_died(key, stage_here, e)}"
+            except Exception:
+                continue
+        return None
 
     def _worker_died(self, where: tuple[str, int], stage: str, e: Exception) -> str:
         """A dead worker by group/rank, Ray actor and pid, with every stage it hosted."""
@@ -522,11 +643,16 @@ class Trainer:
             kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True,
                                       "logging_level": "ERROR", "configure_logging": True}
             if p.ray_address:
+                check_ray_address(p.ray_address)
                 kwargs["address"] = p.ray_address
             elif p.ray_num_cpus is not None:
                 kwargs["num_cpus"] = int(p.ray_num_cpus)
-            ray.init(**kwargs)
-            self._started_ray = True
+            self._started_ray = True  # before: an interrupted ray.init is shut down too
+            try:
+                ray.init(**kwargs)
+            except Exception as e:  # e.g. "The current node timed out during startup" on an overloaded machine
+                raise TrainingError(f"Ray did not start ({type(e).__name__}: {_first_line(e)}); is the machine "
+                                    "overloaded or /tmp full? see /tmp/ray/session_latest/logs") from None
         check_cluster(self.plan, ray.available_resources())
         if self.plan.placement is not None:
             from ..config import ConfigError
@@ -548,6 +674,7 @@ class Trainer:
 
         cfg, plan = self.cfg, self.plan
         t = cfg.trainer
+        self.dock_calls = DockCalls(timeout_s=max(10.0, t.stage_timeout_s))
         for _ in range(cfg.rl_config.max_weight_staleness + 1):  # the steps in flight each hold their rows
             self.docks.append(create_transfer_dock(plan.columns, plan.consumers, cfg.rl_config.prompts_per_step,
                                                    cfg.rl_config.n_samples_per_prompt,
@@ -672,11 +799,14 @@ class Trainer:
         for model, train_mfc in self.plan.trained.items():  # every rank: a sharded engine writes its shards
             self._get([w.save_checkpoint.remote(str(directory)) for w in self.workers[self.plan.group_of(train_mfc)]],
                       "saving a checkpoint")
-        save_driver_state(directory, {"step": step, "loader": self.loader.state_dict(),
-                                      "kl_coef": float(self.kl_ctrl.value), "versions": dict(self._versions),
-                                      "config": self.cfg, "launched": self._launched,
-                                      "in_flight": self._in_flight_state(step)})
-        mark_latest(self.cfg.trainer.output_dir, directory, step)
+        try:
+            save_driver_state(directory, {"step": step, "loader": self.loader.state_dict(),
+                                          "kl_coef": float(self.kl_ctrl.value), "versions": dict(self._versions),
+                                          "config": self.cfg, "launched": self._launched, "layouts": self._layouts(),
+                                          "in_flight": self._in_flight_state(step)})
+            mark_latest(self.cfg.trainer.output_dir, directory, step)
+        except CheckpointFileError as e:
+            raise TrainingError(f"saving the checkpoint of step {step}: {e}") from None
         prune_checkpoints(self.cfg.trainer.output_dir, self.cfg.trainer.keep_checkpoints)  # only once complete
 
     def _in_flight_state(self, steps_done: int) -> dict[int, dict]:
@@ -688,19 +818,16 @@ class Trainer:
         for s in range(steps_done, self._launched):
             done = self._wait(s, self._pop_inflight(s), None)
             self._reports.setdefault(s, []).extend(done)
-            out[s] = {"dock": self.dock_of(s).state_dict(), "reports": list(self._reports[s]),
+            out[s] = {"dock": self._dock("state_dict()", self.dock_of(s).state_dict, context=f"saving step {s}'s "
+                                         "rows in flight"), "reports": list(self._reports[s]),
                       "truncated": self._truncated.get(s, 0)}
         return out
 
     def _maybe_resume(self) -> int:
-        if not self.cfg.trainer.resume:
+        """Load the checkpoint `preflight` chose and checked into the workers, the loader and the docks."""
+        if self._resume is None:
             return 0
-        found = latest_checkpoint(self.cfg.trainer.output_dir)
-        if found is None:
-            print(f"trainer.resume=true but no checkpoint in {self.cfg.trainer.output_dir}/checkpoints; "
-                  "starting at step 0", file=sys.stderr)
-            return 0
-        directory, state = found
+        directory, state = self._resume.directory, self._resume.state
         for model, train_mfc in self.plan.trained.items():
             self._get([w.load_checkpoint.remote(str(directory))
                        for w in self.workers[self.plan.group_of(train_mfc)]], "loading a checkpoint")
@@ -710,7 +837,8 @@ class Trainer:
         step = int(state["step"])
         self._launched = int(state.get("launched", step))
         for s_, st in state.get("in_flight", {}).items():
-            self.dock_of(s_).load_state_dict(st["dock"])
+            self._dock("load_state_dict()", self.dock_of(s_).load_state_dict, st["dock"],
+                       context=f"resuming step {s_}'s rows in flight")
             j = s_ % len(self.docks)
             self._dock_own[j] = int(st["dock"].get("step", 0))
             self._dock_steps[(j, self._dock_own[j])] = s_
@@ -754,9 +882,32 @@ class Trainer:
             except Exception:
                 pass
         self.docks = []
+        if self.dock_calls is not None:
+            self.dock_calls.close()
+            self.dock_calls = None
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
+
+
+def check_ray_address(address: str) -> None:
+    """Fail fast (ConfigError, exit 2) when nothing listens at `placement.ray_address`; ray.init would
+    retry for minutes. `auto` and `local` are Ray's own words and are left to it."""
+    import socket
+    if address in ("auto", "local"):
+        return
+    hostport = address.split("://", 1)[-1]
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ConfigError(f"placement.ray_address={address!r}: expected host:port (the head's GCS address, e.g. "
+                          "10.0.0.1:6379), 'auto', or null to start a local Ray")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=RAY_CONNECT_TIMEOUT_S):
+            pass
+    except OSError as e:
+        raise ConfigError(f"placement.ray_address={address!r}: nothing answers there ({e.strerror or e}); start the "
+                          "cluster's head (`ray start --head`), fix the address, or set placement.ray_address=null to "
+                          "start a local Ray") from None
 
 
 def engine_rollout_options(placement_groups: Mapping, devices: list[int], opts: dict) -> dict:
@@ -864,6 +1015,10 @@ def _cause(e: Exception) -> str:
 def _first_line(e: Exception) -> str:
     text = str(e).strip().splitlines()
     return text[-1] if text else type(e).__name__
+
+
+class _Signalled(BaseException):
+    """Raised by the signal handler in the main thread; `Trainer.run` turns it into `Interrupted`."""
 
 
 class _Deferred:

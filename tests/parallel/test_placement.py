@@ -133,7 +133,7 @@ def test_check_cluster(ppo):
         ppo.check_cluster({"GPU": 4.0, "CPU": 64.0})
     with pytest.raises(ValueError, match=r"reports 0 GPU"):
         ppo.check_cluster({"CPU": 64.0})
-    with pytest.raises(ValueError, match=r"needs 8 CPU .* reports 4 CPU; .*lower cpus_per_device"):
+    with pytest.raises(ValueError, match=r"needs 8 CPU .* reports 4 CPU; .*lower placement.cpus_per_device"):
         ppo.check_cluster({"GPU": 8.0, "CPU": 4.0}, cpus_per_device=1)
 
 

@@ -1,0 +1,138 @@
+"""What a resume checks before Ray starts: the saved config against the new one, the checkpoint's files
+(falling back to the previous complete checkpoint), and checkpoint writes that fail cleanly."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+
+import pytest
+import torch
+
+from mindspeed_rl.config import ConfigError, config_from_dict
+from mindspeed_rl.models.files import CheckpointFileError, check_file, load_file, save_file
+from mindspeed_rl.trainer.checkpoint import checkpoint_dir, mark_latest, resume_point, save_driver_state
+from mindspeed_rl.trainer.resume import check_resume, config_changes, staleness_problem
+
+
+def _cfg(**rl):
+    cfg = config_from_dict({})
+    return dataclasses.replace(cfg, rl_config=dataclasses.replace(cfg.rl_config, **rl))
+
+
+def test_changes_that_alter_the_data_or_the_math_are_refused_each_named_with_both_values():
+    saved = _cfg()
+    new = _cfg(n_samples_per_prompt=4, prompts_per_step=8)
+    new = dataclasses.replace(new, trainer=dataclasses.replace(new.trainer, seed=7, resume=True))
+    with pytest.raises(ConfigError) as e:
+        check_resume(saved, new, 10, [], "ckpt")
+    text = str(e.value)
+    for part in ("rl_config.n_samples_per_prompt: 8 at the checkpoint, 4 now",
+                 "rl_config.prompts_per_step: 16 at the checkpoint, 8 now", "trainer.seed: 1 at the checkpoint, 7 now"):
+        assert part in text
+    assert "trainer.resume:" not in text  # the resume switch itself is no change
+
+
+def test_other_changes_are_allowed_and_listed():
+    saved = _cfg()
+    new = dataclasses.replace(saved, actor_config=dataclasses.replace(saved.actor_config, lr=1e-5))
+    assert check_resume(saved, new, 10, [], "ckpt") == [f"actor_config.lr {saved.actor_config.lr!r} -> 1e-05"]
+    assert config_changes(saved, saved) == []
+
+
+@pytest.mark.parametrize("saved_k, new_k, in_flight, refused", [
+    (2, 0, [11, 12], True),     # two steps in flight, one dock: they would never train
+    (2, 1, [11, 12], False),    # two docks hold them
+    (1, 3, [11], False),        # a larger staleness always holds what was in flight
+    (2, 0, [], False),          # nothing in flight: any staleness
+])
+def test_a_staleness_change_is_carried_out_when_the_steps_in_flight_fit_the_docks(saved_k, new_k, in_flight, refused):
+    problem = staleness_problem(saved_k, new_k, in_flight, 11)
+    assert (problem is not None) == refused
+    if refused:
+        assert "max_weight_staleness >= 1" in problem
+        with pytest.raises(ConfigError, match="max_weight_staleness: 2 at the checkpoint, 0 now"):
+            check_resume(_cfg(max_weight_staleness=saved_k), _cfg(max_weight_staleness=new_k), 11, in_flight, "c")
+    else:
+        check_resume(_cfg(max_weight_staleness=saved_k), _cfg(max_weight_staleness=new_k), 11, in_flight, "c")
+
+
+def _checkpoint(root, step, models=("actor",)):
+    d = checkpoint_dir(str(root), step)
+    for m in models:
+        (d / m).mkdir(parents=True)
+        save_file({"w": torch.arange(4096.0)}, str(d / m / "engine.pt"))
+        save_file({"torch": torch.get_rng_state()}, str(d / m / "rng.pt"))
+    save_driver_state(d, {"step": step})
+    mark_latest(str(root), d, step)
+    return d
+
+
+def test_resume_uses_the_newest_checkpoint_when_it_is_sound(tmp_path):
+    _checkpoint(tmp_path, 2)
+    _checkpoint(tmp_path, 4)
+    found = resume_point(str(tmp_path), ["actor"])
+    assert found.step == 4 and found.skipped == []
+
+
+@pytest.mark.parametrize("damage", ["truncated_state", "torn_pointer", "deleted_dir", "flipped_engine_byte",
+                                    "missing_rng"])
+def test_an_unreadable_newest_checkpoint_falls_back_to_the_previous_complete_one(tmp_path, damage):
+    _checkpoint(tmp_path, 2)
+    newest = _checkpoint(tmp_path, 4)
+    if damage == "truncated_state":
+        os.truncate(newest / "trainer_state.pt", 100)
+    elif damage == "torn_pointer":  # and the newest directory half-written: neither is used
+        (tmp_path / "checkpoints" / "latest.json").write_text('{"st')
+        os.truncate(newest / "trainer_state.pt", 100)
+    elif damage == "deleted_dir":
+        subprocess.run(["rm", "-rf", str(newest)], check=True)
+    elif damage == "flipped_engine_byte":
+        p = newest / "actor" / "engine.pt"
+        b = bytearray(p.read_bytes())
+        b[len(b) // 2] ^= 0xFF
+        p.write_bytes(bytes(b))
+    else:
+        (newest / "actor" / "rng.pt").unlink()
+    found = resume_point(str(tmp_path), ["actor"])
+    assert found.step == 2, found
+    assert len(found.skipped) == (2 if damage == "torn_pointer" else 1)  # each passed over, named
+
+
+def test_a_torn_pointer_alone_falls_back_to_the_newest_complete_directory(tmp_path):
+    _checkpoint(tmp_path, 2)
+    _checkpoint(tmp_path, 4)
+    (tmp_path / "checkpoints" / "latest.json").write_text('{"st')
+    found = resume_point(str(tmp_path), ["actor"])
+    assert found.step == 4 and "latest.json is unreadable" in found.skipped[0]
+
+
+def test_no_readable_checkpoint_names_every_one_tried(tmp_path):
+    d = _checkpoint(tmp_path, 2)
+    os.truncate(d / "trainer_state.pt", 10)
+    with pytest.raises(CheckpointFileError, match=r"no readable checkpoint.*step_000002/trainer_state.pt is damaged"):
+        resume_point(str(tmp_path), ["actor"])
+
+
+def test_a_damaged_file_is_named_with_the_fix(tmp_path):
+    p = tmp_path / "rng.pt"
+    p.write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointFileError, match=r"rng.pt is damaged .*delete its checkpoint directory"):
+        load_file(str(p))
+    with pytest.raises(CheckpointFileError, match="rng.pt is damaged"):
+        check_file(str(p))
+    with pytest.raises(CheckpointFileError, match="is missing"):
+        load_file(str(tmp_path / "engine.pt"))
+
+
+def test_a_full_disk_says_so_and_leaves_no_tmp_file(tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (not root)")
+    try:
+        with pytest.raises(CheckpointFileError, match=r"disk full while writing .*engine.pt .*free space"):
+            save_file({"w": torch.zeros(256 * 1024)}, str(mnt / "engine.pt"))
+        assert os.listdir(mnt) == []
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
