@@ -220,8 +220,9 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
                                   rollout_backend=rollout_spec.name)
         groups[g].mfcs.append(m)
         groups[g].resources.mfcs.append(m.name)
+    folded, fold_notes = _fold_own_process_group(cfg, order, rollout_spec, assign, groups)
     for g, gc in cfg.placement.groups.items():
-        if g not in groups and not gc.mfcs:
+        if g not in groups and not gc.mfcs and g not in folded:
             raise ConfigError(f"placement.groups.{g}: no such worker group in placement.mode="
                               f"{cfg.placement.mode!r} (groups: {list(groups)}); give it mfcs: [...] to create it")
 
@@ -294,7 +295,7 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
     engine_backends(cfg, check_files)  # a backend's package missing: said once the placement is known good
     if check_files:
         _check_rollout_model(cfg, rollout_spec, [p for p in groups.values() if any(_generates(m) for m in p.mfcs)])
-    notes = [f"engines: rollout {rollout_spec.name}, training {train_spec.name}"]
+    notes = [f"engines: rollout {rollout_spec.name}, training {train_spec.name}"] + fold_notes
     split = {g: f"{p.resources.dp}/{p.tp}/{p.pp}" for g, p in groups.items()
              if p.model_parallel and any(_model_mfc(m) for m in p.mfcs)
              and (p.mesh_rollout or not any(_generates(m) for m in p.mfcs))}
@@ -354,6 +355,36 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
                 sync_targets=weight_sync_targets(graph), same_step_outputs=same_step, model_paths=model_paths,
                 rows_per_step=rows, notes=notes, placement=placement, size_notes=size_notes,
                 ahead=tuple(m.name for m in order if m.name not in train_time_mfcs(graph)))
+
+
+def _fold_own_process_group(cfg: Config, order: list[MFCDef], rollout_spec, assign: dict[str, str],
+                            groups: dict[str, "GroupPlan"]) -> tuple[list[str], list[str]]:
+    """The placement follows the rollout backend: a config written for a backend that needs its own
+    process (vLLM: `placement.groups.rollout`, with its share of the GPU) still runs when the user
+    switches to one that does not (`generate_config.backend=hf`). The group that backend would have had,
+    declared without `mfcs` and absent now, hands its resources to the group that generates instead
+    (its CPUs and device share are added), so one override switches the backend. Returns the groups
+    folded and a note for each."""
+    if cfg.placement.mode not in ("colocated", "disaggregated") or rollout_spec.own_process:
+        return [], []
+    would_be = preset_groups(cfg.placement.mode, order, rollout_own_process=True)
+    generating = {assign[m.name] for m in order if _generates(m)}
+    folded, notes = [], []
+    for g, gc in cfg.placement.groups.items():
+        if g in groups or gc.mfcs or g not in would_be or len(generating) != 1:
+            continue
+        if not all(_generates(m) for m in order if m.name in would_be[g]):
+            continue
+        host = groups[next(iter(generating))]
+        r = host.resources
+        host.resources = dataclasses.replace(r, num_cpus=r.num_cpus + gc.num_cpus, num_gpus=r.num_gpus + gc.num_gpus,
+                                             num_npus=r.num_npus + gc.num_npus)
+        folded.append(g)
+        notes.append(f"placement.groups.{g} is for a rollout backend with a process of its own; "
+                           f"generate_config.backend={rollout_spec.name} generates in worker group '{host.name}', "
+                           f"which takes its resources (now {host.resources.num_cpus:g} CPUs, "
+                           f"{host.resources.num_gpus:g} GPUs per actor)")
+    return folded, notes
 
 
 def _dp_key(cfg: Config, group: str) -> str:

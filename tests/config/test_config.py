@@ -522,3 +522,25 @@ def test_no_kl_term_no_reference_stage_nor_model(algorithm):
                      check_files=False)
     assert [m.name for m in plan.groups["ref"].mfcs] == ["ref_log_prob"] and "ref" in plan.model_paths
     assert "ref_log_prob" in next(m for m in plan.order if m.name == "actor_train").input_keys
+
+
+def test_the_one_gpu_config_switches_to_hf_rollout_with_one_override():
+    """grpo_qwen25_0p5b_1gpu gives vLLM a rollout group of its own (0.4 of the GPU); with
+    generate_config.backend=hf that group does not exist, and its share goes to the group that
+    generates instead, so the user needs no second and third override."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+        raw = compose("grpo_qwen25_0p5b_1gpu", overrides=["generate_config.backend=hf"])
+    plan = make_plan(config_from_dict(raw), check_files=False)
+    assert "rollout" not in plan.groups
+    integrated = plan.groups["integrated"]
+    assert "actor_rollout" in [m.name for m in integrated.mfcs]
+    assert integrated.resources.num_gpus == pytest.approx(1.0) and integrated.resources.num_cpus == 4
+    assert any("placement.groups.rollout is for a rollout backend with a process of its own" in n for n in plan.notes)
+    assert plan.resource_totals()["GPU"] == pytest.approx(1.0)
+
+
+def test_a_group_no_backend_implies_is_still_refused():
+    with pytest.raises(ConfigError, match=r"placement.groups.nosuch: no such worker group"):
+        make_plan(config_from_dict(with_overrides({"placement.groups.nosuch": {"num_cpus": 1}})), check_files=False)
