@@ -61,6 +61,7 @@ ROLLOUT_BACKENDS: dict[str, Backend] = {b.name: b for b in (
             doc="vllm.LLM in the rollout worker's process, weights by reload_weights; with tp > 1 vLLM's own "
                 "worker processes (tensor_parallel_size), weights through /dev/shm"),
     Backend("mesh", "mindspeed_rl.engines.mesh_rollout:MeshRolloutEngine", ("cpu", "cuda", "npu"),
+            check_model="mindspeed_rl.engines.mesh_support:check_model",
             doc="the hf backend's sampling on the mesh train backend's stages (TP, PP; replicas independent); the "
                 "trainer runs a generation group with tp or pp > 1 on it when generate_config.backend is hf"),
     Backend("simulate", "mindspeed_rl.engines.simulate:SimulatedRolloutEngine", ("cpu", "cuda", "npu"),
@@ -79,6 +80,7 @@ TRAIN_BACKENDS: dict[str, Backend] = {b.name: b for b in (
             doc="megatron-core GPTModel from the HF Qwen2 config and weights, megatron DDP + distributed "
                 "optimizer, 1F1B, dist_checkpointing (needs CUDA or NPU; not run here)"),
     Backend("mesh", "mindspeed_rl.engines.mesh_train:MeshTrainEngine", ("cpu", "cuda", "npu"), lockstep=True,
+            check_model="mindspeed_rl.engines.mesh_support:check_model",
             doc="TP (DTensor plans), PP (torch.distributed.pipelining) and FSDP2 over dp on a (pp, dp, tp) device "
                 "mesh; one dock reader and writer per replica. The trainer runs every worker group with tp or pp "
                 "> 1 (placement.mode: mesh) on it, whatever actor_config.backend says"),

@@ -288,6 +288,9 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
             raise ConfigError(f"actor_config.backend={spec.name}: runs on {list(spec.devices)}, but worker "
                               f"group '{g}' ({engines}) has device={p.resources.device!r}; pick a backend that runs "
                               f"there (docs/engines.md) or put the group on {spec.devices[0]}")
+        if check_files and engines:
+            _check_train_model(spec, p, [m for m in p.mfcs if model_kinds[m.name] in ("policy", "value")],
+                               model_paths)
         values = [m.name for m in p.mfcs if model_kinds[m.name] == "value"]
         if values and not spec.value_models:
             raise ConfigError(f"actor_config.backend={train_spec.name}: cannot run a critic ({values}: a value head); "
@@ -545,6 +548,26 @@ def _check_rollout_model(cfg: Config, backend, generating: list[GroupPlan]) -> N
         except ValueError as e:
             raise ConfigError(f"generate_config.backend={backend.name!r} with actor_config.model_path="
                               f"{cfg.actor_config.model_path!r}: {e}") from None
+
+
+def _check_train_model(backend, group: GroupPlan, mfcs: list[MFCDef], model_paths: dict[str, str]) -> None:
+    """The train backend's own check of each model a group runs (the mesh backend builds Qwen2/Llama-style
+    decoders only), before any worker starts rather than 49 s in, inside a worker."""
+    if not backend.check_model:
+        return
+    from ..device import resolve_device
+    from ..models import resolve_model_path
+    try:
+        device = resolve_device(group.resources.device).type
+    except ValueError:
+        return  # a device this machine lacks: the worker names it
+    for model in sorted({m.model_name for m in mfcs}):
+        path = model_paths[model]
+        try:
+            backend.check(str(resolve_model_path(path)), device)
+        except ValueError as e:
+            raise ConfigError(f"worker group '{group.name}' runs {model!r} ({path!r}) on the {backend.name} train "
+                              f"backend: {e}") from None
 
 
 def _check_rollout_split(cfg: Config, rollout: dict) -> None:

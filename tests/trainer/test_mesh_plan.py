@@ -83,3 +83,19 @@ def test_mfcs_without_mesh_mode_is_refused():
     cfg = config_from_dict({"placement": {"mfcs": {"actor_rollout": {"mesh": [0]}}}})
     with pytest.raises(ConfigError, match="per-MFC meshes need placement.mode=mesh"):
         make_plan(cfg, check_files=False)
+
+
+def test_a_model_the_mesh_backend_cannot_split_is_refused_by_the_plan(tmp_path):
+    """GPT-2's modules are not the Qwen2/Llama layout the mesh backends split: refused before any worker
+    starts (it used to fail 49 s in, inside a worker: 'GPT2Model' object has no attribute 'embed_tokens')."""
+    import json
+
+    from hydra import compose, initialize_config_dir
+
+    from tests.config.helpers import REPO
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 32}))
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+        raw = compose("grpo_tiny_pp2", overrides=[f"actor_config.model_path={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"runs 'actor' .* on the mesh train backend: its model_type 'gpt2' is not "
+                                          r"one the mesh backends split .*use tp: 1 and pp: 1"):
+        make_plan(config_from_dict(raw), check_files=True)
