@@ -448,3 +448,62 @@ def test_worker_wiring_calls_on_threads_two_readers():
     assert checksum(a.module.named()) == checksum(b.module.named()) == checksum(model.named())
     assert a.versions[-1] == b.versions[-1] == 7
     assert out["bytes_into_targets"] == out["bytes"]
+
+
+# ---------------------------------------------------------------------------- CUDA (a GPU machine only)
+
+def _cuda_sender(to_reader, from_reader, results) -> None:
+    try:
+        model = TinyLM(seed=0).cuda()
+        out = []
+        with IPCSender(BUCKET, "cuda") as sender:
+            for zero in (False, True):
+                if zero:
+                    sender.adopt(model)          # registers the storages: the reader maps them
+                with torch.no_grad():
+                    model.norm.add_(1.0)
+                digest = Checksum()
+                info = send_ipc(sender, model.named(), QueueChannel(to_reader, from_reader), TIMEOUT, digest)
+                out.append(dict(info, sent=digest.hexdigest()))
+        results.put({"ok": True, "rounds": out})
+    except BaseException:  # noqa: BLE001
+        import traceback
+        results.put({"ok": False, "error": traceback.format_exc()})
+
+
+def _cuda_reader(from_sender, to_sender, results) -> None:
+    try:
+        model = TinyLM(seed=1).cuda()
+        out = []
+        with IPCAttachments("cuda") as att:
+            for _ in range(2):
+                digest = Checksum()
+                info = serve_ipc(IPCReceiver(dict(model.named()), digest=digest, attachments=att),
+                                 QueueChannel(to_sender, from_sender), TIMEOUT)
+                out.append(dict(info, digest=digest.hexdigest(), after=checksum(model.named())))
+        results.put({"ok": True, "rounds": out})
+    except BaseException:  # noqa: BLE001
+        import traceback
+        results.put({"ok": False, "error": traceback.format_exc()})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA IPC between two processes)")
+def test_cuda_ipc_two_processes_packed_and_zero_copy():
+    """Two processes on ONE GPU (where NCCL refuses two ranks): the packed path through CUDA IPC
+    staging buffers, then zero copy from the sender's registered parameter storages; the reader's
+    weights equal the sender's bit for bit both times."""
+    ctx = tmp.get_context("spawn")
+    to_reader, to_sender, res_s, res_r = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_cuda_sender, args=(to_reader, to_sender, res_s)),
+             ctx.Process(target=_cuda_reader, args=(to_reader, to_sender, res_r))]
+    for p in procs:
+        p.start()
+    try:
+        sent = _get(res_s, "sender")
+        got = _get(res_r, "reader")
+    finally:
+        _join(procs)
+    for s, r in zip(sent["rounds"], got["rounds"]):
+        assert r["after"] == s["sent"] and r["digest"] == s["sent"]
+    assert sent["rounds"][0]["bytes_zero_copy"] == 0
+    assert sent["rounds"][1]["bytes_zero_copy"] == sent["rounds"][1]["bytes"] > 0
