@@ -57,11 +57,24 @@ ROWS_PER_MB = 8
 PAYLOADS = {"1KB": 1 << 10, "1MB": 1 << 20, "16MB": 16 << 20}
 CONSUMER_COUNTS = (1, 4, 8)
 WORKER_CPUS = 0.1  # workers only move bytes here; fractional CPUs let 10 of them fit on 2 cores
+# What is being measured now: a failure names it (stderr's progress lines name only what finished,
+# so a crash in the round trips read as one in the hand-off before them).
+_phase = "start-up"
 
 
 def _microbatch(payload_bytes: int) -> torch.Tensor:
     """One micro-batch: ROWS_PER_MB rows of float32 adding up to `payload_bytes`."""
     return torch.randn(ROWS_PER_MB, max(1, payload_bytes // (4 * ROWS_PER_MB)))
+
+
+def _check_rows(values: list, rows: list[int]) -> None:
+    """Every row of a dock get is what the producer put: a non-empty float32 torch tensor. A get
+    that handed out numpy arrays or another dtype (issue 24: a torn read in local claims) must
+    fail the run with what came, not be timed as if it had worked or fail later on an attribute."""
+    for v, r in zip(values, rows):
+        if not (isinstance(v, torch.Tensor) and v.dtype == torch.float32 and v.numel() > 0):
+            raise AssertionError(f"dock get: row {r} came as {type(v).__name__} {getattr(v, 'dtype', '?')} "
+                                 f"of {getattr(v, 'shape', '?')}; it was put as a torch.float32 row")
 
 
 @ray.remote(num_cpus=WORKER_CPUS)
@@ -118,9 +131,10 @@ class Worker:
         out = []
         for _ in range(calls):
             t = time.perf_counter()
-            _, rows = client.get_experience(consumer, ["x"], ROWS_PER_MB)
+            data, rows = client.get_experience(consumer, ["x"], ROWS_PER_MB)
             out.append(time.perf_counter() - t)
             assert len(rows) == ROWS_PER_MB
+            _check_rows(data["x"], rows)
         return out
 
     # --- dock
@@ -152,7 +166,7 @@ class Worker:
             if not rows:
                 return rows_seen, time.perf_counter() - t
             rows_seen += len(rows)
-            assert data["x"][0].numel() > 0
+            _check_rows(data["x"], rows)
 
     def warm_object_store(self, total_bytes: int) -> None:
         """Touch the store's pages once: first-touch page faults cost more than the copies we
@@ -196,8 +210,10 @@ class Worker:
         client = self.held(client)
         t = _sleep_until(start_at)
         data, rows = client.get_experience(consumer, ["x"], ROWS_PER_MB, blocking=True, timeout=60, copy=copy)
-        assert len(rows) == ROWS_PER_MB and data["x"][0].numel() > 0
-        return t, time.perf_counter()
+        end = time.perf_counter()
+        assert len(rows) == ROWS_PER_MB
+        _check_rows(data["x"], rows)
+        return t, end
 
     def flush(self, client) -> None:
         self.held(client).flush()
@@ -463,6 +479,7 @@ def handoff_ratios(results: dict) -> dict[str, float]:
 
 
 def run(quick: bool, only_handoff: bool = False, handoff_reps: int | None = None) -> dict:
+    global _phase
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              object_store_memory=2 * 1024 ** 3)
     workers = [Worker.remote() for _ in range(1 + max(CONSUMER_COUNTS))]
@@ -471,13 +488,16 @@ def run(quick: bool, only_handoff: bool = False, handoff_reps: int | None = None
                                  "cpus": os.cpu_count(), "platform": platform.platform()},
                      "quick": quick, "rows_per_microbatch": ROWS_PER_MB}
     if not only_handoff:
+        _phase = "latency"
         results["latency"] = measure_latency(workers, 200 if quick else 1000)
     rounds = 3 if quick else 5
     ray.get(workers[0].warm_object_store.remote(2 * 16 * max(PAYLOADS.values())))
     reps = handoff_reps or (20 if quick else 60)
     for consumers in HANDOFF_CONSUMERS:
-        results[handoff_key(consumers)] = {name: measure_handoff(workers, payload, reps, consumers)
-                                           for name, payload in PAYLOADS.items()}
+        results[handoff_key(consumers)] = {}
+        for name, payload in PAYLOADS.items():
+            _phase = f"the handoff of {name} to {consumers} consumer(s)"
+            results[handoff_key(consumers)][name] = measure_handoff(workers, payload, reps, consumers)
         print(f"  measured the handoff to {consumers} consumer(s)", file=sys.stderr, flush=True)
     if only_handoff:
         ray.shutdown()
@@ -489,6 +509,7 @@ def run(quick: bool, only_handoff: bool = False, handoff_reps: int | None = None
         mb_bytes = _microbatch(payload).numel() * 4
         total_bytes, total_rows = n_mb * mb_bytes, n_mb * ROWS_PER_MB
         for consumers in CONSUMER_COUNTS:
+            _phase = f"the transfer of {name} micro-batches to {consumers} consumer(s)"
             dock_systems = dict(DOCK_SYSTEMS, **(DOCK_DATA_PATHS if consumers == 1 else {}))
             clients = {d: make_dock(n_mb * ROWS_PER_MB, kw) for d, (kw, *_) in dock_systems.items()}
 
@@ -519,6 +540,7 @@ def run(quick: bool, only_handoff: bool = False, handoff_reps: int | None = None
                 })
             print(f"  measured {name} x {consumers} consumers", file=sys.stderr, flush=True)
     results["transfer"] = rows
+    _phase = "scaling"
     results["scaling"] = measure_scaling(2_000 if quick else 20_000)
     ray.shutdown()
 
@@ -615,7 +637,14 @@ def main() -> None:
     args = p.parse_args()
     if args.handoff_reps is not None and args.handoff_reps < 1:
         p.error(f"--handoff-reps={args.handoff_reps}: give at least 1 micro-batch")
-    results = run(args.quick, only_handoff=args.handoff_only, handoff_reps=args.handoff_reps)
+    t0 = time.monotonic()
+    try:
+        results = run(args.quick, only_handoff=args.handoff_only, handoff_reps=args.handoff_reps)
+    except BaseException:
+        print(f"dock_throughput: failed while measuring {_phase}, after {time.monotonic() - t0:.0f} s",
+              file=sys.stderr, flush=True)
+        raise
+    print(f"  done in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
     if args.handoff_only:
         print_handoff(results)
         print()

@@ -7,14 +7,19 @@
 It runs inside the trainer, so it must never cost the trainer more than a few threads and file
 descriptors, whatever connects to it:
 
-- one thread accepts connections and waits for them to send something (a `selectors` loop); a
-  connection that sends nothing costs a file descriptor, not a thread, and is closed after
-  `timeout_s`. At most `MAX_WAITING` such connections are kept: beyond that the oldest is closed
-  (a browser's request sends its bytes at once, so the oldest idle one is the least likely to be
-  a real request);
-- a connection that has sent bytes gets a handler thread, at most `max_handlers` at once; beyond
-  that it is answered 503 (Retry-After: 1) at once, by the accepting thread, without a thread of
-  its own. A handler's socket reads and writes time out after `timeout_s` too;
+- one thread accepts connections and reads their request headers itself (a `selectors` loop,
+  non-blocking): a connection costs a file descriptor and the bytes it sent, not a thread, until
+  its headers are complete. Each connection has ONE deadline, `timeout_s` after it was accepted:
+  a request whose headers are not complete by then is answered 408 and closed, whether it sent
+  nothing or dribbles a byte at a time (a per-read timeout would be reset by every byte, so 8
+  clients sending a byte every 2 s used to hold all 8 handlers and every other request got 503).
+  At most `MAX_WAITING` such connections are kept, their headers at most `MAX_HEADER_BYTES`
+  (431 beyond); beyond `MAX_WAITING` the oldest is closed (a browser's request sends its bytes at
+  once, so the oldest unfinished one is the least likely to be a real request);
+- a request whose headers are complete gets a handler thread, at most `max_handlers` at once;
+  beyond that it is answered 503 (Retry-After: 1) at once, by the accepting thread, without a
+  thread of its own. The handler only parses the headers already read and writes the answer;
+  its socket writes time out after `timeout_s` (one `sendall` of the body is bounded as a whole);
 - it answers only requests whose Host header is its own address (`127.0.0.1:PORT` or
   `localhost:PORT`): after a DNS rebinding a page of another site reaches 127.0.0.1 under its
   own name, and its requests carry that name, so they get 403 and no data.
@@ -24,7 +29,10 @@ The standard library only: no dependency.
 from __future__ import annotations
 
 import collections
+import contextlib
+import io
 import json
+import re
 import selectors
 import socket
 import sys
@@ -41,8 +49,12 @@ TIMEOUT_S = 5.0     # an idle connection, or a read/write of a request that stal
 MAX_HANDLERS = 8    # requests answered at once (a page polls once a second: one or two are enough)
 MAX_WAITING = 256   # connections kept open that have not sent anything yet
 ACCEPT_BATCH = 64   # connections accepted per loop turn, so that the waiting ones are served too
+MAX_HEADER_BYTES = 65536  # a request line and headers longer than this get 431 (browsers stay far below)
+_END_OF_HEADERS = re.compile(rb"\r?\n\r?\n")  # http.server also ends headers at a bare "\n" line
 
 _BUSY = b"the dashboard is answering too many requests at once; retry in a second\n"
+_SLOW = b"the request's headers did not arrive within the dashboard's time limit\n"
+_LARGE = b"the request's headers are too large for the dashboard\n"
 
 
 def host_names(host: str) -> frozenset[str]:
@@ -79,9 +91,15 @@ class _Handler(BaseHTTPRequestHandler):
 
     server: "DashboardServer"
 
+    def __init__(self, request, client_address, server, head: bytes = b""):
+        self._head = head  # the request line and headers, read by the accepting thread
+        super().__init__(request, client_address, server)
+
     def setup(self) -> None:
-        self.timeout = self.server.timeout_s  # StreamRequestHandler applies it to the socket
+        self.timeout = self.server.timeout_s  # StreamRequestHandler applies it to the socket (writes)
         super().setup()
+        self.rfile.close()
+        self.rfile = io.BytesIO(self._head)  # nothing more is read from the client
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
         server = self.server
@@ -136,7 +154,9 @@ class DashboardServer:
         self._slots = threading.BoundedSemaphore(self.max_handlers)
         self._count_lock = threading.Lock()
         self._handling = 0
-        self._waiting: collections.OrderedDict[socket.socket, tuple[float, tuple]] = collections.OrderedDict()
+        # connection -> (deadline, address, the bytes it sent so far); ordered by deadline (accept order)
+        self._waiting: collections.OrderedDict[socket.socket, tuple[float, tuple, bytearray]] = \
+            collections.OrderedDict()
         self._listener: socket.socket | None = None
         self._wake: tuple[socket.socket, socket.socket] | None = None
         self._stopping = threading.Event()
@@ -148,7 +168,7 @@ class DashboardServer:
         return f"http://{host}:{self.port}/"
 
     def load(self) -> dict[str, int]:
-        """Connections now waiting for their first bytes, and requests being answered."""
+        """Connections whose request headers are not complete yet, and requests being answered."""
         with self._count_lock:
             return {"waiting": len(self._waiting), "handling": self._handling}
 
@@ -198,8 +218,7 @@ class DashboardServer:
                     elif key.data == "wake":
                         _drain(key.fileobj)
                     else:
-                        self._unwait(sel, key.fileobj)
-                        self._dispatch(key.fileobj, key.data)
+                        self._read(sel, key.fileobj)
                 self._expire(sel)
         finally:
             for conn in list(self._waiting):
@@ -214,7 +233,7 @@ class DashboardServer:
         """Seconds until the oldest waiting connection times out (they all wait the same time)."""
         if not self._waiting:
             return None
-        deadline, _ = next(iter(self._waiting.values()))
+        deadline, _, _ = next(iter(self._waiting.values()))
         return max(0.0, deadline - time.monotonic())
 
     def _accept(self, sel: selectors.BaseSelector) -> None:
@@ -235,8 +254,33 @@ class DashboardServer:
                 self._unwait(sel, oldest)
                 _close(oldest)
             with self._count_lock:
-                self._waiting[conn] = (time.monotonic() + self.timeout_s, addr)
+                self._waiting[conn] = (time.monotonic() + self.timeout_s, addr, bytearray())
             sel.register(conn, selectors.EVENT_READ, addr)
+
+    def _read(self, sel: selectors.BaseSelector, conn: socket.socket) -> None:
+        """Bytes arrived on a waiting connection: keep them; once the headers are complete, hand the
+        request to a handler. The deadline stays the one set at accept."""
+        entry = self._waiting.get(conn)
+        if entry is None:
+            return
+        _, addr, head = entry
+        try:
+            data = conn.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:  # the client closed (or reset) before finishing its request
+            self._unwait(sel, conn)
+            _close(conn)
+            return
+        head += data
+        if _END_OF_HEADERS.search(head, max(0, len(head) - len(data) - 3)):
+            self._unwait(sel, conn)
+            self._dispatch(conn, addr, bytes(head))
+        elif len(head) > MAX_HEADER_BYTES:
+            self._unwait(sel, conn)
+            _refuse(conn, 431, "Request Header Fields Too Large", _LARGE)
 
     def _unwait(self, sel: selectors.BaseSelector, conn: socket.socket) -> None:
         with self._count_lock:
@@ -249,30 +293,33 @@ class DashboardServer:
     def _expire(self, sel: selectors.BaseSelector) -> None:
         now = time.monotonic()
         while self._waiting:
-            conn, (deadline, _) = next(iter(self._waiting.items()))
+            conn, (deadline, _, head) = next(iter(self._waiting.items()))
             if deadline > now:
                 return
             self._unwait(sel, conn)
-            _close(conn)
+            if head:  # a request begun and not finished in time (a slow or stalled client): say so
+                _refuse(conn, 408, "Request Timeout", _SLOW)
+            else:     # never sent anything: nothing to answer
+                _close(conn)
 
-    def _dispatch(self, conn: socket.socket, addr: tuple) -> None:
-        """A connection sent bytes: a handler thread if one is free, else 503 at once."""
+    def _dispatch(self, conn: socket.socket, addr: tuple, head: bytes) -> None:
+        """A request's headers are complete: a handler thread if one is free, else 503 at once."""
         if not self._slots.acquire(blocking=False):
-            _refuse_busy(conn)
+            _refuse(conn, 503, "Service Unavailable", _BUSY, "Retry-After: 1\r\n")
             return
         with self._count_lock:
             self._handling += 1
         conn.setblocking(True)
         try:
-            threading.Thread(target=self._handle, args=(conn, addr), name="mindspeed_rl-dashboard-request",
+            threading.Thread(target=self._handle, args=(conn, addr, head), name="mindspeed_rl-dashboard-request",
                              daemon=True).start()
         except RuntimeError:  # the process cannot start a thread now
             self._release()
-            _refuse_busy(conn)
+            _refuse(conn, 503, "Service Unavailable", _BUSY, "Retry-After: 1\r\n")
 
-    def _handle(self, conn: socket.socket, addr: tuple) -> None:
+    def _handle(self, conn: socket.socket, addr: tuple, head: bytes) -> None:
         try:
-            _Handler(conn, addr, self)
+            _Handler(conn, addr, self, head)
         except OSError:
             pass  # a timeout or a reset: the client is gone or stalled, its connection is closed below
         except Exception:  # a bug in the page or the snapshot: say so, keep serving
@@ -306,11 +353,14 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _refuse_busy(conn: socket.socket) -> None:
+def _refuse(conn: socket.socket, code: int, reason: str, body: bytes, extra: str = "") -> None:
+    """Answer `code` without a thread and close: 503 (all handlers busy), 408 (headers too slow),
+    431 (headers too large)."""
     try:
         conn.setblocking(False)  # the accepting thread never waits on a client
-        conn.recv(65536)  # the request's bytes: closing with them unread would reset, and lose the 503
-        conn.send(_plain_response(503, "Service Unavailable", _BUSY, "Retry-After: 1\r\n"))
+        with contextlib.suppress(BlockingIOError, InterruptedError):
+            conn.recv(65536)  # bytes still unread: closing with them unread would reset, and lose the answer
+        conn.send(_plain_response(code, reason, body, extra))
         conn.shutdown(socket.SHUT_WR)
     except OSError:
         pass

@@ -270,14 +270,15 @@ def flatten_parameters(module: torch.nn.Module, align: int = ALIGN) -> dict[tupl
     return out
 
 
-def bucketed(named: NamedTensors, bucket_bytes: int) -> Iterator[Bucket]:
-    """Group (name, tensor) pairs into buckets of at most `bucket_bytes` (a larger tensor alone)."""
+def bucketed(named: NamedTensors, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[Bucket]:
+    """Group (name, tensor) pairs into buckets of at most `bucket_bytes` (a larger tensor alone),
+    sized as if in `dtype` when given (the dtype they will be sent in)."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes={bucket_bytes}: must be > 0 (weight_sync.bucket_mb sets it)")
     bucket: Bucket = []
     size = 0
     for name, t in named:
-        n = t.numel() * t.element_size()
+        n = t.numel() * (t.element_size() if dtype is None else torch.empty((), dtype=dtype).element_size())
         if bucket and size + n > bucket_bytes:
             yield bucket
             bucket, size = [], 0
@@ -285,6 +286,46 @@ def bucketed(named: NamedTensors, bucket_bytes: int) -> Iterator[Bucket]:
         size += n
     if bucket:
         yield bucket
+
+
+def cast_bucket(bucket: Bucket, dtype: torch.dtype, align: int = ALIGN) -> Bucket:
+    """`bucket` with every floating tensor in `dtype`; tensors already in it are passed as they are.
+
+    The cast copies go into ONE new buffer at the offsets weight sync's wire gives them (`align`-byte
+    aligned, in bucket order; a tensor named twice, a tied weight, takes one place), so the bucket
+    still lies in memory as on the wire and goes as one broadcast (`weight_sync.BucketSpec`)."""
+    if all(t.dtype == dtype or not t.is_floating_point() for _, t in bucket):
+        return bucket
+    def key(t: torch.Tensor) -> tuple:   # the same view of the same memory (as BucketSpec dedups)
+        return t.data_ptr(), t.dtype, tuple(t.shape), t.stride()
+
+    places: dict[tuple, tuple[int, torch.Tensor]] = {}
+    total = 0
+    for _, t in bucket:
+        if not t.numel() or key(t) in places:
+            continue
+        places[key(t)] = (total, t)
+        size = t.numel() * (torch.empty((), dtype=dtype).element_size() if t.is_floating_point() else t.element_size())
+        total = (total + size + align - 1) // align * align
+    device = bucket[0][1].device
+    buf = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
+    views: dict[tuple, torch.Tensor] = {}
+    with torch.no_grad():
+        for k, (off, t) in places.items():
+            dt = dtype if t.is_floating_point() else t.dtype
+            n = t.numel() * torch.empty((), dtype=dt).element_size()
+            views[k] = buf[off:off + n].view(dt).view(t.shape)
+            views[k].copy_(t)
+    return [(name, views[key(t)] if t.numel() else t.to(dtype if t.is_floating_point() else t.dtype))
+            for name, t in bucket]
+
+
+def cast_buckets(named: NamedTensors, dtype: torch.dtype, bucket_bytes: int) -> Iterator[Bucket]:
+    """`bucketed` in `dtype`: buckets planned on the cast sizes, each cast when it is pulled (one
+    bucket's copies alive at a time, not a second model). A trained engine with fp32 master weights
+    exports this way in its compute dtype."""
+    for bucket in bucketed(named, bucket_bytes, dtype):
+        yield cast_bucket(bucket, dtype)
 
 
 def tied_names(model: torch.nn.Module) -> dict[str, str]:

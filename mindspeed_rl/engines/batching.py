@@ -67,3 +67,39 @@ def unpad_rows(values: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
     """[B, R] values -> B 1-D tensors of each row's real (masked-in) length."""
     lengths = mask.sum(-1).long().tolist()
     return [values[i, :n].contiguous() for i, n in enumerate(lengths)]
+
+
+def padded_tokens(prompt_lens: Sequence[int], response_lens: Sequence[int]) -> int:
+    """Tokens a forward over these rows computes in `collate`'s layout: rows x (widest prompt +
+    widest response), padding included."""
+    if not prompt_lens:
+        return 0
+    return len(prompt_lens) * (max(prompt_lens) + max(1, max(response_lens)))
+
+
+def token_budget_groups(prompt_lens: Sequence[int], response_lens: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Row indexes split into groups whose padded forward (`padded_tokens`) stays within
+    `max_tokens`, so no forward pads short rows to a long one (verl's dynamic batch size, with
+    `collate`'s padded layout instead of packing).
+
+    Rows are taken longest first (prompt + response; ties by index) and a group closes when the
+    next row would take it over the budget; a row over the budget on its own is a group alone.
+    Sorting puts rows of similar length together, which is what keeps the padding low. Each
+    group lists its rows in ascending index order; every index appears exactly once.
+
+        token_budget_groups([2, 2, 2], [8, 1, 7], 20) -> [[0, 2], [1]]   (2 x 10 = 20, then 1 x 3)
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens={max_tokens}: must be >= 1")
+    order = sorted(range(len(prompt_lens)), key=lambda i: (-(prompt_lens[i] + response_lens[i]), i))
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        trial = cur + [i]
+        if cur and padded_tokens([prompt_lens[j] for j in trial], [response_lens[j] for j in trial]) > max_tokens:
+            groups.append(sorted(cur))
+            trial = [i]
+        cur = trial
+    if cur:
+        groups.append(sorted(cur))
+    return groups

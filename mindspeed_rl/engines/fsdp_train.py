@@ -14,6 +14,16 @@ on every rank, `last=True` on the final one), `export_weights` (every rank itera
 `save_checkpoint`/`load_checkpoint`. `update_weights` is local (every rank is given the full
 tensors and keeps its slice).
 
+Threads: a sharded engine runs one call at a time (a lock; `export_weights` holds it a bucket at a
+time). FSDP2 keeps one gathered-or-sharded state per module, so two forwards on it in two threads
+reshard each other's parameters mid-forward, even on a one-rank mesh (`aten.mm got mixed
+torch.Tensor and DTensor`; a frozen reference beside a DP group can be asked for two steps'
+log-probs at once with max_weight_staleness > 0). The lock cannot order calls across ranks: the
+collective calls of two threads must also come in the same order on every rank, which is the
+caller's to keep (the worker runs a group's collective MFCs in turns: `Worker._turn`). Without a
+mesh (one rank, no process group) the model is a plain module and calls run at once, as the torch
+backend's do: `train_step` may wait on its micro-batches for log-probs another thread computes.
+
 Dtypes: trained models keep fp32 parameters (the sharded master weights); on a device with
 `dtype: bfloat16`/`float16` the forward and backward run in that dtype (`MixedPrecisionPolicy`,
 gradients reduced in fp32). On the CPU everything is fp32. An inference-only engine on a device
@@ -23,7 +33,9 @@ load). docs/engines.md has the options and what was run where.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import threading
 import warnings
 from typing import Iterable, Iterator, Sequence
 
@@ -72,9 +84,19 @@ def _rows_of(rows: int, world: int, rank: int) -> tuple[int, int]:
     return min(rank * per, rows), min((rank + 1) * per, rows)
 
 
+def _exclusive(method):
+    """A sharded engine's calls one at a time (module doc: Threads)."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._one_call():
+            return method(self, *args, **kwargs)
+    return locked
+
+
 class FSDPTrainEngine(TrainEngine):
     def __init__(self, model: torch.nn.Module, spec: TrainSpec):
         self.spec = spec
+        self._lock = threading.RLock()
         self.device = torch.device(spec.device)
         self.model_kind = spec.model_kind
         self.pad_token_id = int(spec.pad_token_id)
@@ -166,6 +188,10 @@ class FSDPTrainEngine(TrainEngine):
                            log_probs=log_probs_from_logits(logits, batch.responses),
                            entropy=entropy_from_logits(logits) if with_entropy else None)
 
+    def _one_call(self):
+        """The lock of a sharded engine (FSDP2's state is per module); nothing without a mesh."""
+        return self._lock if self.mesh is not None else contextlib.nullcontext()
+
     def _reshard(self) -> None:
         """Back to sharded parameters (the root stays gathered after a forward without backward)."""
         if self.mesh is not None:
@@ -179,6 +205,7 @@ class FSDPTrainEngine(TrainEngine):
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return int(t.item())
 
+    @_exclusive
     @torch.no_grad()
     def _infer(self, prompts, responses, micro_batch_size: int, column: str) -> list[torch.Tensor]:
         if micro_batch_size <= 0:
@@ -208,6 +235,7 @@ class FSDPTrainEngine(TrainEngine):
         return self._infer(prompts, responses, micro_batch_size, "values")
 
     # ------------------------------------------------------------------ training
+    @_exclusive
     def train_step(self, micro_batches: Iterable[MicroBatch], loss_fn: LossFn) -> dict[str, float]:
         if self.optimizer is None:
             raise RuntimeError("train_step on an inference-only engine (built without optim)")
@@ -246,12 +274,16 @@ class FSDPTrainEngine(TrainEngine):
         """Buckets are planned on the parameters' global shapes in the export dtype (the same
         buckets `bucketed` makes of the full tensors), then gathered a bucket at a time: at most
         one bucket's full tensors are alive per bucket pulled. A tied parameter in one bucket is
-        gathered once and yielded under both names; in two buckets it is gathered in each."""
-        self._reshard()
-        params = dict(self.model.named_parameters(remove_duplicate=False))
+        gathered once and yielded under both names; in two buckets it is gathered in each. The engine's
+        lock is held while a bucket is gathered, not while the caller has it."""
+        with self._one_call():
+            self._reshard()
+            params = dict(self.model.named_parameters(remove_duplicate=False))
         plan = ((n, torch.empty(p.shape, dtype=self.export_dtype, device="meta")) for n, p in params.items())
         for planned in bucketed(plan, bucket_bytes):
-            yield self._gather_bucket([(n, params[n]) for n, _ in planned])
+            with self._one_call():
+                bucket = self._gather_bucket([(n, params[n]) for n, _ in planned])
+            yield bucket
 
     def _gather_bucket(self, named: list[tuple[str, torch.Tensor]]) -> Bucket:
         """(HF name, full tensor in the export dtype) of each parameter, every rank taking part.
@@ -308,6 +340,7 @@ class FSDPTrainEngine(TrainEngine):
             works.append(dist.broadcast(full[lo:hi], src=dist.get_global_rank(pg, r), group=pg, async_op=True))
         return works
 
+    @_exclusive
     def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
         from torch.distributed.tensor import distribute_tensor
 
@@ -336,6 +369,7 @@ class FSDPTrainEngine(TrainEngine):
             return {"model": model_sd, "optim": optim_sd, "version": self.version}
         return {"model": get_model_state_dict(self.model), "version": self.version}
 
+    @_exclusive
     def save_checkpoint(self, directory: str) -> list[str]:
         import torch.distributed.checkpoint as dcp
 
@@ -348,6 +382,7 @@ class FSDPTrainEngine(TrainEngine):
         return sorted(os.path.join(directory, f) for f in os.listdir(directory)
                       if f.startswith(prefix) or (self.rank == 0 and f == ".metadata"))
 
+    @_exclusive
     def load_checkpoint(self, directory: str) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
@@ -363,6 +398,7 @@ class FSDPTrainEngine(TrainEngine):
             set_model_state_dict(self.model, state["model"])
         self.version = int(state["version"])
 
+    @_exclusive
     def close(self) -> None:
         self.optimizer = None
         self.model = None

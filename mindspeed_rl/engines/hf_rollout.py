@@ -1,14 +1,18 @@
 """Rollout with HF transformers: batched sampling with a KV cache.
 
 We drive the model's forward with a `DynamicCache` ourselves instead of `model.generate` because
-sampling must use an explicit `torch.Generator` per row: with a seed derived from (run seed,
-step, row), a row samples the same tokens whichever micro-batch, mode or thread generates it,
-which is what makes blocking and non-blocking runs identical (vLLM does the same with a seed per
-request). It is also faster on CPU. The log-prob of each sampled token under the distribution it
-was drawn from (temperature, top-k, top-p applied) comes back with it: the behaviour policy.
+sampling must be seeded per row: with a seed derived from (run seed, step, row), a row samples the
+same tokens whichever micro-batch, mode or thread generates it, which is what makes blocking and
+non-blocking runs identical (vLLM does the same with a seed per request). The draws are
+counter-based (`sampling.py`: a hash of (seed, token index), then an inverse-CDF draw), so the
+whole loop stays on the device: sampling, stop detection and lengths never sync with the host, but
+for one check every few tokens that also drops finished rows from the batch (KV cache included).
+The log-prob of each sampled token under the distribution it was drawn from (temperature, top-k,
+top-p applied) comes back with it: the behaviour policy.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Iterator, Sequence
 
 import torch
@@ -16,73 +20,89 @@ import torch
 from .base import (NamedTensors, Rollout, RolloutEngine, RolloutSpec, SamplingParams, flatten_parameters,
                    hf_named_weights, load_named)
 from .batching import left_pad, positions
+from .sampling import filter_logits, row_uniforms, sample_next  # noqa: F401  (filter_logits: the engine's API)
 
 
-def filter_logits(logits: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
-    """Top-k then nucleus (top-p) filtering: tokens outside get -inf."""
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # drop a token when the mass before it already reaches top_p (the first token always stays)
-        drop_sorted = probs.cumsum(-1) - probs >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
+def default_check_every(device: torch.device) -> int:
+    """How many tokens between the sampling loop's host syncs (the "who has finished" check). On the
+    CPU a sync costs nothing, so every token: a batch stops as soon as its last row does. On an
+    accelerator each sync stalls the queue of kernels, so every 8 tokens: at most 7 forwards are
+    spent on finished rows (padding, dropped by the next check) while the device is never idle."""
+    return 1 if torch.device(device).type == "cpu" else 8
 
 
-def sample_next(logits: torch.Tensor, params: SamplingParams,
-                generators: Sequence[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(next token, its log-prob under the distribution it was drawn from) per row; row i draws with
-    `generators[i]` alone, so its tokens do not depend on the other rows of the batch."""
-    if params.greedy or params.temperature == 0:
-        tokens = logits.argmax(-1)
-        logp = torch.log_softmax(logits.float(), dim=-1)
-    else:
-        logp = torch.log_softmax(filter_logits(logits.float() / params.temperature, params.top_p, params.top_k), -1)
-        probs = logp.exp().cpu()
-        tokens = torch.stack([torch.multinomial(probs[i], 1, generator=g)[0] for i, g in enumerate(generators)])
-        tokens = tokens.to(logits.device)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+def last_logits_only(model: torch.nn.Module) -> dict:
+    """The forward keyword that computes the prompt's logits at its last position only (the prefill
+    of 64 rows x 128 tokens would otherwise hold 2.5 GB of bf16 logits at a 151,936-token vocabulary):
+    `logits_to_keep` in transformers >= 4.50, absent before."""
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
 class ResponseBuilder:
-    """A batch's responses as they are sampled, a token per row per step: a row ends with its first
-    stop token (what is sampled after it is padding), and the batch is done when every row has ended
-    or `max_new_tokens` is reached. Shared by the engines that drive their own sampling loop."""
+    """A batch's responses as they are sampled, a token per running row per step: a row ends with its
+    first stop token (what is sampled after it is padding), and the batch is done when every row has
+    ended or `max_new_tokens` is reached. Shared by the engines that drive their own sampling loop.
 
-    def __init__(self, batch: int, params: SamplingParams, pad_token_id: int, device: torch.device):
+    Everything per row (tokens, log-probs, lengths, finished) stays on the device: `add` never syncs
+    with the host. Every `check_every` tokens `compaction()` syncs once to learn which rows still
+    sample, so the loop can drop the finished ones from its batch (their KV cache, mask, positions,
+    draws): finished rows stop costing compute. `rows` maps the running batch to the original rows,
+    so the output is in the original order whatever was dropped."""
+
+    def __init__(self, batch: int, params: SamplingParams, pad_token_id: int, device: torch.device,
+                 check_every: int | None = None):
+        n = params.max_new_tokens
         self.stop = torch.tensor(sorted(params.stop_token_ids), dtype=torch.long, device=device)
+        self.tokens = torch.full((batch, n), pad_token_id, dtype=torch.long, device=device)
+        self.log_probs = torch.zeros((batch, n), dtype=torch.float32, device=device)
+        self.lengths = torch.full((batch,), n, dtype=torch.long, device=device)
         self.finished = torch.zeros(batch, dtype=torch.bool, device=device)
-        self.lengths = torch.full((batch,), params.max_new_tokens, dtype=torch.long)
-        self.max_new_tokens = params.max_new_tokens
+        self.rows = torch.arange(batch, device=device)  # original row of each running row
+        self.max_new_tokens = n
         self.pad_token_id = pad_token_id
-        self.tokens: list[torch.Tensor] = []
-        self.log_probs: list[torch.Tensor] = []
+        self.check_every = check_every or default_check_every(device)
+        self.t = 0  # tokens sampled so far per row: the next token's index
 
-    def add(self, tokens: torch.Tensor, log_probs: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """Record one step; returns (the tokens to feed back, padding for rows that had ended; done)."""
-        t = len(self.tokens)
-        tokens = torch.where(self.finished, torch.full_like(tokens, self.pad_token_id), tokens)
-        self.tokens.append(tokens)
-        self.log_probs.append(log_probs)
+    def add(self, tokens: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:
+        """Record one step of the running rows; returns the tokens to feed back (padding for rows
+        that had ended). No host sync."""
+        t, rows = self.t, self.rows
+        ended = self.finished[rows]
+        tokens = torch.where(ended, torch.full_like(tokens, self.pad_token_id), tokens)
+        self.tokens[rows, t] = tokens
+        self.log_probs[rows, t] = log_probs.float()
         if self.stop.numel():
-            hit = torch.isin(tokens, self.stop) & ~self.finished
-            self.lengths[hit.cpu()] = t + 1
-            self.finished |= hit
-        return tokens, bool(self.finished.all()) or t + 1 == self.max_new_tokens
+            hit = torch.isin(tokens, self.stop) & ~ended
+            self.lengths[rows] = torch.where(hit, t + 1, self.lengths[rows])
+            self.finished[rows] = ended | hit
+        self.t += 1
+        return tokens
+
+    @property
+    def complete(self) -> bool:
+        """`max_new_tokens` reached, or every row ended at the last check (host-side: no sync)."""
+        return self.t == self.max_new_tokens or self.rows.numel() == 0
+
+    def compaction(self) -> torch.Tensor | None:
+        """Every `check_every` tokens (the loop's only host sync), when rows have ended since the last
+        check: the positions in the running batch of the rows that still sample, which the caller
+        keeps of its own per-row state; `rows` shrinks to them (empty: `complete`). None otherwise."""
+        if not self.stop.numel() or self.t % self.check_every or self.t == self.max_new_tokens:
+            return None
+        keep = (~self.finished[self.rows]).nonzero().squeeze(1)
+        if keep.numel() == self.rows.numel():
+            return None
+        self.rows = self.rows[keep]
+        return keep
 
     def rollout(self) -> Rollout:
-        resp = torch.stack(self.tokens, dim=1).cpu()
-        lp = torch.stack(self.log_probs, dim=1).float().cpu()
+        resp, lp = self.tokens.cpu(), self.log_probs.cpu()
         n = self.lengths.tolist()
         return Rollout([resp[i, :k].clone() for i, k in enumerate(n)], [lp[i, :k].clone() for i, k in enumerate(n)])
 
 
 class HFRolloutEngine(RolloutEngine):
-    concurrent_generate = True  # each call has its own cache and generators; the weights are only read
+    concurrent_generate = True  # each call has its own cache and draws; the weights are only read
 
     def __init__(self, model: torch.nn.Module, pad_token_id: int, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
@@ -93,6 +113,7 @@ class HFRolloutEngine(RolloutEngine):
         flatten_parameters(self.model)
         self.pad_token_id = int(pad_token_id)
         self.weight_version = 0
+        self._last_only = last_logits_only(self.model)
 
     @classmethod
     def build(cls, spec: RolloutSpec) -> "HFRolloutEngine":
@@ -105,22 +126,27 @@ class HFRolloutEngine(RolloutEngine):
 
         if len(seeds) != len(prompts):
             raise ValueError(f"generate: {len(prompts)} prompts but {len(seeds)} seeds; one seed per row")
-        gens = [torch.Generator(device="cpu").manual_seed(int(s) % (2**63)) for s in seeds]
         ids, attn = left_pad(prompts, self.pad_token_id)
         ids, attn = ids.to(self.device), attn.to(self.device)
-        batch = ids.shape[0]
-        out = self.model(input_ids=ids, attention_mask=attn, position_ids=positions(attn),
-                         past_key_values=DynamicCache(), use_cache=True)
-        last_pos = positions(attn)[:, -1:]
-        responses = ResponseBuilder(batch, params, self.pad_token_id, self.device)
+        draws = row_uniforms(seeds, params.max_new_tokens, self.device)
+        cache = DynamicCache()
+        pos = positions(attn)
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
+                         use_cache=True, **self._last_only)
+        last_pos = pos[:, -1:]
+        responses = ResponseBuilder(ids.shape[0], params, self.pad_token_id, self.device)
         while True:
-            nxt, done = responses.add(*sample_next(out.logits[:, -1, :], params, gens))
-            if done:
+            nxt = responses.add(*sample_next(out.logits[:, -1, :], params, draws[:, responses.t]))
+            keep = responses.compaction()
+            if responses.complete:
                 return responses.rollout()
-            attn = torch.cat([attn, torch.ones((batch, 1), dtype=attn.dtype, device=self.device)], dim=1)
+            if keep is not None:  # drop the rows that have ended: the rest sample exactly as before
+                nxt, attn, last_pos, draws = nxt[keep], attn[keep], last_pos[keep], draws[keep]
+                cache.batch_select_indices(keep)
+            attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=1)
             last_pos = last_pos + 1
             out = self.model(input_ids=nxt[:, None], attention_mask=attn, position_ids=last_pos,
-                             past_key_values=out.past_key_values, use_cache=True)
+                             past_key_values=cache, use_cache=True)
 
     def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
         load_named(self.model, named_tensors)

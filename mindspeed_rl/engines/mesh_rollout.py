@@ -12,10 +12,11 @@ different chunks at once; TP layers as in training). The last stage samples; its
 broadcasts the sampled tokens and their log-probs to the replica, so every rank returns the same
 `Rollout` and knows when every row has stopped.
 
-Sampling is the HF backend's (`hf_rollout.sample_next`): row i draws with a generator seeded by
+Sampling is the HF backend's (`sampling.sample_next`): row i draws with the uniforms of
 `seeds[i]`, so a row gets the same tokens as the unsplit HF engine gives it (the logits agree to
 float rounding; measured equal tokens and log-probs within 1e-5 on the tiny model, tests/engines/
-test_mesh_rollout.py).
+test_mesh_rollout.py). As there, rows that have ended leave the batch at the `ResponseBuilder`'s
+checks; every rank of the replica holds the same builder state, so they drop the same rows.
 
 There is no KV cache across stages: step t recomputes the prompt and the t tokens before it. For
 the tiny models and short responses this costs little; for long responses on GPUs use vLLM (its
@@ -34,8 +35,9 @@ import torch.distributed as dist
 
 from .base import NamedTensors, Rollout, RolloutEngine, RolloutSpec, SamplingParams, TrainSpec
 from .batching import left_pad, positions
-from .hf_rollout import ResponseBuilder, sample_next
+from .hf_rollout import ResponseBuilder
 from .mesh_train import MeshTrainEngine
+from .sampling import row_uniforms, sample_next
 
 OPTIONS = {"tp", "pp", "dp"}
 
@@ -87,26 +89,28 @@ class MeshRolloutEngine(RolloutEngine):
         if len(seeds) != len(prompts):
             raise ValueError(f"generate: {len(prompts)} prompts but {len(seeds)} seeds; one seed per row")
         m = self.model
-        gens = [torch.Generator(device="cpu").manual_seed(int(s) % (2**63)) for s in seeds]
         ids, attn = left_pad(prompts, self.pad_token_id)
         ids, attn = ids.to(self.device), attn.to(self.device)
-        batch = ids.shape[0]
-        responses = ResponseBuilder(batch, params, self.pad_token_id, self.device)
-        # tokens (exact in float64) and their log-probs travel together from the last stage's TP rank 0
-        box = torch.empty(2, batch, dtype=torch.float64, device=self.device)
+        draws = row_uniforms(seeds, params.max_new_tokens, self.device)
+        responses = ResponseBuilder(ids.shape[0], params, self.pad_token_id, self.device)
         while True:
             logits = self._last_logits(ids, attn)
+            # tokens (exact in float64) and their log-probs travel together from the last stage's TP rank 0
+            box = torch.empty(2, ids.shape[0], dtype=torch.float64, device=self.device)
             if logits is not None:
-                nxt, logp = sample_next(logits, params, gens)
+                nxt, logp = sample_next(logits, params, draws[:, responses.t])
                 box[0].copy_(nxt)
                 box[1].copy_(logp)
             if m.replica_group is not None and m.pp > 1:
                 dist.broadcast(box, src=m.last_tp0, group=m.replica_group)
-            nxt, done = responses.add(box[0].long(), box[1].float())
-            if done:
+            nxt = responses.add(box[0].long(), box[1].float())
+            keep = responses.compaction()
+            if responses.complete:
                 return responses.rollout()
+            if keep is not None:  # drop the rows that have ended, on every rank alike
+                nxt, ids, attn, draws = nxt[keep], ids[keep], attn[keep], draws[keep]
             ids = torch.cat([ids, nxt[:, None]], dim=1)
-            attn = torch.cat([attn, torch.ones((batch, 1), dtype=attn.dtype, device=self.device)], dim=1)
+            attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=1)
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, named_tensors: NamedTensors, version: int) -> None:

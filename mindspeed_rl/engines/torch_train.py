@@ -5,6 +5,23 @@ The engine knows nothing about RL: it turns rows into a padded batch, returns pe
 (and entropies) of the responses, runs a mini-batch of micro-batches through the worker's loss
 function (`train_step`), and steps the optimizer. The RL loss is built by the worker from
 `mindspeed_rl.algorithms`.
+
+Three memory/compute rules (issue 25):
+
+* Log-probs never materialize [rows, tokens, vocab] in fp32. The backbone gives hidden states; the
+  LM head runs only at the positions that predict a real response token (not the prompt, not the
+  right padding), a chunk of tokens at a time: head matmul in the compute dtype, then fp32
+  log-softmax/entropy of that chunk only (`head_log_probs`). With gradients and more than one
+  chunk, each chunk is checkpointed, so the backward recomputes its logits instead of keeping
+  every chunk's alive: peak memory is one chunk of fp32 logits, not vocab x length.
+* Mixed precision by the book: `dtype` is the compute dtype. A trained engine keeps fp32 master
+  weights and fp32 AdamW state and runs forward/backward under `torch.autocast(dtype)`; an
+  inference-only engine (reference, reader) holds its parameters in `dtype`. Exports are cast to
+  `dtype` (what rollout engines and readers hold).
+* Optional token budget (`TrainSpec.options["max_tokens_per_micro_batch"]`): rows are sorted by
+  length and split into sub-batches of at most that many padded tokens, so short rows are not
+  padded to the longest one of their micro-batch (verl's `use_dynamic_bsz`). Results come back in
+  the original order and the loss sees exactly the micro-batch it would have seen unsplit.
 """
 from __future__ import annotations
 
@@ -14,39 +31,235 @@ import os
 from typing import Iterable, Iterator, Sequence
 
 import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from ..algorithms import entropy_from_logits, log_probs_from_logits
 from .base import (Bucket, LossFn, MicroBatch, ModelOutput, NamedTensors, OptimConfig, TrainEngine, TrainSpec,
-                   bucketed, flatten_parameters, hf_named_weights, load_named)
-from .batching import SequenceBatch, collate, unpad_rows
+                   cast_buckets, flatten_parameters, hf_named_weights, load_named)
+from .batching import SequenceBatch, collate, right_pad, token_budget_groups, unpad_rows
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# fp32 logits of one chunk of tokens: the most `head_log_probs` holds at once (Qwen2.5's 151,936-token
+# vocabulary: 220 tokens a chunk)
+LOGITS_CHUNK_BYTES = 128 << 20
+OPTIONS = {"max_tokens_per_micro_batch"}
+
+
+# ---------------------------------------------------------------------------- log-probs, chunked
+def chunk_tokens_for(vocab: int, chunk_bytes: int = LOGITS_CHUNK_BYTES) -> int:
+    """Tokens per chunk so that one chunk's fp32 logits take at most `chunk_bytes` (at least 1)."""
+    return max(1, chunk_bytes // (4 * int(vocab)))
+
+
+def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, temperature: float,
+                    with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 log-prob of each label (and entropy) from one chunk's logits [n, V] in any dtype.
+
+    The cast to fp32 happens here, on the chunk: the vocabulary's softmax needs fp32 (bf16 keeps 8
+    bits of mantissa), but only of the tokens at hand."""
+    z = logits.float()
+    if temperature not in (0, 1.0):
+        z = z / temperature
+    return log_probs_from_logits(z, labels), (entropy_from_logits(z) if with_entropy else None)
+
+
+def _head_chunk(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                temperature: float, with_entropy: bool):
+    """One chunk: the LM head in the compute dtype (autocast decides), then `token_log_probs`."""
+    return token_log_probs(F.linear(hidden, weight, bias), labels, temperature, with_entropy)
+
+
+def _logits_chunk(logits: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool):
+    return token_log_probs(logits, labels, temperature, with_entropy)
+
+
+def _chunked(fn, inputs: torch.Tensor, labels: torch.Tensor, consts: tuple, n: int, mask: torch.Tensor | None,
+             with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run `fn(inputs[chunk], *consts[:-2], labels[chunk], *consts[-2:])` over chunks of `n` tokens of
+    the [B, R, ...] `inputs`, only where `mask` is set, and scatter the results back to [B, R]
+    (0 elsewhere). With gradients and more than one chunk each chunk is checkpointed: its logits are
+    freed after the forward and recomputed in the backward, so the graph holds no vocab-sized
+    tensor (one chunk alone is bounded by `n` already and keeps its graph: no recompute)."""
+    B, R = labels.shape
+    flat = inputs.reshape(B * R, *inputs.shape[2:])
+    lab = labels.reshape(-1)
+    idx = None
+    if mask is not None:
+        idx = mask.reshape(-1).nonzero().squeeze(-1)
+        flat, lab = flat[idx], lab[idx]
+    total = flat.shape[0]
+    grad = torch.is_grad_enabled() and (inputs.requires_grad or any(
+        torch.is_tensor(c) and c.requires_grad for c in consts))
+    ckpt = grad and total > n
+    head, tail = consts[:-2], consts[-2:]
+    logps, ents = [], []
+    for s in range(0, max(total, 1), n):   # at least once: an empty selection still gives [0] with grad
+        args = (flat[s:s + n], *head, lab[s:s + n], *tail)
+        lp, ent = checkpoint(fn, *args, use_reentrant=False) if ckpt else fn(*args)
+        logps.append(lp)
+        ents.append(ent)
+    logp = torch.cat(logps)
+    ent = torch.cat(ents) if with_entropy else None
+    if idx is not None:
+        logp = logp.new_zeros(B * R).index_copy(0, idx, logp)
+        ent = ent.new_zeros(B * R).index_copy(0, idx, ent) if ent is not None else None
+    return logp.view(B, R), (ent.view(B, R) if ent is not None else None)
+
+
+def head_log_probs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                   temperature: float = 1.0, with_entropy: bool = False, mask: torch.Tensor | None = None,
+                   chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs [B, R] of `labels` (and entropies) from final hidden states [B, R, H] and the LM
+    head's `weight` [V, H] (and `bias`), a chunk of tokens at a time; `mask` [B, R] (the response
+    mask) skips padding: its positions get 0. Equals `log_softmax(lm_head(hidden).float())` gathered
+    at the labels within float tolerance, gradients included, without its [B, R, V] fp32 tensor."""
+    n = chunk_tokens or chunk_tokens_for(weight.shape[0])
+    return _chunked(_head_chunk, hidden, labels, (weight, bias, temperature, with_entropy), n, mask, with_entropy)
+
+
+def logits_log_probs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
+                     with_entropy: bool = False, mask: torch.Tensor | None = None,
+                     chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """As `head_log_probs` for logits a model already computed [B, R, V] (in its compute dtype: an
+    FSDP root whose head must run inside its forward): the fp32 cast and the softmax go a chunk at a
+    time, so only one chunk is ever fp32."""
+    n = chunk_tokens or chunk_tokens_for(logits.shape[-1])
+    return _chunked(_logits_chunk, logits, labels, (temperature, with_entropy), n, mask, with_entropy)
+
+
+# ---------------------------------------------------------------------------- the model's side
+class ResponseStates(torch.nn.Module):
+    """The backbone of an HF model up to its final norm, sliced to the positions that predict the
+    response tokens (P-1 .. P+R-2): [B, R, H]. A module so that DDP can wrap it: DDP must run the
+    forward that uses the parameters, and the heads (`lm_head`, a critic's `score`) are then
+    applied by hand outside it (their gradients still reach DDP's hooks in the same backward)."""
+
+    def __init__(self, lm: torch.nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, attention_mask, position_ids, prompt_width: int, width: int) -> torch.Tensor:
+        return backbone_states(self.lm, input_ids, attention_mask, position_ids, prompt_width, width)
+
+
+def backbone_states(lm: torch.nn.Module, input_ids, attention_mask, position_ids, prompt_width: int,
+                    width: int) -> torch.Tensor:
+    base = getattr(lm, lm.base_model_prefix)
+    h = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+             use_cache=False).last_hidden_state
+    return h[:, prompt_width - 1:prompt_width + width - 1]
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The HF model inside DDP and/or `ResponseStates`."""
+    from torch.nn.parallel import DistributedDataParallel
+    model = model.module if isinstance(model, DistributedDataParallel) else model
+    return model.lm if isinstance(model, ResponseStates) else model
+
+
+def _is_fsdp(model) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def response_states(model: torch.nn.Module, batch: SequenceBatch) -> torch.Tensor:
+    """Final hidden states [B, R, H] where each response token is predicted (an HF model, or DDP
+    around `ResponseStates`)."""
+    p, r = batch.prompt_width, batch.responses.shape[1]
+    inner = getattr(model, "module", None)
+    if isinstance(model, ResponseStates) or isinstance(inner, ResponseStates):
+        return model(batch.input_ids, batch.attention_mask, batch.position_ids, p, r)
+    return backbone_states(model, batch.input_ids, batch.attention_mask, batch.position_ids, p, r)
+
+
+def response_log_probs(model: torch.nn.Module, batch: SequenceBatch, temperature: float,
+                       with_entropy: bool = False, chunk_tokens: int | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs [B, R] of the responses (and entropies), fp32, with grad when enabled;
+    0 at padding. The head runs on real response positions only, chunked (`head_log_probs`).
+
+    `model`: an HF causal LM, DDP around `ResponseStates`, or an FSDP2 root (whose root
+    parameters, the head's included, are gathered only inside its own forward: there the head runs
+    in the forward on the R response positions via `logits_to_keep`, and the fp32 softmax is
+    chunked by `logits_log_probs`)."""
+    if _is_fsdp(model):
+        r = batch.responses.shape[1]
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                    position_ids=batch.position_ids, use_cache=False, logits_to_keep=r + 1)
+        return logits_log_probs(out.logits[:, :r], batch.responses, temperature, with_entropy,
+                                mask=batch.response_mask, chunk_tokens=chunk_tokens)
+    head = unwrap(model).get_output_embeddings()
+    return head_log_probs(response_states(model, batch), head.weight, head.bias, batch.responses, temperature,
+                          with_entropy, mask=batch.response_mask, chunk_tokens=chunk_tokens)
 
 
 def response_logits(model: torch.nn.Module, batch: SequenceBatch, temperature: float) -> torch.Tensor:
-    """Logits that predict each response token: positions P-1 .. P+R-2 of the full sequence."""
+    """fp32 logits [B, R, V] that predict each response token: positions P-1 .. P+R-2. Kept for
+    callers that need the logits themselves; the head runs on those R positions only
+    (`logits_to_keep`), not over the prompt. For log-probs use `response_log_probs`: no [B, R, V]
+    fp32 tensor."""
+    r = batch.responses.shape[1]
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                position_ids=batch.position_ids, use_cache=False)
-    p, r = batch.prompt_width, batch.responses.shape[1]
-    logits = out.logits[:, p - 1:p + r - 1, :].float()
+                position_ids=batch.position_ids, use_cache=False, logits_to_keep=r + 1)
+    logits = out.logits[:, :r].float()
     return logits / temperature if temperature not in (0, 1.0) else logits
+
+
+def _value_head(lm: torch.nn.Module):
+    head = getattr(lm, "score", None) or getattr(lm, "classifier")
+    drop = getattr(lm, "dropout", None)
+    return (lambda h: head(drop(h))) if drop is not None else head
 
 
 def response_values(model: torch.nn.Module, batch: SequenceBatch) -> torch.Tensor:
     """A critic's value of each response token's state: positions P-1 .. P+R-2, as the logits above.
 
     V_t is read where the model has seen the prompt and the response up to token t-1, the state in
-    which token t is chosen (verl's `values[:, -response_length - 1:-1]`).
-    """
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                position_ids=batch.position_ids, use_cache=False)
+    which token t is chosen (verl's `values[:, -response_length - 1:-1]`). The 1-wide head runs on
+    those positions only (an FSDP2 root: inside its forward, over all positions)."""
     p, r = batch.prompt_width, batch.responses.shape[1]
-    return out.logits[:, p - 1:p + r - 1, 0].float()
+    if _is_fsdp(model):
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                    position_ids=batch.position_ids, use_cache=False)
+        return out.logits[:, p - 1:p + r - 1, 0].float()
+    return _value_head(unwrap(model))(response_states(model, batch))[..., 0].float()
+
+
+def compute_dtype_of(dtype, model: torch.nn.Module) -> torch.dtype:
+    """`dtype` as a torch dtype (a name or a dtype); None: the dtype the model's parameters have."""
+    if dtype is None:
+        return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return DTYPES[dtype] if isinstance(dtype, str) else dtype
+
+
+def cast_parameters(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Floating parameters to `dtype`, buffers untouched (RoPE's `inv_freq` stays fp32)."""
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
 
 
 class TorchTrainEngine(TrainEngine):
+    """`dtype`: the compute dtype (None: the model's). `options`: `max_tokens_per_micro_batch`
+    (padded tokens per forward; None/0: off, each micro-batch is one forward as given)."""
+
     def __init__(self, model: torch.nn.Module, pad_token_id: int, optim: OptimConfig | None = None,
                  temperature: float = 1.0, device: torch.device | str = "cpu", process_group=None,
-                 model_kind: str = "causal_lm"):
+                 model_kind: str = "causal_lm", dtype: torch.dtype | str | None = None,
+                 options: dict | None = None):
+        unknown = set(options or {}) - OPTIONS
+        if unknown:
+            raise ValueError(f"torch backend options {sorted(unknown)} unknown; known: {sorted(OPTIONS)}")
         self.device = torch.device(device)
+        self.compute_dtype = compute_dtype_of(dtype, model)
+        # a trained model keeps fp32 master weights (and so fp32 AdamW state) and computes in
+        # `dtype` under autocast; an inference-only one holds `dtype` itself
+        cast_parameters(model, torch.float32 if optim is not None else self.compute_dtype)
         self.model = model.to(self.device)
         self.module = model  # the bare model, also when wrapped in DDP
         # parameters in one buffer, in HF order (before DDP and the optimizer see them): weight sync
@@ -56,6 +269,10 @@ class TorchTrainEngine(TrainEngine):
         self.pad_token_id = int(pad_token_id)
         self.temperature = float(temperature)
         self.model_kind = model_kind
+        budget = (options or {}).get("max_tokens_per_micro_batch")
+        self.max_tokens = int(budget) if budget else None
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens_per_micro_batch={budget}: must be >= 1 (or unset)")
         self.optim_config = optim
         self.optimizer = None
         self.process_group = process_group
@@ -64,7 +281,7 @@ class TorchTrainEngine(TrainEngine):
             self.model.train()
             if process_group is not None:
                 from torch.nn.parallel import DistributedDataParallel
-                self.model = DistributedDataParallel(self.module, process_group=process_group)
+                self.model = DistributedDataParallel(ResponseStates(self.module), process_group=process_group)
             self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=optim.lr, betas=optim.betas,
                                                eps=optim.eps, weight_decay=optim.weight_decay)
         else:
@@ -77,9 +294,17 @@ class TorchTrainEngine(TrainEngine):
         from ..models import load_causal_lm, load_value_model
         torch.manual_seed(spec.seed)  # a value head is initialized from it
         loader = load_value_model if spec.model_kind == "value" else load_causal_lm
-        return cls(loader(spec.model_path, spec.dtype), spec.pad_token_id, spec.optim, temperature=spec.temperature,
+        stored = "float32" if spec.optim is not None else spec.dtype   # fp32 masters for a trained model
+        return cls(loader(spec.model_path, stored), spec.pad_token_id, spec.optim, temperature=spec.temperature,
                    device=spec.device, process_group=spec.process_group if spec.optim is not None else None,
-                   model_kind=spec.model_kind)
+                   model_kind=spec.model_kind, dtype=spec.dtype, options=spec.options)
+
+    def autocast(self):
+        """Forward (and so backward) in the compute dtype when it is not the parameters' own."""
+        held = next(self.module.parameters()).dtype
+        if self.compute_dtype == held:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
     def batch(self, prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor]) -> SequenceBatch:
         b = collate(prompts, responses, self.pad_token_id)
@@ -91,35 +316,72 @@ class TorchTrainEngine(TrainEngine):
 
     def forward(self, batch: SequenceBatch, with_entropy: bool = False):
         """Per-token log-probs [B, R] (and entropies) of the responses, with grad when training."""
-        logits = response_logits(self.model, batch, self.temperature)
-        logp = log_probs_from_logits(logits, batch.responses)
-        return logp, (entropy_from_logits(logits) if with_entropy else None)
+        with self.autocast():
+            return response_log_probs(self.model, batch, self.temperature, with_entropy)
 
     def model_output(self, batch: SequenceBatch) -> ModelOutput:
         """What a loss function sees: log-probs and entropies of a causal LM, values of a value model."""
         if self.model_kind == "value":
-            return ModelOutput(response_mask=batch.response_mask, values=response_values(self.model, batch))
+            with self.autocast():
+                return ModelOutput(response_mask=batch.response_mask, values=response_values(self.model, batch))
         logp, entropy = self.forward(batch, with_entropy=True)
         return ModelOutput(response_mask=batch.response_mask, log_probs=logp, entropy=entropy)
 
+    # ---- token budget
+    def groups(self, prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor],
+               micro_batch_size: int) -> list[list[int]]:
+        """Row indexes of each forward: `micro_batch_size` rows in order without a token budget;
+        with one, length-sorted groups of at most `max_tokens_per_micro_batch` padded tokens."""
+        if self.max_tokens is None:
+            n = len(prompts)
+            return [list(range(i, min(i + micro_batch_size, n))) for i in range(0, n, micro_batch_size)]
+        return token_budget_groups([int(p.numel()) for p in prompts], [int(r.numel()) for r in responses],
+                                   self.max_tokens)
+
+    def split_output(self, prompts, responses) -> ModelOutput:
+        """`model_output` of the rows as one micro-batch, computed in token-budget groups: each group
+        is its own (less padded) forward, and the [B, R] outputs are put back in row order with the
+        micro-batch's own response mask, so a loss function sees exactly what the unsplit forward
+        gives it (0 at padding, as there) whatever its aggregation (token-mean, seq-mean, ...)."""
+        groups = self.groups(prompts, responses, len(prompts))
+        mask = right_pad(responses, self.pad_token_id)[1].to(self.device)
+        if len(groups) == 1:
+            return self.model_output(self.batch(prompts, responses))
+        width = mask.shape[1]
+        parts: dict[str, list[torch.Tensor]] = {}
+        for g in groups:
+            out = self.model_output(self.batch([prompts[i] for i in g], [responses[i] for i in g]))
+            for key in ("log_probs", "entropy", "values"):
+                t = getattr(out, key)
+                if t is not None:
+                    parts.setdefault(key, []).append(F.pad(t, (0, width - t.shape[1])))
+        order = torch.tensor([i for g in groups for i in g], device=self.device)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=self.device)
+        return ModelOutput(response_mask=mask, **{k: torch.cat(v)[inverse] for k, v in parts.items()})
+
+    # ---- inference
+    def _infer(self, prompts, responses, micro_batch_size: int, fn) -> list[torch.Tensor]:
+        out: list[torch.Tensor | None] = [None] * len(prompts)
+        for g in self.groups(prompts, responses, micro_batch_size):
+            b = self.batch([prompts[i] for i in g], [responses[i] for i in g])
+            with self.autocast():
+                vals = fn(b)
+            for i, r in zip(g, unpad_rows(vals, b.response_mask)):
+                out[i] = r.cpu()
+        return out
+
     @torch.no_grad()
     def log_probs(self, prompts, responses, micro_batch_size: int) -> list[torch.Tensor]:
-        """Inference: per-token log-probs, one 1-D tensor per row, micro-batch by micro-batch."""
-        out: list[torch.Tensor] = []
-        for i in range(0, len(prompts), micro_batch_size):
-            b = self.batch(prompts[i:i + micro_batch_size], responses[i:i + micro_batch_size])
-            logits = response_logits(self.module, b, self.temperature)
-            out.extend(r.cpu() for r in unpad_rows(log_probs_from_logits(logits, b.responses), b.response_mask))
-        return out
+        """Inference: per-token log-probs, one 1-D tensor per row, micro-batch by micro-batch (or by
+        token budget)."""
+        return self._infer(prompts, responses, micro_batch_size,
+                           lambda b: response_log_probs(self.module, b, self.temperature)[0])
 
     @torch.no_grad()
     def values(self, prompts, responses, micro_batch_size: int) -> list[torch.Tensor]:
         """Inference of a critic: per-token values, one 1-D tensor per row."""
-        out: list[torch.Tensor] = []
-        for i in range(0, len(prompts), micro_batch_size):
-            b = self.batch(prompts[i:i + micro_batch_size], responses[i:i + micro_batch_size])
-            out.extend(r.cpu() for r in unpad_rows(response_values(self.module, b), b.response_mask))
-        return out
+        return self._infer(prompts, responses, micro_batch_size, lambda b: response_values(self.module, b))
 
     def no_sync(self, sync: bool):
         """DDP all-reduces only on the last micro-batch of an update (gradient accumulation)."""
@@ -133,9 +395,12 @@ class TorchTrainEngine(TrainEngine):
         metrics: dict[str, float] = {}
         count = 0
         for mb in micro_batches:
-            b = self.batch(mb.data["prompts"], mb.data["responses"])
             with self.no_sync(mb.last):
-                loss, m = loss_fn(self.model_output(b), mb)
+                if self.max_tokens is None:
+                    out = self.model_output(self.batch(mb.data["prompts"], mb.data["responses"]))
+                else:
+                    out = self.split_output(mb.data["prompts"], mb.data["responses"])
+                loss, m = loss_fn(out, mb)
                 (loss * mb.loss_scale).backward()
             for k, v in m.items():
                 metrics[k] = metrics.get(k, 0.0) + float(v)
@@ -159,15 +424,21 @@ class TorchTrainEngine(TrainEngine):
 
     # ---- weights
     def export_weights(self, bucket_bytes: int) -> Iterator[Bucket]:
-        return bucketed(hf_named_weights(self.module), bucket_bytes)
+        """Buckets in the compute dtype (what readers hold): fp32 masters are cast a bucket at a
+        time, each bucket into one buffer laid out as on the wire (still one broadcast)."""
+        return cast_buckets(hf_named_weights(self.module), self.compute_dtype, bucket_bytes)
 
     def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
         load_named(self.module, named_tensors)
         self.version = int(version)
 
     def state_checksum(self) -> str:
-        from .weight_sync import checksum
-        return checksum(hf_named_weights(self.module))
+        """Of the weights as exported (in the compute dtype): what a reader holds and compares."""
+        from .weight_sync import Checksum
+        digest = Checksum()
+        for bucket in self.export_weights(64 << 20):
+            digest.update(bucket)
+        return digest.hexdigest()
 
     def receive_targets(self) -> dict[str, torch.Tensor] | None:
         """An inference copy's parameters by HF name (tied ones under each name); None for a trained

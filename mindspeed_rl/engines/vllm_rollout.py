@@ -62,6 +62,16 @@ Tensor parallelism (`tensor_parallel_size` > 1)
     (vLLM's death pipe also ends them if this process is killed) and removes leftover files. Measured
     on this CPU (tp=2, tiny model): construction 24 s, tp=1's tokens and log-probs; docs/engines.md.
 
+    What vLLM itself puts in /dev/shm (`psm_*` message queues, `sem.mp-*` semaphores; random names,
+    left behind when its processes are killed) is recorded while the engine builds
+    (`shm_cleanup.ShmRecorder`: /dev/shm/mindspeed_rl-shm-record-<pid>.json). `close()` removes what
+    is left of it; after an abnormal end the driver does, from the record
+    (`shm_cleanup.remove_vllm_shm`).
+
+    A TP worker process that dies (killed, out of memory) fails vLLM's executor, and every later call
+    would only say "Executor failed.": the engine raises `VLLMWorkerDied` instead, naming the worker
+    (tp rank, pid, how it ended) and this process, so the trainer's error says which process died.
+
 `state_checksum()` returns None: vLLM holds fused, padded, possibly repacked weights under its own
 names, not the HF tensors.
 
@@ -103,12 +113,14 @@ import gc
 import json
 import logging
 import os
+import signal
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
 from .base import NamedTensors, Rollout, RolloutEngine, RolloutSpec, SamplingParams
+from .shm_cleanup import ShmRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +141,23 @@ _BUILD_LOGGERS = ("vllm.renderers.base",)
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "mindspeed_rl-vllm-weights-"
 _ALIGN = 64
+
+
+class VLLMWorkerDied(RuntimeError):
+    """A vLLM tensor-parallel worker process of this engine died: the engine cannot generate or load
+    weights any more (vLLM's executor is shut down). The message names the worker; one line, since
+    the trainer quotes the last line of a worker's error."""
+
+
+def _how_it_ended(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "exit status unknown"
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
 
 
 class _BelowError(logging.Filter):
@@ -259,8 +288,9 @@ class VLLMRolloutEngine(RolloutEngine):
     """`vllm.LLM` in this process; see the module docstring for what each member does."""
 
     def __init__(self, llm: Any, spec: RolloutSpec, sleep_level: int = 1, sleep_mode: bool = False,
-                 restore: dict | None = None, tensor_parallel_size: int = 1):
+                 restore: dict | None = None, tensor_parallel_size: int = 1, shm_recorder: ShmRecorder | None = None):
         self.llm = llm
+        self._shm_recorder = shm_recorder
         self.spec = spec
         self.tensor_parallel_size = int(tensor_parallel_size)
         self._workers_elsewhere = self.tensor_parallel_size > 1  # weights go by /dev/shm, not as tensors
@@ -337,14 +367,21 @@ class VLLMRolloutEngine(RolloutEngine):
                 restore["VLLM_CPU_OMP_THREADS_BIND"] = None
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(tp)
         kwargs.update(opts.get("engine_kwargs") or {})
+        # tp > 1: record the /dev/shm objects vLLM and its workers create, from the start of the build
+        # (a kill during it leaves them too), for whoever cleans up after an abnormal end
+        recorder = ShmRecorder().start(ignore_existing=True) if tp > 1 else None
         try:
             with _muted(_BUILD_LOGGERS):
                 llm = vllm.LLM(**kwargs)
         except BaseException:
+            if recorder is not None:
+                recorder.sweep()
             _restore_process(restore)
             raise
+        if recorder is not None:
+            recorder.stop()
         return cls(llm, spec, sleep_level=int(opts.get("sleep_level", 1)), sleep_mode=sleep_mode,
-                   restore=restore, tensor_parallel_size=tp)
+                   restore=restore, tensor_parallel_size=tp, shm_recorder=recorder)
 
     # ---- generation
     def _sampling_params(self, params: SamplingParams, seed: int):
@@ -368,7 +405,8 @@ class VLLMRolloutEngine(RolloutEngine):
             return Rollout(responses=[], log_probs=[])
         inputs = [TokensPrompt(prompt_token_ids=[int(t) for t in torch.as_tensor(p).tolist()]) for p in prompts]
         sps = [self._sampling_params(params, s) for s in seeds]
-        outputs = self.llm.generate(inputs, sps, use_tqdm=False)
+        with self._tp_guard("generate"):
+            outputs = self.llm.generate(inputs, sps, use_tqdm=False)
         responses, log_probs = [], []
         for out in outputs:
             c = out.outputs[0]
@@ -419,7 +457,8 @@ class VLLMRolloutEngine(RolloutEngine):
         ready = [n for group, names in by_group.items()
                  if (members := self._groups.get(group)) is None or members <= have for n in names]
         if ready:
-            self._reload([(n, self._pending.pop(n)) for n in ready])
+            with self._tp_guard(f"update_weights (version {version})"):
+                self._reload([(n, self._pending.pop(n)) for n in ready])
         if not self._pending:
             self.weight_version = version
 
@@ -458,6 +497,59 @@ class VLLMRolloutEngine(RolloutEngine):
         if any(n != len(layout) for n in loaded):
             raise RuntimeError(f"vllm rollout: TP workers loaded {loaded} of {len(layout)} tensors from {path}")
 
+    # ---- tensor-parallel workers
+    def _executor(self) -> Any:
+        """vLLM's executor (in-process engine core); None where this vLLM lays it out otherwise."""
+        try:
+            return self.llm.llm_engine.engine_core.engine_core.model_executor
+        except AttributeError:
+            return None
+
+    def tp_workers(self) -> list[dict]:
+        """vLLM's TP worker processes (the `mp` executor): rank, pid, alive, exitcode; [] with
+        tensor_parallel_size 1 or another executor."""
+        out = []
+        for w in getattr(self._executor(), "workers", None) or []:
+            proc = getattr(w, "proc", None)
+            if proc is None:
+                continue
+            alive = proc.is_alive()  # also reaps it, so exitcode is set once it is dead
+            out.append({"rank": int(getattr(w, "rank", len(out))), "pid": proc.pid, "alive": alive,
+                        "exitcode": proc.exitcode})
+        return out
+
+    def _worker_death(self, what: str, error: BaseException) -> VLLMWorkerDied | None:
+        """The error to raise instead of `error` when a TP worker died; None when none did."""
+        workers = self.tp_workers()
+        dead = [w for w in workers if not w["alive"]]
+        if not dead and not getattr(self._executor(), "is_failed", False):
+            return None
+        if dead:
+            # vLLM ends the remaining workers once one dies (SIGTERM): the one killed by another
+            # cause is named first
+            dead.sort(key=lambda w: (w["exitcode"] == -signal.SIGTERM, w["rank"]))
+            names = "; ".join(f"tp rank {w['rank']} (pid {w['pid']}, {_how_it_ended(w['exitcode'])})" for w in dead)
+            who = f"vLLM tensor-parallel worker process(es) died: {names}"
+        else:
+            who = "a vLLM tensor-parallel worker process died (vLLM's executor failed; which rank it did not say)"
+        first = str(error).strip().splitlines()
+        return VLLMWorkerDied(
+            f"{who}; they are the tensor_parallel_size={self.tensor_parallel_size} workers of the vLLM rollout "
+            f"engine in process {os.getpid()} (this rollout actor), so its {what} failed "
+            f"({type(error).__name__}: {first[-1] if first else ''}) and the engine cannot be used any more")
+
+    @contextlib.contextmanager
+    def _tp_guard(self, what: str):
+        """Turn vLLM's own error after a TP worker's death ("Executor failed.") into `VLLMWorkerDied`."""
+        try:
+            yield
+        except Exception as e:
+            if self._workers_elsewhere and self.llm is not None:
+                death = self._worker_death(what, e)
+                if death is not None:
+                    raise death from e
+            raise
+
     def pending_weight_names(self) -> list[str]:
         """Names received but not loaded yet (their module's other names have not arrived)."""
         return sorted(self._pending)
@@ -481,6 +573,9 @@ class VLLMRolloutEngine(RolloutEngine):
         with contextlib.suppress(Exception):
             self.llm.llm_engine.engine_core.shutdown()  # tp > 1: ends vLLM's worker processes too
         self.llm = None
+        if self._shm_recorder is not None:  # what a dead worker left (vLLM unlinks only its live ones')
+            with contextlib.suppress(Exception):
+                self._shm_recorder.sweep()
         if self._files:  # a reload interrupted between writing its file and deleting it
             for f in Path(SHM_DIR).glob(f"{SHM_PREFIX}{os.getpid()}-{id(self):x}-*"):
                 with contextlib.suppress(OSError):

@@ -9,8 +9,9 @@ the consumer claims its rows itself, so gets of different consumers no longer qu
 
 What lives in shared memory (files beside the dock's segments, removed with them):
 - `msrl-<tag>-claims-<pid>` (the *table*): per column and row, where the cell lies (segment
-  number, byte offset, items), -1 when it is not in shared memory (inline, a Ray object, or
-  unwritten); each column's dtype; the segment paths by number.
+  number, byte offset, items) and its *kind* (a number naming its numpy dtype and torch dtype
+  or none), -1 when it is not in shared memory (inline, a Ray object, or unwritten); the kinds
+  by number; the segment paths by number.
 - `msrl-<tag>-claims<i>-<pid>`, one per consumer: its taken bits, the rows claimed locally since
   the actor last looked (the *claim log*), one record per local get for the metrics and the event
   log, and up to `MAX_VIEWS` ready lists, one per column set the consumer reads: every row that
@@ -27,6 +28,16 @@ Who writes what, and why each row still goes to each consumer exactly once:
   ready list under that consumer's lock. A row is in a ready list only once its cells can be
   read. Clear, load_state_dict, state_dict, status calls, metrics and the event log first read
   every claim log (`SharedDock._sync`), so they count the rows taken locally.
+- Nothing a claim may read is written in place while it can be read. Each record is written
+  whole, then named: a kind or a segment path is written once, under a new number, before any
+  cell names it, and never changed after (numbers are not reused while the dock lives); a cell's
+  place and kind are written before its row enters a ready list (the flock around that append,
+  and around the claim that reads the list, orders the writes before the reads); a cell that a
+  claim may already read (overwrite=True) is rewritten only under every consumer's lock. Why:
+  the kind used to be one record per column, zeroed and rewritten by every put of that column
+  while other processes' claims read it for rows put earlier; a claim between the zeroing and the
+  write read dtype '' (a TypeError) or no torch dtype (torch rows handed out as numpy arrays:
+  silently wrong data for the trainer).
 - A client claims only what the actor would hand out to the same call: `count` rows (fewer only
   at the step's tail) of a consumer whose sampler is `AnyReadySampler`, without `indexes` or
   `get_n_samples`, for a column set the actor has made a ready list for (its first get does),
@@ -57,6 +68,7 @@ MAX_VIEWS = 8  # column sets per consumer with a ready list; gets for more sets 
 MAX_SEGMENTS = 4096  # segments the table can name; cells in others go through the actor
 PATH_BYTES = 256
 KIND_BYTES = 32
+MAX_KINDS = 64  # (dtype, torch dtype) pairs the table can name over the dock's life; cells of others go through the actor
 RING = 1024  # local gets recorded before the actor must read them (a claim falls back when full)
 WORKER_BYTES = 64
 LOCK_TIMEOUT_S = 30.0  # a lock held this long: its holder is stopped (a crash releases it)
@@ -80,9 +92,10 @@ def _layout(fields: list[tuple[str, Any, tuple]]) -> tuple[list[tuple[str, np.dt
 
 
 def _table_layout(n_columns: int, capacity: int):
-    return _layout([("hdr", np.int64, (8,)), ("kind", np.uint8, (n_columns, 2, KIND_BYTES)),
+    return _layout([("hdr", np.int64, (8,)), ("kinds", np.uint8, (MAX_KINDS, 2, KIND_BYTES)),
                     ("seg", np.int32, (n_columns, capacity)), ("off", np.int64, (n_columns, capacity)),
-                    ("numel", np.int64, (n_columns, capacity)), ("paths", np.uint8, (MAX_SEGMENTS, PATH_BYTES))])
+                    ("numel", np.int64, (n_columns, capacity)), ("kind", np.int8, (n_columns, capacity)),
+                    ("paths", np.uint8, (MAX_SEGMENTS, PATH_BYTES))])
 
 
 def _consumer_layout(n_columns: int, capacity: int):
@@ -171,6 +184,7 @@ class ClaimBoard:
         self._synced = [0] * len(self.consumers)
         self._slots: list[dict[frozenset, int]] = [{} for _ in self.consumers]
         self._seg_ids: dict[str, int] = {}
+        self._kind_ids: dict[tuple[str, str | None], int] = {}
         self.table.hdr[T_ENABLED] = 1
         # held for the actor's life: a client whose try for it succeeds knows the dock is dead
         fcntl.flock(self.table.fd, fcntl.LOCK_SH)
@@ -215,31 +229,49 @@ class ClaimBoard:
 
     # -- cells
     def publish_cells(self, column: str, idx: np.ndarray, cells: list) -> None:
-        """Where each of `column`'s cells at rows `idx` lies; -1 for cells not in shared memory."""
+        """Where each of `column`'s cells at rows `idx` lies, and its kind; -1 for cells not in
+        shared memory. Writes nothing a claim may be reading: the rows `idx` are in no ready list
+        yet (or, with overwrite=True, the caller holds every consumer's lock), and a kind or
+        segment path is only ever added under a new number (see the module doc)."""
         k = self._col[column]
         seg = np.full(len(idx), -1, dtype=np.int32)
         off = np.zeros(len(idx), dtype=np.int64)
         numel = np.zeros(len(idx), dtype=np.int64)
-        starts: dict[int, tuple[int, np.ndarray]] = {}
+        kind = np.full(len(idx), -1, dtype=np.int8)
+        starts: dict[int, tuple[int, np.ndarray, int]] = {}
         for j, cell in enumerate(cells):
             src = getattr(cell, "source", None)
             if not isinstance(src, ShmBlock):
                 continue
             got = starts.get(id(src))
             if got is None:
-                sid = self._segment_id(src.segment)
+                sid, kid = self._segment_id(src.segment), self._kind_id(src.dtype, src.torch_dtype)
                 first = np.zeros(len(src.numel) + 1, dtype=np.int64)
                 np.cumsum(src.numel, out=first[1:])
-                got = starts[id(src)] = (sid, src.offset + first * src.itemsize)
-                if sid >= 0:
-                    _put_text(self.table.kind[k, 0], src.dtype)
-                    _put_text(self.table.kind[k, 1], src.torch_dtype or "")
+                got = starts[id(src)] = (sid if kid >= 0 else -1, src.offset + first * src.itemsize, kid)
             if got[0] < 0:
                 continue
-            seg[j], off[j], numel[j] = got[0], got[1][cell.pos], cell.numel
+            seg[j], off[j], numel[j], kind[j] = got[0], got[1][cell.pos], cell.numel, got[2]
         self.table.off[k, idx] = off
         self.table.numel[k, idx] = numel
+        self.table.kind[k, idx] = kind
         self.table.seg[k, idx] = seg
+
+    def _kind_id(self, dtype: str, torch_dtype: str | None) -> int:
+        """The number of a (numpy dtype, torch dtype or None) pair; a new pair's record is written
+        whole before its number is returned, and never changed after, so a claim that finds the
+        number in a cell always reads the whole record. -1 when the table cannot name it."""
+        key = (dtype, torch_dtype)
+        kid = self._kind_ids.get(key)
+        if kid is None:
+            if (len(self._kind_ids) >= MAX_KINDS or len(dtype.encode()) > KIND_BYTES
+                    or len((torch_dtype or "").encode()) > KIND_BYTES):
+                return -1
+            kid = len(self._kind_ids)
+            _put_text(self.table.kinds[kid, 0], dtype)
+            _put_text(self.table.kinds[kid, 1], torch_dtype or "")
+            self._kind_ids[key] = kid
+        return kid
 
     def _segment_id(self, path: str) -> int:
         sid = self._seg_ids.get(path)
@@ -534,7 +566,7 @@ class ClaimClient:
         self._cons: list[_Mapped | None] = [None] * len(self._cons_index)
         self._locks = [threading.Lock() for _ in self._cons_index]
         self._slots: dict[tuple[int, tuple[int, ...]], int] = {}
-        self._kinds: dict[bytes, tuple] = {}
+        self._kinds: dict[int, tuple] = {}  # kind number -> kind: a number's record never changes
         self._paths: dict[int, str] = {}
         self.claims_made = 0  # gets this process answered itself (for tests and curiosity)
 
@@ -609,14 +641,18 @@ class ClaimClient:
                 if len(picked) < want:
                     return None
                 places = []
-                seg, off, numel = table["seg"], table["off"], table["numel"]
+                seg, off, numel, kinds = table["seg"], table["off"], table["numel"], table["kind"]
                 for k in cols:
                     at = k * cap
                     segs = [seg[at + r] for r in picked]
                     if min(segs) < 0:
                         return None  # a cell held by the actor (inline or a Ray object)
+                    kid = kinds[at + picked[0]]
+                    for r in picked:
+                        if kinds[at + r] != kid:  # one kind per column and step: refuse to guess
+                            return None
                     places.append((segs, [off[at + r] for r in picked], [numel[at + r] for r in picked],
-                                   self._kind(k)))
+                                   self._kind(kid)))
                 # the claim: every row's bit was clear, and is set before the lock goes
                 for r in picked:
                     taken[r] = 1
@@ -657,13 +693,14 @@ class ClaimClient:
         fcntl.flock(self.table.fd, fcntl.LOCK_UN)
         return False
 
-    def _kind(self, k: int) -> tuple[str, str | None, int]:
-        """Column k's (numpy dtype, torch dtype or None, item size) this step."""
-        raw = self.table.flat["kind"][2 * KIND_BYTES * k:2 * KIND_BYTES * (k + 1)].tobytes()
-        kind = self._kinds.get(raw)
+    def _kind(self, kid: int) -> tuple[str, str | None, int]:
+        """Kind number kid's (numpy dtype, torch dtype or None, item size). Read once per number:
+        the actor writes a kind's record whole before any cell names it and never changes it."""
+        kind = self._kinds.get(kid)
         if kind is None:
+            raw = self.table.flat["kinds"][2 * KIND_BYTES * kid:2 * KIND_BYTES * (kid + 1)].tobytes()
             dtype, torch_dtype = raw[:KIND_BYTES].rstrip(b"\0").decode(), raw[KIND_BYTES:].rstrip(b"\0").decode()
-            kind = self._kinds[raw] = (dtype, torch_dtype or None, np.dtype(dtype).itemsize)
+            kind = self._kinds[kid] = (dtype, torch_dtype or None, np.dtype(dtype).itemsize)
         return kind
 
     def _path(self, sid: int) -> str:

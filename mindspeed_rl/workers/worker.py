@@ -4,7 +4,11 @@ Colocated placement puts several MFCs in one actor (like MindSpeed-RL's integrat
 actor is threaded, so in non-blocking mode its stages run at the same time and take micro-batches
 as they become ready. Disaggregated placement gives MFCs actors of their own. Either way, the
 worker talks to other stages only through the dock, and to other workers only for weight sync
-and DDP (torch.distributed groups of its own, beside Ray).
+and DDP (torch.distributed groups of its own, beside Ray). The exception to "at the same time": the
+MFCs whose engine calls are collective over the group's DP ranks (a trained model's training, and with
+FSDP or another sharded backend its log-probs or values) take turns in the graph's order, the same on
+every rank, since two collective streams in two threads pair up differently on different ranks
+(`Worker._turn`).
 
 A model-parallel group (placement.mode: mesh with tp or pp > 1) has dp * tp * pp ranks, rank k the
 topology's sub-rank k, and runs its models on the mesh train backend (a generating group on the mesh
@@ -88,8 +92,8 @@ class Worker:
         self._awake_lock = threading.Lock()
         self._awake_count: dict[str, int] = {}
         self._locks: dict[str, ReadWriteLock] = {}  # model -> generate (read) vs weight update (write)
-        self._turns = threading.Condition()         # model-parallel groups: the MFCs take turns (`_turn`)
-        self._turn_next: tuple[int, int] | None = None  # (step, index of the split MFC) whose turn it is
+        self._turns = threading.Condition()         # the collective MFCs take turns (`_turn`)
+        self._turn_next: tuple[int, int] | None = None  # (step, index of the collective MFC) whose turn it is
 
     # ------------------------------------------------------------------ setup
     def ping(self) -> dict:
@@ -219,25 +223,8 @@ class Worker:
             raise StageError(f"worker group '{self.spec.group}' does not host stage '{mfc_name}'")
         try:
             kind = InterfaceType(mfc.interface_type)
-            if self._split(mfc):
-                with self._turn(mfc, step):
-                    rep = (self._run_train(mfc, step, kl_coef) if kind is InterfaceType.TRAIN_STEP else
-                           self._run_replica_forward(mfc, step, policy_version))
-            elif kind is InterfaceType.TRAIN_STEP:
-                rep = self._run_train(mfc, step, kl_coef)
-            elif kind is InterfaceType.GENERATE:
-                with self._awake(mfc.model_name):
-                    rep = run_stage_loop(self.dock_of(step), stage=mfc.name, rank=self.spec.rank, step=step,
-                                         input_keys=mfc.input_keys, count=self._count(mfc),
-                                         get_n_samples=mfc.get_n_samples,
-                                         timeout_s=self.cfg.trainer.stage_timeout_s,
-                                         compute=self._compute_fn(mfc, step, policy_version))
-            else:
-                rep = run_stage_loop(self.dock_of(step), stage=mfc.name, rank=self.spec.rank, step=step,
-                                     input_keys=mfc.input_keys, count=self._count(mfc),
-                                     get_n_samples=mfc.get_n_samples, timeout_s=self.cfg.trainer.stage_timeout_s,
-                                     compute=self._compute_fn(mfc, step, policy_version),
-                                     max_rows=self._share(mfc, kind))
+            with self._turn(mfc, step) if self._collective(mfc) else contextlib.nullcontext():
+                rep = self._run(mfc, kind, step, policy_version, kl_coef)
         except StageError:
             raise
         except Exception as e:  # name the stage in every failure the driver sees
@@ -247,6 +234,46 @@ class Worker:
                              f"failed: {type(e).__name__}: {e} (at {os.path.basename(where.filename)}:"
                              f"{where.lineno})") from e
         return rep.as_dict()
+
+    def _run(self, mfc: MFCDef, kind: InterfaceType, step: int, policy_version: int, kl_coef: float) -> StageReport:
+        if self._split(mfc):
+            return (self._run_train(mfc, step, kl_coef) if kind is InterfaceType.TRAIN_STEP else
+                    self._run_replica_forward(mfc, step, policy_version))
+        if kind is InterfaceType.TRAIN_STEP:
+            return self._run_train(mfc, step, kl_coef)
+        if kind is InterfaceType.GENERATE:
+            with self._awake(mfc.model_name):
+                return run_stage_loop(self.dock_of(step), stage=mfc.name, rank=self.spec.rank, step=step,
+                                      input_keys=mfc.input_keys, count=self._count(mfc),
+                                      get_n_samples=mfc.get_n_samples, timeout_s=self.cfg.trainer.stage_timeout_s,
+                                      compute=self._compute_fn(mfc, step, policy_version))
+        return run_stage_loop(self.dock_of(step), stage=mfc.name, rank=self.spec.rank, step=step,
+                              input_keys=mfc.input_keys, count=self._count(mfc),
+                              get_n_samples=mfc.get_n_samples, timeout_s=self.cfg.trainer.stage_timeout_s,
+                              compute=self._compute_fn(mfc, step, policy_version),
+                              max_rows=self._share(mfc, kind))
+
+    # ------------------------------------------------------------------ collective MFCs take turns
+    def _collective(self, mfc: MFCDef) -> bool:
+        """Are `mfc`'s engine calls collective over this group's ranks, so that it must take its turn (`_turn`)?
+
+        In a model-parallel group, the split MFCs. Otherwise, with dp > 1, the MFCs of a model trained here,
+        whose engine is on the group's default process group: its train step (DDP's all-reduces; FSDP's
+        gathers, reduce-scatters and grad-norm all-reduce) and, when the backend's forwards are collective
+        (`Backend.lockstep`: sharded weights), its inference (old log-probs, a critic's values). A model only
+        read here (a frozen reference) has an engine of its own, on no group of the DP ranks."""
+        if self.spec.model_parallel:
+            return self._split(mfc)
+        if self.spec.dp == 1 or self.simulated or mfc.model_name not in self.train:
+            return False
+        kind = InterfaceType(mfc.interface_type)
+        return kind is InterfaceType.TRAIN_STEP or (kind is InterfaceType.INFERENCE and self._lockstep)
+
+    @property
+    def _lockstep(self) -> bool:
+        """Are the train backend's forwards collective across the DP ranks (`Backend.lockstep`)?"""
+        from ..engines.registry import TRAIN_BACKENDS, chosen_backends
+        return TRAIN_BACKENDS[chosen_backends(self.cfg)[1]].lockstep
 
     # ------------------------------------------------------------------ model-parallel groups
     @property
@@ -266,15 +293,23 @@ class Worker:
 
     @contextlib.contextmanager
     def _turn(self, mfc: MFCDef, step: int):
-        """The split MFCs run one at a time, in (step, the graph's order) order: each is collective over the
-        group's ranks, and two of them at once in two threads could issue their collectives in different
-        orders on different ranks and wait on each other crosswise. Every rank keeps the same order.
+        """The collective MFCs (`_collective`) run one at a time, in (step, the graph's order) order: each is
+        collective over the group's ranks, and two of them at once in two threads could issue their collectives
+        in different orders on different ranks and wait on each other crosswise (and, on one FSDP module,
+        reshard the parameters the other's forward is using). Every rank keeps the same order. Without it an
+        FSDP group with dp=2 died every few dozen steps (issue 24): a rank's actor_train took rows its peer's
+        actor_log_prob had just written, and its forward's all-gathers started while its own actor_log_prob
+        was still in its last forward; gloo aborted on a message of another size, or a forward met a resharded
+        parameter (`aten.mm got mixed torch.Tensor and DTensor`).
 
-        A group hosts one model's MFCs, and the trainer starts all of them for each step it runs, in that
-        order (`actor_log_prob` then `actor_train`; a reference's one MFC): so the turn after (s, last) is
-        (s + 1, first). Steps overlap only with max_weight_staleness > 0, where a frozen reference's MFC of
-        step s + 1 may be called while step s's still runs; it then waits for it."""
-        names = [m.name for m in self.spec.mfcs if self._split(m)]
+        The trainer starts every collective MFC of a group for each step it runs, in that order
+        (`actor_log_prob` then `actor_train`; a critic's values and training; a split reference's one MFC): so
+        the turn after (s, last) is (s + 1, first). They all run at their step's turn (train-time MFCs,
+        `dataflow.train_time_mfcs`), except a split frozen reference: with max_weight_staleness > 0 its MFC of
+        step s + 1 may be called while step s's still runs; it then waits for it. A trained model's log-probs
+        are needed by its training anyway, so taking turns costs only the overlap of a rank's first training
+        forwards with its peers' last log-prob forwards."""
+        names = [m.name for m in self.spec.mfcs if self._collective(m)]
         mine = (step, names.index(mfc.name))
         with self._turns:
             if self._turn_next is None:  # the first step this process runs (0, or a resumed run's)
@@ -381,10 +416,7 @@ class Worker:
         """Rows this rank takes of an inference MFC: all it can get, except when its engine's forwards are
         collective across the DP ranks (sharded weights, `Backend.lockstep`): then an equal share, so every
         rank makes as many forwards and none waits on a peer that ran out of rows."""
-        from ..engines.registry import TRAIN_BACKENDS, chosen_backends
-        if kind is not InterfaceType.INFERENCE or self.spec.dp == 1:
-            return None
-        if not TRAIN_BACKENDS[chosen_backends(self.cfg)[1]].lockstep:
+        if kind is not InterfaceType.INFERENCE or self.spec.dp == 1 or not self._lockstep:
             return None
         return self.spec.rows_per_step // self.spec.dp
 

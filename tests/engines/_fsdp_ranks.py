@@ -171,3 +171,33 @@ def update_and_infer(rank: int, world: int, port: int, path: str, new_weights: d
     return {"weights": weights, "version": engine.version, "log_probs": logp, "sharded": sharded,
             "alone_log_probs": alone_logp, "alone_mesh_size": alone.mesh.size(), "values": values,
             "value_stats": vstats}
+
+
+def threaded_forwards(rank: int, world: int, port: int, path: str, rows: tuple, rounds: int) -> dict:
+    """Two threads calling `log_probs` of one engine at once, `rounds` times each (a frozen reference
+    serving two steps at once with max_weight_staleness > 0): the errors they met, and whether every
+    result equals the one computed alone. The engine is on a one-rank mesh of its own (process_group
+    None with a default group up), so no other rank is involved: only the threads can collide."""
+    import threading
+
+    _join(rank, world, port)
+    engine = _engine(path, None, None)
+    alone = engine.log_probs(*rows, micro_batch_size=2)
+    errors, same = [], []
+
+    def run():
+        try:
+            for _ in range(rounds):
+                out = engine.log_probs(*rows, micro_batch_size=2)
+                same.append(all(torch.equal(a, b) for a, b in zip(out, alone)))
+        except Exception as e:  # what the test reports: the first line of each thread's failure
+            errors.append(f"{type(e).__name__}: {str(e).splitlines()[0]}")
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    engine.close()
+    dist.destroy_process_group()
+    return {"errors": errors, "same": same}

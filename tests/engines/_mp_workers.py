@@ -3,6 +3,12 @@
 Processes come from a `forkserver` that imports this module (torch, transformers, the engines)
 once; each worker is then a cheap fork of it instead of a fresh interpreter paying those imports
 again. A worker writes what its function returned, or its traceback, to a file the test reads.
+
+Workers are NOT daemonic: a daemonic process may not start children, and megatron's async checkpoint
+writer starts a multiprocessing Manager (the one-GPU megatron engine tests failed for that alone on an
+H100). `run_procs` cleans them up itself instead: each worker leads its own process group (so what it
+started goes with it) and dies with the fork server (PR_SET_PDEATHSIG), and in a `finally` every worker
+still alive at the deadline, on a failure or on an interrupt is terminated, then killed, then joined.
 """
 from __future__ import annotations
 
@@ -43,7 +49,26 @@ def start_forkserver() -> None:
     forkserver.ensure_running()
 
 
+def _own_group_and_parent_death() -> None:
+    """Lead a process group of our own (children we start join it: `_reap` ends them with us), and
+    be killed when our parent, the fork server, dies (it does when the test process ends, however)."""
+    try:
+        os.setpgid(0, 0)
+    except OSError:
+        pass
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        ppid = os.getppid()
+        libc.prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG (Linux); elsewhere this is skipped
+        if os.getppid() != ppid:        # the parent died before prctl took effect
+            os._exit(1)
+    except (OSError, AttributeError):
+        pass
+
+
 def _entry(fn, args, out: str) -> None:
+    _own_group_and_parent_death()
     torch.set_num_threads(1)
     # a hung worker's stacks, on SIGUSR1 from run_procs: a hang is then a diagnosis, not a mystery
     faulthandler.register(signal.SIGUSR1, file=open(out + ".stack", "w"), all_threads=True)
@@ -57,21 +82,25 @@ def _entry(fn, args, out: str) -> None:
 def run_procs(jobs, tmp_path: Path, timeout_s: float = 120.0) -> list:
     """Run `jobs` (a list of (fn, args)) in parallel worker processes; their return values, in order.
 
-    Fails (and kills what is left) if any worker raised, died or outlived `timeout_s`."""
+    Fails (and kills what is left) if any worker raised, died or outlived `timeout_s`. The workers
+    are not daemonic (they may start processes of their own); whatever happens here, every worker
+    and its process group is gone when this returns or raises."""
     ctx = context()
     outs = [tmp_path / f"worker{i}.pt" for i in range(len(jobs))]
-    procs = [ctx.Process(target=_entry, args=(fn, tuple(args), str(out)), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(fn, tuple(args), str(out)), daemon=False)
              for (fn, args), out in zip(jobs, outs)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout_s
+    started = []
     try:
+        for p in procs:
+            p.start()
+            started.append(p)
+        deadline = time.monotonic() + timeout_s
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
         hung = [i for i, p in enumerate(procs) if p.is_alive()]
         if hung:
             for i in hung:
-                os.kill(procs[i].pid, signal.SIGUSR1)
+                _signal(procs[i].pid, signal.SIGUSR1)
             time.sleep(1.0)
             stacks = "\n".join(f"--- worker {i} stacks:\n{_read(str(outs[i]) + '.stack')}" for i in hung)
             others = "\n".join(f"--- worker {i}: exit code {p.exitcode}, "
@@ -79,10 +108,7 @@ def run_procs(jobs, tmp_path: Path, timeout_s: float = 120.0) -> list:
                                for i, p in enumerate(procs) if i not in hung)
             raise AssertionError(f"workers {hung} still running after {timeout_s}s\n{others}\n{stacks}")
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        _reap(started)
     results, errors = [], []
     for i, (p, out) in enumerate(zip(procs, outs)):
         if not out.is_file():
@@ -95,6 +121,34 @@ def run_procs(jobs, tmp_path: Path, timeout_s: float = 120.0) -> list:
     if errors:
         raise AssertionError("\n".join(errors))
     return results
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _reap(procs, grace_s: float = 5.0) -> None:
+    """Terminate, then kill, then join every worker still alive, and kill what is left of each
+    worker's process group (processes it started, e.g. a multiprocessing Manager, that outlived it).
+    A process group lives on while any member does, so its id (the worker's pid) cannot be reused
+    meanwhile: killing it never reaches a stranger."""
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        _signal(p.pid, signal.SIGTERM)
+    end = time.monotonic() + grace_s
+    for p in alive:
+        p.join(max(0.0, end - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(grace_s)
+        try:
+            os.killpg(p.pid, signal.SIGKILL)   # the worker's own group (it called setpgid(0, 0))
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _read(path: str) -> str:

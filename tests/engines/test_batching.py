@@ -1,4 +1,5 @@
 """Padding layout shared by rollout and training, hand-checked."""
+import pytest
 import torch
 
 from mindspeed_rl.engines.batching import collate, left_pad, positions, right_pad, unpad_rows
@@ -37,3 +38,30 @@ def test_collate_aligns_every_response_at_the_same_column():
     assert b.response_lengths == [3, 1]
     rows = unpad_rows(b.responses.float(), b.response_mask)
     assert [r.tolist() for r in rows] == [[7.0, 8.0, 9.0], [10.0]]
+
+
+def test_token_budget_groups_take_every_row_once_within_the_budget():
+    from mindspeed_rl.engines.batching import padded_tokens, token_budget_groups
+    g = torch.Generator().manual_seed(0)
+    p = torch.randint(1, 9, (23,), generator=g).tolist()
+    r = torch.randint(1, 30, (23,), generator=g).tolist()
+    for budget in (1, 40, 100, 10_000):
+        groups = token_budget_groups(p, r, budget)
+        assert sorted(i for grp in groups for i in grp) == list(range(23))
+        for grp in groups:
+            assert grp == sorted(grp)
+            assert len(grp) == 1 or padded_tokens([p[i] for i in grp], [r[i] for i in grp]) <= budget
+    assert len(token_budget_groups(p, r, 1)) == 23                       # each row alone
+    assert token_budget_groups(p, r, 10_000) == [list(range(23))]        # all in one
+    # the groups together compute fewer padded tokens than one forward over all rows
+    budget = 120
+    sorted_cost = sum(padded_tokens([p[i] for i in grp], [r[i] for i in grp])
+                      for grp in token_budget_groups(p, r, budget))
+    assert sorted_cost < padded_tokens(p, r)
+
+
+def test_token_budget_groups_example_and_bad_budget():
+    from mindspeed_rl.engines.batching import token_budget_groups
+    assert token_budget_groups([2, 2, 2], [8, 1, 7], 20) == [[0, 2], [1]]
+    with pytest.raises(ValueError):
+        token_budget_groups([1], [1], 0)

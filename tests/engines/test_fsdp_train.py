@@ -219,3 +219,14 @@ def test_single_rank_without_process_group(path, tmp_path):
     assert all(torch.equal(t, F.exported(engine)[n]) for n, t in F.exported(other).items())
     lp = other.log_probs(*data, micro_batch_size=3)
     assert [t.shape[0] for t in lp] == [5] * 4 and all(t.dtype == torch.float32 for t in lp)
+
+
+def test_one_engine_serves_two_threads_one_call_at_a_time(path, tmp_path):
+    """Issue 24: FSDP2 keeps one gathered-or-sharded state per module, so two threads' forwards on one
+    engine resharded each other's parameters mid-forward ("data is not allocated yet", `mixed
+    torch.Tensor and DTensor`), even on one rank. The engine now runs one call at a time; every
+    concurrent result equals the one computed alone."""
+    data = rows(8, seed=5)
+    [r] = W.run_procs([(F.threaded_forwards, (0, 1, free_port(), path, data, 20))], tmp_path, TIMEOUT_S)
+    assert r["errors"] == [], r["errors"]
+    assert r["same"] == [True] * 40

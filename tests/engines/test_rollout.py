@@ -5,7 +5,8 @@ import torch
 
 from mindspeed_rl.engines import SamplingParams
 from mindspeed_rl.engines.hf_rollout import HFRolloutEngine
-from mindspeed_rl.engines.hf_rollout import filter_logits, sample_next
+from mindspeed_rl.engines.hf_rollout import filter_logits
+from mindspeed_rl.engines.sampling import row_uniforms, sample_next
 
 from ._common import PAD, random_rows, tiny_qwen2
 
@@ -226,25 +227,25 @@ def test_filter_logits_top_k_then_top_p_rows_independent():
 def test_sample_next():
     logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 2.9]])
 
-    def gs(seed=0):
-        return [torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 100)]
-    g = gs()
+    def us(seed=0):
+        return row_uniforms([seed, seed + 100], 1)[:, 0]
+    u = us()
 
-    def tokens(params, gens=g):
-        return sample_next(logits, params, gens)[0].tolist()
+    def tokens(params, uniforms=u):
+        return sample_next(logits, params, uniforms)[0].tolist()
     assert tokens(SamplingParams(greedy=True)) == [1, 0]
     assert tokens(SamplingParams(temperature=0.0)) == [1, 0]
     assert tokens(SamplingParams(top_k=1)) == [1, 0]
     # a very low temperature is argmax in practice; top_k=2 never picks the smallest logit
     assert tokens(SamplingParams(temperature=1e-3)) == [1, 0]
-    picks = torch.tensor([tokens(SamplingParams(top_k=2)) for _ in range(200)])
+    picks = torch.tensor([tokens(SamplingParams(top_k=2), us(s)) for s in range(200)])
     assert set(picks[:, 0].tolist()) == {1, 2} and set(picks[:, 1].tolist()) == {0, 2}
-    # the explicit generators decide the draw
-    draw = [tokens(SamplingParams(temperature=5.0), gs(s)) for s in (1, 1, 2, 3, 4)]
+    # the seeds' uniforms decide the draw
+    draw = [tokens(SamplingParams(temperature=5.0), us(s)) for s in (1, 1, 2, 3, 4)]
     assert draw[0] == draw[1]
     assert len({tuple(d) for d in draw}) > 1
     # the log-prob is that of the filtered, tempered distribution: top_k=2 renormalizes over 2 tokens
-    tok, logp = sample_next(logits, SamplingParams(top_k=2, temperature=2.0), gs(7))
+    tok, logp = sample_next(logits, SamplingParams(top_k=2, temperature=2.0), us(7))
     scaled = logits / 2.0
     for row in range(2):
         keep = scaled[row].topk(2).values

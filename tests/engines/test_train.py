@@ -218,3 +218,103 @@ def test_checkpoint_round_trip_through_files(tmp_path, rows):
     assert b.version == 1
     _train_step(a, prompts, responses), _train_step(b, prompts, responses)
     assert torch.equal(flat_params(b.module), flat_params(a.module))
+
+
+# ------------------------------------------------------------------ token budget (no compute on padding)
+
+BUDGET_PROMPTS = random_rows(6, [2, 7, 3, 1, 6, 2], seed=21)
+BUDGET_RESPONSES = random_rows(6, [9, 1, 2, 8, 3, 1], seed=22)
+
+
+def test_token_budget_log_probs_equal_the_padded_path_in_row_order():
+    padded = TorchTrainEngine(tiny_qwen2(seed=0, initializer_range=0.1), PAD)
+    budget = TorchTrainEngine(tiny_qwen2(seed=0, initializer_range=0.1), PAD,
+                              options={"max_tokens_per_micro_batch": 24})
+    groups = budget.groups(BUDGET_PROMPTS, BUDGET_RESPONSES, 6)
+    assert len(groups) > 2 and sorted(i for g in groups for i in g) == list(range(6))
+    want = padded.log_probs(BUDGET_PROMPTS, BUDGET_RESPONSES, micro_batch_size=6)
+    got = budget.log_probs(BUDGET_PROMPTS, BUDGET_RESPONSES, micro_batch_size=6)
+    assert [g.shape for g in got] == [w.shape for w in want]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_token_budget_values_equal_the_padded_path(tmp_path):
+    from mindspeed_rl.engines import TrainSpec
+    tiny_qwen2(seed=0).save_pretrained(tmp_path)
+    specs = [TrainSpec(model_path=str(tmp_path), model_kind="value", pad_token_id=PAD, seed=3, options=o)
+             for o in ({}, {"max_tokens_per_micro_batch": 24})]
+    padded, budget = (TorchTrainEngine.build(s) for s in specs)
+    for g, w in zip(budget.values(BUDGET_PROMPTS, BUDGET_RESPONSES, 6),
+                    padded.values(BUDGET_PROMPTS, BUDGET_RESPONSES, 6)):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def seq_mean_nll(out, mb):
+    """A loss that is not a token mean: the mean over rows of each row's mean NLL."""
+    from mindspeed_rl.algorithms import masked_mean
+    per_row = masked_mean(-out.log_probs, out.response_mask, dim=-1)
+    return per_row.mean(), {"nll": float(per_row.mean().detach())}
+
+
+@pytest.mark.parametrize("loss_fn", [nll_loss, seq_mean_nll], ids=["token_mean", "seq_mean"])
+def test_token_budget_train_step_gives_the_padded_gradient(loss_fn):
+    """The micro-batch runs as several less-padded forwards, the loss sees the whole micro-batch:
+    the same gradient, metrics and update as one padded forward, whatever the loss aggregates."""
+    from mindspeed_rl.engines import MicroBatch
+    grads = {}
+    engines = {}
+    for name, options in (("padded", {}), ("budget", {"max_tokens_per_micro_batch": 24})):
+        e = TorchTrainEngine(tiny_qwen2(seed=0), PAD, OptimConfig(lr=1e-2, eps=1e-4), options=options)
+        e.optimizer.register_step_pre_hook(lambda opt, a, k, name=name, e=e: grads.update({name: flat_grads(e.module)}))
+        mbs = [MicroBatch({"prompts": BUDGET_PROMPTS[s:s + 3], "responses": BUDGET_RESPONSES[s:s + 3]}, 0.5,
+                          last=s == 3) for s in (0, 3)]
+        engines[name] = (e, e.train_step(mbs, loss_fn))
+    assert len(engines["budget"][0].groups(BUDGET_PROMPTS[:3], BUDGET_RESPONSES[:3], 3)) > 1   # it did split
+    torch.testing.assert_close(grads["budget"], grads["padded"], rtol=1e-4, atol=1e-6)
+    (a, ma), (b, mb) = engines["budget"], engines["padded"]
+    assert ma["nll"] == pytest.approx(mb["nll"], rel=1e-5)
+    assert ma["grad_norm"] == pytest.approx(mb["grad_norm"], rel=1e-5)
+    torch.testing.assert_close(flat_params(a.module), flat_params(b.module), rtol=0, atol=1e-5)
+
+
+def test_unknown_or_bad_options_are_refused():
+    with pytest.raises(ValueError, match="unknown"):
+        TorchTrainEngine(tiny_qwen2(seed=0), PAD, options={"max_tokens": 5})
+    with pytest.raises(ValueError, match=">= 1"):
+        TorchTrainEngine(tiny_qwen2(seed=0), PAD, options={"max_tokens_per_micro_batch": -3})
+
+
+def ddp_budget_rank(rank: int, world: int, port: int, rows: tuple, budget: int) -> dict:
+    """One DDP `train_step` (a worker process): each micro-batch runs as several token-budget
+    forwards before its one backward, which DDP's reducer must take as one iteration."""
+    from mindspeed_rl.engines import MicroBatch
+    from mindspeed_rl.engines.weight_sync import stateless_group
+
+    from ._common import nll_loss_fn
+    from ._mp_workers import HOST, as_process_group
+    prompts, responses = rows
+    group = stateless_group(HOST, port, rank, world, timeout_s=60)
+    engine = TorchTrainEngine(tiny_qwen2(seed=rank), PAD, OptimConfig(lr=1e-2, eps=1e-4),
+                              process_group=as_process_group(group), options={"max_tokens_per_micro_batch": budget})
+    split = len(engine.groups(prompts[:2], responses[:2], 2))
+    engine.train_step((MicroBatch({"prompts": prompts[s:s + 2], "responses": responses[s:s + 2]}, 0.5, last=s == 2)
+                       for s in (0, 2)), nll_loss_fn)
+    return {"params": flat_params(engine.module), "split": split}
+
+
+def test_token_budget_under_ddp_equals_one_process_on_the_union(tmp_path):
+    from mindspeed_rl.engines import MicroBatch
+    from mindspeed_rl.engines.weight_sync import free_port
+
+    from . import _mp_workers as W
+    prompts = random_rows(8, [3, 5, 2, 4, 6, 3, 4, 2], seed=11)
+    responses = random_rows(8, [7, 1, 2, 6, 3, 5, 5, 3], seed=12)   # every micro-batch holds 8 tokens
+    port = free_port()
+    results = W.run_procs([(ddp_budget_rank, (r, 2, port, (prompts[4 * r:4 * r + 4], responses[4 * r:4 * r + 4]), 14))
+                           for r in range(2)], tmp_path)
+    assert all(r["split"] == 2 for r in results)
+    ref = TorchTrainEngine(tiny_qwen2(seed=0), PAD, OptimConfig(lr=1e-2, eps=1e-4))
+    ref.train_step([MicroBatch({"prompts": prompts, "responses": responses}, 1.0, last=True)], nll_loss)
+    assert torch.equal(results[0]["params"], results[1]["params"])
+    torch.testing.assert_close(results[0]["params"], flat_params(ref.module), rtol=0, atol=1e-6)

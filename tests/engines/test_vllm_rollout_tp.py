@@ -106,6 +106,96 @@ def test_threads_bind_splits_the_cpus_into_one_block_per_rank():
     assert cpu_threads_bind(3, [5]) == "5|5|5"  # fewer CPUs than ranks: shared
 
 
+KILLED_WORKER_ENGINE = r"""
+import json, sys, time
+from mindspeed_rl.engines.registry import make_rollout_engine
+from mindspeed_rl.engines.base import RolloutSpec, SamplingParams
+import torch
+eng = make_rollout_engine("vllm", RolloutSpec(model_path=sys.argv[1], seed=0, options=json.loads(sys.argv[2])))
+print(json.dumps({"workers": eng.tp_workers()}), flush=True)
+sys.stdin.readline()                                      # the test has killed a worker
+deadline = time.monotonic() + 30
+while not eng._executor().is_failed and time.monotonic() < deadline:
+    time.sleep(0.1)                                       # vLLM's monitor thread notices the death
+errors = {}
+for what, call in (("generate", lambda: eng.generate([torch.tensor([1, 3, 4])], SamplingParams(max_new_tokens=4), [1])),
+                   ("update_weights", lambda: eng.update_weights([("model.norm.weight", torch.ones(64))], 1))):
+    try:
+        call()
+        errors[what] = None
+    except Exception as e:
+        errors[what] = [type(e).__name__, str(e)]
+print(json.dumps(errors), flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.mark.timeout(900)  # the build alone: 24 s on a quiet 2-core machine, minutes on a loaded one
+def test_a_killed_tp_worker_is_named_and_its_shared_memory_removed(ckpt):
+    """kill -9 of one vLLM TP worker: the engine's next generate and weight update say which worker
+    died (tp rank, pid, signal) instead of vLLM's "Executor failed."; then the whole engine process
+    group is killed (as a SIGTERM to a run's group does) and `remove_vllm_shm`, given the engine's
+    pid, removes what vLLM left in /dev/shm. The engine runs in its own process: vLLM's state is
+    process-wide, and a killed engine must be a killed process."""
+    import json
+    import queue
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    from mindspeed_rl.engines.shm_cleanup import record_path, remove_vllm_shm, same_process_alive
+    t0 = time.time()
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_WORKER_ENGINE, ckpt,
+                             json.dumps({**OPTIONS, "tensor_parallel_size": 2})],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
+
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in iter(proc.stdout.readline, b"")], daemon=True).start()
+
+    def line(timeout):
+        """The child's next JSON line (vLLM logs to stdout too), within `timeout` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                text = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"the engine process said nothing within {timeout} s "
+                                     f"(exit code {proc.poll()})") from None
+            if text.startswith(b"{"):
+                return json.loads(text)
+
+    try:
+        workers = line(600)["workers"]
+        assert [w["rank"] for w in workers] == [0, 1] and all(w["alive"] for w in workers)
+        victim = workers[1]
+        os.kill(victim["pid"], signal.SIGKILL)
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+        errors = line(120)
+        for what, (kind, message) in errors.items():
+            assert kind == "VLLMWorkerDied", (what, kind, message)
+            assert f"tp rank 1 (pid {victim['pid']}, killed by SIGKILL)" in message, message
+            assert f"engine in process {proc.pid}" in message and what in message, message
+            assert "\n" not in message  # the trainer quotes the last line of a worker's error
+        record = json.loads(record_path(proc.pid).read_text())
+        os.killpg(proc.pid, signal.SIGKILL)                # the engine and all it started
+        proc.wait(30)
+        left = [n for n in record["files"] if os.path.exists(f"/dev/shm/{n}")]
+        print(f"recorded {sorted(record['files'])}; left after the kill: {left}")
+        assert left, "vLLM's objects outlive a killed engine (what remove_vllm_shm is for)"
+        removed = remove_vllm_shm([proc.pid], started_after=t0, wait_s=10)
+        assert sorted(os.path.basename(p) for p in removed) == sorted(left)
+        assert not any(os.path.exists(f"/dev/shm/{n}") for n in record["files"])
+        assert not record_path(proc.pid).exists()
+        assert not any(same_process_alive(w["pid"], None) for w in workers)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        remove_vllm_shm([proc.pid], started_after=t0, wait_s=10)  # a failed test leaves nothing either
+
+
 def test_tp2_generates_what_tp1_generates(engine, base_model, prompts, tp1_answers):
     assert engine.tensor_parallel_size == 2
     load(engine, base_model)

@@ -416,6 +416,73 @@ def test_processes_claiming_one_consumer_with_the_dock_take_every_row_exactly_on
     assert sum(e["rows"] for e in log if e["op"] == "get" and e["stage"] == "c") == steps * capacity
 
 
+def test_processes_claiming_while_puts_arrive_get_the_type_and_dtype_that_was_put(docks):
+    """Issue 24 (1b): claims read each cell's kind (numpy dtype, torch dtype or none) from the
+    table while the dock writes other rows of the same columns. The kind was one record per
+    column, zeroed and rewritten by every put, so a claim between the two read dtype '' (a
+    TypeError) or no torch dtype (torch rows handed out as numpy arrays). Here 3 processes claim
+    as fast as they can while this process puts one row of one column at a time, and every column
+    changes kind (torch <-> numpy, dtypes of other sizes) at every clear: every row a process or
+    the dock hands out must have the type, dtype and values put, every row go to each consumer
+    exactly once, and no claim may raise. Without the fix it failed in each of 4 runs, in its first
+    step, with tens to hundreds of claims raising `data type '' not understood` (once `'\\x00nt16'`:
+    half of bfloat16's dtype)."""
+    steps, capacity = len(claim_procs.KIND_STEPS), 256
+    d = docks(["a", "b", "c"], ["p", "q"], capacity)
+    ranks = [("p", ["a", "b", "c"]), ("p", ["c", "a", "b"]), ("q", ["c", "a"])]
+    for consumer, cols in ranks:  # through the dock: makes each consumer's ready list (no row is ready)
+        assert d.get_experience(consumer, cols, 1, local=False) == ({}, [])
+    ctx = processes()
+    started, step_now, step_done, reports = ctx.Value("i", 0), ctx.Value("i", -1), ctx.Value("i", -1), ctx.Queue()
+    procs = [ctx.Process(target=claim_procs.checking_kinds_process,
+                         args=(d.info, consumer, cols, started, step_now, step_done, reports, i, steps), daemon=True)
+             for i, (consumer, cols) in enumerate(ranks)]
+    for p in procs:
+        p.start()
+    rng = random.Random(1)
+    claimed_locally = 0
+    try:
+        deadline = time.monotonic() + 240  # a bound, not a measurement: a loaded machine starts processes slowly
+        while started.value < len(procs):
+            assert time.monotonic() < deadline and all(p.is_alive() for p in procs), "the claiming processes did not start"
+            time.sleep(0.01)
+        for step in range(steps):
+            step_now.value = step
+            puts = [(column, r) for column in "abc" for r in range(capacity)]
+            rng.shuffle(puts)
+            for n, (column, r) in enumerate(puts):
+                d.put_experience({column: [claim_procs.kind_row(column, r, step)]}, [r])
+                if n % 128 == 0:
+                    d.get_consumer_status()  # reads the claim logs, as the actor's status calls do
+            step_done.value = step
+            got: dict[str, list[int]] = {"p": [], "q": []}
+            problems: list[str] = []
+            for _ in procs:  # generous: processes on a loaded 2-core machine are slow
+                consumer, s, rows, some, n_problems, made = reports.get(timeout=240)
+                assert s == step
+                if n_problems:
+                    problems.append(f"{consumer}: {n_problems} problems, e.g. {some}")
+                got[consumer] += rows
+                claimed_locally += made if step == steps - 1 else 0
+            assert not problems, f"step {step}: rows claimed with another type or dtype than put: {problems}"
+            for consumer, cols in (("p", ["a", "b", "c"]), ("q", ["c", "a"])):
+                out, rows = d.get_experience(consumer, cols, capacity, local=False)  # the rows left: the tail
+                for column in cols:
+                    assert claim_procs.kind_problems(column, rows, out.get(column, []), step) == []
+                rows = got[consumer] + rows
+                dup = sorted({r for r in rows if rows.count(r) > 1})
+                assert not dup, f"step {step}: consumer {consumer} got rows {dup} twice"
+                assert sorted(rows) == list(range(capacity)), f"step {step}: consumer {consumer} lost rows"
+            d.clear()
+    finally:
+        step_now.value = step_done.value = steps  # a failed step: let the processes end
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert claimed_locally > 0, "no process claimed a row itself: the test tested nothing"
+
+
 def test_a_stopped_lock_holder_is_a_timeout_error_and_a_killed_one_frees_the_lock(docks, monkeypatch):
     d = docks(["x"], ["c"], 8)
     d.put_experience({"x": [x_row(r) for r in range(8)]}, list(range(8)))

@@ -1,0 +1,680 @@
+"""The RL step of the Qwen2.5-0.5B architecture on ONE device: each engine beside a plain baseline in the
+same process, then the whole trainer for a few steps.
+
+    python benchmarks/single_device.py --json out.json              # on a GPU: the issue's full sizes
+    python benchmarks/single_device.py                              # on the CPU: the tiny model, small sizes
+    python benchmarks/single_device.py --model tiny --skip-e2e      # smallest
+
+The model: `mindspeed_rl/models/configs/qwen2_5_0_5b.json` with random weights (seed 0), saved with
+`save_pretrained` to a temporary directory, the built-in tiny model's tokenizer files copied next to it
+(its character ids are valid ids of the 151,936-token vocabulary; docs/performance.md). `--model
+qwen2_5_0_5b_2l` is the same config with 2 decoder layers (the full vocabulary); `--model tiny` is the
+built-in tiny Qwen2 (the CPU default: the 2-layer model's 136M-entry head made a CPU run take minutes).
+
+What is timed, on `--device` (cuda when there is one, else cpu), every part after one unmeasured
+warm-up, the median of `--repeats`:
+
+* rollout: the `hf` engine (`make_rollout_engine("hf", ...)`, the model in `--dtype`) generating
+  `--new-tokens` for `--rows` prompts of `--prompt-len` random ids, no stop token (every row runs to
+  the end), against, on the engine's own module (same weights): HF `generate(do_sample=True)` on the
+  same batch, and a plain loop (DynamicCache, all rows sampled in one `torch.multinomial` call, the
+  sampled tokens' log-probs gathered as the engine returns them). Rounds alternate the three.
+  tokens/s = rows x new tokens / time.
+* train step: the `fsdp` (single rank, no process group) and `torch` engines through `train_step`
+  with a token-mean NLL loss, `--train-rows` rows of `--train-prompt-len` + `--train-response-len`
+  tokens in micro-batches of `--micro-batch`, AdamW; against a plain loop: the model in float32
+  (master weights), forward under `torch.autocast(bfloat16)` on CUDA (on CPU: float32, no autocast),
+  the same logits slice and loss, `clip_grad_norm_`, `torch.optim.AdamW` (torch's default
+  implementation). tokens/s = rows x (prompt + response) / step time; MFU = 6 x params x tokens /
+  time / the device's peak (H100/H200 SXM: 989 TFLOP/s bf16 dense; none on the CPU).
+* log-prob pass: each train engine's `log_probs` (the old log-prob stage) over the same rows in
+  micro-batches of `--logprob-micro-batch`, against the plain model's no-grad forward (same autocast).
+  MFU with 2 x params x tokens.
+* weight sync, in one process: `export_weights(512 MiB)` of each train engine into the rollout
+  engine's `update_weights`, against `rollout_model.load_state_dict(plain_model.state_dict())`.
+  GB/s = the rollout model's bytes / time.
+* memory: per part, `torch.cuda.max_memory_allocated` since the part began (each engine is built,
+  measured and dropped in turn; the rollout engine stays); on the CPU the peak RSS of the part
+  (VmHWM, reset through /proc/self/clear_refs) and, overall, `ru_maxrss`.
+
+End to end (`--skip-e2e` leaves it out): `cli/train_grpo.py --config-name grpo_qwen25_0p5b_1gpu` in a
+subprocess (its own Ray), with `generate_config.backend=hf`, the fsdp actor and reference colocated in
+one worker on the device, the rule stages in another, `--e2e-prompts` x `--e2e-samples` rows,
+`--e2e-new-tokens` (no stop token), the built-in copy task with the `digits` reward, `--e2e-steps`
+steps. From its metrics.jsonl, over the steps after the first (all steps when only one ran):
+tokens/s per device as the driver counts them (`throughput/tokens_per_s`: prompt + response tokens of
+the step / step time, the same as verl's perf/throughput on one device) and response tokens only; the
+per-stage split (`timing/<stage>`: first start to last end, stages overlap; `busy/<stage>`: compute);
+train MFU over `busy/actor_train` (6 x params x prompt+response tokens); peak memory: the device's
+used memory (all processes, sampled every 0.2 s through `torch.cuda.mem_get_info`) on a GPU, the RSS of
+the trainer's process tree (sampled) on the CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from mindspeed_rl.engines import MicroBatch, OptimConfig, RolloutSpec, SamplingParams, TrainSpec  # noqa: E402
+from mindspeed_rl.engines.registry import make_rollout_engine, make_train_engine  # noqa: E402
+
+CONFIG_05B = REPO / "mindspeed_rl" / "models" / "configs" / "qwen2_5_0_5b.json"
+MODELS = ("qwen2_5_0_5b", "qwen2_5_0_5b_2l", "tiny")
+BUCKET_BYTES = 512 << 20
+# stated dense bf16 peaks (TFLOP/s) by device name; None: no MFU
+PEAKS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("H20", 148.0), ("A100", 312.0))
+
+GPU_DEFAULTS = dict(model="qwen2_5_0_5b", rows=64, new_tokens=128, prompt_len=128, train_rows=64,
+                    train_prompt_len=128, train_response_len=256, micro_batch=8, logprob_micro_batch=32,
+                    repeats=3, e2e_prompts=8, e2e_samples=8, e2e_new_tokens=128, e2e_steps=3, e2e_timeout=420,
+                    rollout_budget=90, budget=540)
+CPU_DEFAULTS = dict(model="tiny", rows=8, new_tokens=16, prompt_len=16, train_rows=8,
+                    train_prompt_len=16, train_response_len=32, micro_batch=4, logprob_micro_batch=8,
+                    repeats=2, e2e_prompts=2, e2e_samples=4, e2e_new_tokens=16, e2e_steps=2, e2e_timeout=300,
+                    rollout_budget=60, budget=900)
+
+
+# ---------------------------------------------------------------------------- helpers
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device) -> tuple[float, object]:
+    sync(device)
+    t = time.perf_counter()
+    out = fn()
+    sync(device)
+    return time.perf_counter() - t, out
+
+
+def _status_kb(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+class PeakMemory:
+    """Peak memory of a part: CUDA max_memory_allocated since `reset`, else peak RSS (VmHWM) since it."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")          # VmHWM := current RSS (Linux)
+        except OSError:
+            pass
+
+    def peak_gb(self) -> float:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 1e9
+        try:
+            return _status_kb("VmHWM") * 1024 / 1e9
+        except OSError:
+            return ru_maxrss_gb()
+
+
+def ru_maxrss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9   # KiB on Linux
+
+
+def peak_tflops(device: torch.device) -> tuple[float | None, str]:
+    if device.type != "cuda":
+        return None, "cpu: no stated peak, no MFU"
+    name = torch.cuda.get_device_name(device)
+    for key, tf in PEAKS:
+        if key in name:
+            return tf, f"{name}: {tf:g} TFLOP/s bf16 dense (stated)"
+    return None, f"{name}: peak unknown (give --peak-tflops)"
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def count_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())   # tied weights once
+
+
+# ---------------------------------------------------------------------------- the model
+
+def build_checkpoint(model: str, directory: Path) -> str:
+    """A checkpoint directory (or the built-in name) for `model`."""
+    if model == "tiny":
+        return "builtin:tiny-qwen2"
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from mindspeed_rl.models import resolve_model_path
+    cfg = json.loads(CONFIG_05B.read_text())
+    if model == "qwen2_5_0_5b_2l":
+        cfg.update(num_hidden_layers=2, max_window_layers=2)
+    cfg.pop("architectures", None)
+    cfg.pop("torch_dtype", None)
+    config = Qwen2Config(**cfg)
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        m = Qwen2ForCausalLM(config)   # random init, float32
+    m.save_pretrained(directory, safe_serialization=True)
+    del m
+    tiny = resolve_model_path("builtin:tiny-qwen2")
+    for f in tiny.iterdir():   # the character tokenizer: its ids are valid in the 151,936-token vocabulary
+        if f.is_file() and f.name not in ("config.json", "model.safetensors", "generation_config.json"):
+            shutil.copy(f, directory / f.name)
+    return str(directory)
+
+
+def random_rows(n: int, length: int, low: int, high: int, gen: torch.Generator) -> list[torch.Tensor]:
+    return [torch.randint(low, high, (length,), generator=gen) for _ in range(n)]
+
+
+# ---------------------------------------------------------------------------- rollout
+
+def left_pad(prompts, pad: int, device):
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    attn = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = p
+        attn[i, width - len(p):] = 1
+    return ids.to(device), attn.to(device)
+
+
+@torch.no_grad()
+def sampling_loop(model, prompts, pad: int, new_tokens: int, device, gen: torch.Generator) -> torch.Tensor:
+    """The plain baseline: a DynamicCache, all rows sampled in one torch.multinomial call per token,
+    the sampled tokens' log-probs gathered (what an RL rollout returns)."""
+    from transformers import DynamicCache
+    ids, attn = left_pad(prompts, pad, device)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=DynamicCache(), use_cache=True)
+    last = pos[:, -1:]
+    ones = torch.ones((ids.shape[0], 1), dtype=attn.dtype, device=device)
+    tokens, logps = [], []
+    for t in range(new_tokens):
+        logp = torch.log_softmax(out.logits[:, -1, :].float(), -1)
+        nxt = torch.multinomial(logp.exp(), 1, generator=gen)
+        tokens.append(nxt)
+        logps.append(logp.gather(-1, nxt))
+        if t + 1 == new_tokens:
+            break
+        attn = torch.cat([attn, ones], 1)
+        last = last + 1
+        out = model(input_ids=nxt, attention_mask=attn, position_ids=last, past_key_values=out.past_key_values,
+                    use_cache=True)
+    return torch.cat(tokens, 1)
+
+
+@torch.no_grad()
+def hf_generate(model, prompts, pad: int, new_tokens: int, device) -> int:
+    """HF generate with sampling (temperature 1, no top-k/top-p), the same batch; returns the tokens made."""
+    ids, attn = left_pad(prompts, pad, device)
+    out = model.generate(input_ids=ids, attention_mask=attn, do_sample=True, max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=pad)
+    return ids.shape[0] * (out.shape[1] - ids.shape[1])
+
+
+def bench_rollout(a, ckpt: str, pad: int, device, mem: PeakMemory, prompt_ids: tuple[int, int]) -> tuple[dict, object]:
+    mem.reset()
+    engine = make_rollout_engine("hf", RolloutSpec(model_path=ckpt, dtype=a.dtype, device=str(device),
+                                                   pad_token_id=pad, seed=0))
+    g = torch.Generator().manual_seed(1)
+    prompts = random_rows(a.rows, a.prompt_len, *prompt_ids, g)
+    dgen = torch.Generator(device=device).manual_seed(2)
+    cases = {
+        "engine": lambda r, n: sum(len(x) for x in engine.generate(
+            prompts, SamplingParams(max_new_tokens=n, temperature=1.0), [r * 1000 + i for i in range(a.rows)]).responses),
+        "hf_generate": lambda r, n: hf_generate(engine.model, prompts, pad, n, device),
+        "sampling_loop": lambda r, n: sampling_loop(engine.model, prompts, pad, n, device, dgen).numel(),
+    }
+    want = a.rows * a.new_tokens
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    t0 = time.perf_counter()
+    for r in range(a.repeats + 1):
+        # round 0 warms up (a few tokens are enough); after the first measured round, more rounds only
+        # while the part is within --rollout-budget (a slow engine is then measured once)
+        if r > 1 and time.perf_counter() - t0 > a.rollout_budget:
+            break
+        n = a.new_tokens if r else min(8, a.new_tokens)
+        order = list(cases) if r % 2 == 0 else list(reversed(cases))
+        for k in order:
+            s, made = timed(lambda: cases[k](r, n), device)
+            if made != a.rows * n:
+                raise RuntimeError(f"rollout {k}: made {made} tokens, expected {a.rows * n}")
+            if r:
+                times[k].append(s)
+    out = {"rows": a.rows, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "dtype": a.dtype}
+    for k, ts in times.items():
+        med = statistics.median(ts)
+        out[k] = {"s": med, "all_s": ts, "tokens_per_s": want / med}
+    out["peak_mem_gb"] = mem.peak_gb()
+    return out, engine
+
+
+# ---------------------------------------------------------------------------- training
+
+def token_mean_nll(out, mb):
+    m = out.response_mask.to(out.log_probs.dtype)
+    loss = -(out.log_probs * m).sum() / m.sum().clamp(min=1)
+    return loss, {"nll": float(loss.detach())}
+
+
+def micro_batches(prompts, responses, size: int):
+    starts = list(range(0, len(prompts), size))
+    return [MicroBatch({"prompts": prompts[s:s + size], "responses": responses[s:s + size]},
+                       loss_scale=len(prompts[s:s + size]) / len(prompts), last=i == len(starts) - 1)
+            for i, s in enumerate(starts)]
+
+
+def export_into(train_engine, rollout_engine, version: int) -> None:
+    for bucket in train_engine.export_weights(BUCKET_BYTES):
+        rollout_engine.update_weights(bucket, version)
+
+
+class PlainTrainer:
+    """The baseline: float32 master weights, bf16 autocast forward on CUDA (float32 on the CPU), AdamW."""
+
+    def __init__(self, ckpt: str, device, pad: int):
+        from mindspeed_rl.models import load_causal_lm
+        self.device, self.pad = device, pad
+        self.model = load_causal_lm(ckpt, "float32").to(device).train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-6)
+
+    def autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        import contextlib
+        return contextlib.nullcontext()
+
+    def _logp(self, model, prompts, responses):
+        # every row the same length here: no padding; the logits that predict the response tokens
+        p = torch.stack(prompts).to(self.device)
+        r = torch.stack(responses).to(self.device)
+        ids = torch.cat([p, r], 1)
+        with self.autocast():
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+        logits = logits[:, p.shape[1] - 1:ids.shape[1] - 1].float()
+        return torch.log_softmax(logits, -1).gather(-1, r[..., None]).squeeze(-1)
+
+    def train_step(self, mbs) -> None:
+        for mb in mbs:
+            logp = self._logp(self.model, mb.data["prompts"], mb.data["responses"])
+            (-logp.mean() * mb.loss_scale).backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def log_probs(self, prompts, responses, size: int) -> list:
+        out = []
+        for s in range(0, len(prompts), size):
+            out.extend(self._logp(self.model, prompts[s:s + size], responses[s:s + size]).cpu())
+        return out
+
+
+def bench_train(a, ckpt: str, pad: int, device, mem: PeakMemory, rollout_engine, n_params: int,
+                peak: float | None, vocab: tuple[int, int]) -> dict:
+    g = torch.Generator().manual_seed(3)
+    prompts = random_rows(a.train_rows, a.train_prompt_len, *vocab, g)
+    responses = random_rows(a.train_rows, a.train_response_len, *vocab, g)
+    tokens = a.train_rows * (a.train_prompt_len + a.train_response_len)
+    rollout_bytes = sum(p.numel() * p.element_size() for p in rollout_engine.model.parameters())
+    results: dict = {"rows": a.train_rows, "prompt_len": a.train_prompt_len, "response_len": a.train_response_len,
+                     "micro_batch": a.micro_batch, "logprob_micro_batch": a.logprob_micro_batch, "tokens": tokens,
+                     "plain_baseline": "float32 master weights, bf16 autocast, torch AdamW" if device.type == "cuda"
+                     else "float32, no autocast, torch AdamW"}
+
+    def mfu(flops_per_token: float, seconds: float):
+        return flops_per_token * n_params * tokens / seconds / (peak * 1e12) if peak else None
+
+    version = 0
+    for name in ("fsdp", "torch", "plain"):
+        free(device)
+        mem.reset()
+        if name == "plain":
+            eng = PlainTrainer(ckpt, device, pad)
+            step = lambda: eng.train_step(micro_batches(prompts, responses, a.micro_batch))  # noqa: E731
+            logprob = lambda: eng.log_probs(prompts, responses, a.logprob_micro_batch)  # noqa: E731
+            sync_fn = lambda: rollout_engine.model.load_state_dict(eng.model.state_dict())  # noqa: E731
+        else:
+            eng = make_train_engine(name, TrainSpec(model_path=ckpt, dtype=a.dtype, device=str(device),
+                                                    pad_token_id=pad, optim=OptimConfig(lr=1e-6), seed=0))
+            step = lambda: eng.train_step(micro_batches(prompts, responses, a.micro_batch), token_mean_nll)  # noqa: E731
+            logprob = lambda: eng.log_probs(prompts, responses, a.logprob_micro_batch)  # noqa: E731
+
+            def sync_fn():
+                nonlocal version
+                version += 1
+                export_into(eng, rollout_engine, version)
+        steps = [timed(step, device)[0] for _ in range(a.repeats + 1)][1:]
+        train_peak = mem.peak_gb()
+        lps = [timed(logprob, device)[0] for _ in range(a.repeats + 1)][1:]
+        syncs = [timed(sync_fn, device)[0] for _ in range(a.repeats + 1)][1:]
+        st, lp, sy = statistics.median(steps), statistics.median(lps), statistics.median(syncs)
+        results[name] = {
+            "train": {"s": st, "all_s": steps, "tokens_per_s": tokens / st, "mfu": mfu(6, st), "peak_mem_gb": train_peak},
+            "log_prob": {"s": lp, "all_s": lps, "tokens_per_s": tokens / lp, "mfu": mfu(2, lp)},
+            "sync": {"s": sy, "all_s": syncs, "gb_per_s": rollout_bytes / sy / 1e9, "bytes": rollout_bytes},
+            "peak_mem_gb": mem.peak_gb(),
+        }
+        if name != "plain":
+            eng.close()
+        del eng, step, logprob, sync_fn
+    free(device)
+    return results
+
+
+# ---------------------------------------------------------------------------- end to end
+
+def e2e_overrides(a, ckpt: str, out_dir: str, device) -> list[str]:
+    o = [f"actor_config.model_path={ckpt}", "generate_config.backend=hf", "actor_config.backend=fsdp",
+         "~placement.groups.rollout", "data.dataset=builtin:copy", "rl_config.reward_fn=digits",
+         "data.prompt_key=prompt", "data.answer_key=answer", "data.chat_template=false",
+         "generate_config.stop_tokens=[]", f"generate_config.max_new_tokens={a.e2e_new_tokens}",
+         f"rl_config.prompts_per_step={a.e2e_prompts}", f"rl_config.n_samples_per_prompt={a.e2e_samples}",
+         f"actor_config.ppo_mini_batch_size={max(1, a.e2e_prompts // 2)}",   # 2 updates per step, as the config
+         f"actor_config.dtype={a.dtype}", f"trainer.total_steps={a.e2e_steps}", f"trainer.output_dir={out_dir}",
+         "trainer.dashboard=false", "trainer.report=false", "trainer.plot=false", "trainer.logger=[jsonl]",
+         "trainer.progress=false", "trainer.save_interval=0"]
+    if device.type == "cuda":
+        o += ["placement.groups.integrated.num_gpus=1"]
+    else:
+        cpus = max(1, (os.cpu_count() or 2))
+        o += ["placement.groups.integrated.num_cpus=1", "placement.groups.integrated.num_gpus=0",
+              "placement.groups.integrated.device=cpu", f"+placement.groups.integrated.torch_threads={cpus}",
+              "placement.groups.rule.num_cpus=0.5", "placement.device_kind=cpu",
+              f"placement.ray_num_cpus={cpus}"]
+    return o
+
+
+def _tree_rss_bytes(root: int) -> int:
+    """RSS of `root` and all its descendants (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    rss: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{d}/statm") as f:
+                rss[int(d)] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(d))
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        total += rss.get(pid, 0)
+        todo.extend(children.get(pid, ()))
+    return total
+
+
+def _run_trainer(cmd, env, work: Path, log: Path, device, timeout_s: float) -> tuple[int | None, int]:
+    """Run the trainer's command in a session of its own (killed whole on timeout); (rc, peak memory bytes)."""
+    import signal
+    peak_used = [0]
+    stop = threading.Event()
+    with open(log, "w") as lf:
+        proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env, cwd=str(work),
+                                start_new_session=True)
+
+        def sample():
+            while not stop.is_set():
+                try:
+                    if device.type == "cuda":
+                        f, total = torch.cuda.mem_get_info(device)
+                        peak_used[0] = max(peak_used[0], total - f)
+                    else:
+                        peak_used[0] = max(peak_used[0], _tree_rss_bytes(proc.pid))
+                except Exception:  # noqa: BLE001 - a missed sample is not an error
+                    pass
+                stop.wait(0.2 if device.type == "cuda" else 0.5)
+        th = threading.Thread(target=sample, daemon=True)
+        th.start()
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            stop.set()
+            th.join()
+            for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+                try:   # its whole session: the driver, and Ray's processes if any outlived it
+                    os.killpg(proc.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    break
+                try:
+                    proc.wait(timeout=wait)
+                except subprocess.TimeoutExpired:
+                    pass
+    return rc, peak_used[0]
+
+
+def bench_e2e(a, ckpt: str, device, n_params: int, peak: float | None, work: Path) -> dict:
+    import shlex
+    out_dir = work / "e2e"
+    cmd = [sys.executable, str(REPO / "cli" / "train_grpo.py"), "--config-name", "grpo_qwen25_0p5b_1gpu",
+           *e2e_overrides(a, ckpt, str(out_dir), device)]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    log = work / "e2e.log"
+    free(device)
+    base = None
+    if device.type == "cuda":
+        f0, total = torch.cuda.mem_get_info(device)
+        base = total - f0
+    out: dict = {"command": " ".join(shlex.quote(c) for c in cmd), "tries": []}
+    t0 = time.perf_counter()
+    while True:
+        # the trainer gets --e2e-timeout, cut to what is left of --budget (the whole command's wall time)
+        timeout_s = max(30.0, min(a.e2e_timeout, a.budget - (time.perf_counter() - a.t_start) - 15))
+        shutil.rmtree(out_dir, ignore_errors=True)
+        rc, peak_bytes = _run_trainer(cmd, env, work, log, device, timeout_s)
+        text = log.read_text()
+        out["tries"].append({"rc": rc, "timeout_s": timeout_s})
+        # Ray's raylet must start within 30 s (hard-coded in ray): on an overloaded machine it may not; once more
+        if (rc != 0 and "timed out during startup" in text and len(out["tries"]) < 2
+                and a.budget - (time.perf_counter() - a.t_start) > 90):
+            continue
+        break
+    out.update({"wall_s": time.perf_counter() - t0, "rc": rc, "timeout_s": timeout_s})
+    tail = text[-3000:]
+    metrics = out_dir / "metrics.jsonl"
+    recs = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.is_file() else []
+    if rc != 0 or len(recs) < a.e2e_steps:
+        out["error"] = (f"trainer exited with {rc} (None: killed at its {timeout_s:.0f} s timeout) after {len(recs)} "
+                        f"of {a.e2e_steps} steps" + (f"; the figures are from those {len(recs)}" if recs else "")
+                        + f"; log tail:\n{tail}")
+        if not recs:
+            return out
+    used = recs[1:] if len(recs) > 1 else recs
+    rows = a.e2e_prompts * a.e2e_samples
+
+    def mean(key):
+        vals = [r[key] for r in used if key in r]
+        return sum(vals) / len(vals) if vals else None
+
+    steps = [r["timing/step"] for r in used]
+    total_tokens = [r["throughput/tokens_per_s"] * r["timing/step"] for r in used]
+    resp_tokens = [r["response_length/mean"] * rows for r in used]
+    step_s = sum(steps) / len(steps)
+    split = {k[len("timing/"):]: mean(k) for k in sorted({k for r in used for k in r if k.startswith("timing/")})}
+    busy = {k[len("busy/"):]: mean(k) for k in sorted({k for r in used for k in r if k.startswith("busy/")})}
+    train_busy = busy.get("actor_train")
+    mean_tokens = sum(total_tokens) / len(total_tokens)
+    out.update({
+        "steps_measured": [r["step"] for r in used], "rows_per_step": rows, "new_tokens": a.e2e_new_tokens,
+        "step_s": step_s, "all_step_s": [r["timing/step"] for r in recs],
+        "tokens_per_s": sum(total_tokens) / sum(steps),             # prompt + response, per device (1 device)
+        "response_tokens_per_s": sum(resp_tokens) / sum(steps),
+        "driver_tokens_per_s": [r["throughput/tokens_per_s"] for r in recs],
+        "tokens_per_step": mean_tokens, "response_tokens_per_step": sum(resp_tokens) / len(resp_tokens),
+        "split_s": {k: split.get(k) for k in ("actor_rollout", "ref_log_prob", "actor_log_prob", "actor_train",
+                                              "weight_sync", "step")},
+        "busy_s": {k: busy.get(k) for k in ("actor_rollout", "ref_log_prob", "actor_log_prob", "actor_train")},
+        "timing_s": split, "all_busy_s": busy,
+        "train_mfu": (6 * n_params * mean_tokens / train_busy / (peak * 1e12)) if peak and train_busy else None,
+        "logprob_diff_max": mean("rollout/logprob_diff_max"),
+        "peak_mem_gb": peak_bytes / 1e9,
+        "peak_mem_what": ("device memory used by all processes (mem_get_info, sampled), "
+                          f"{(base or 0) / 1e9:.2f} GB of it held before the trainer started")
+        if device.type == "cuda" else "RSS of the trainer's process tree (sampled)",
+    })
+    return out
+
+
+# ---------------------------------------------------------------------------- main
+
+def fmt(x, spec=".3g"):
+    return "-" if x is None else format(x, spec)
+
+
+def table(res: dict) -> str:
+    lines = []
+    ro = res["rollout"]
+    lines.append(f"rollout ({ro['rows']} rows x {ro['new_tokens']} new tokens, prompt {ro['prompt_len']}, {ro['dtype']})")
+    for k in ("engine", "hf_generate", "sampling_loop"):
+        lines.append(f"  {k:<28} {ro[k]['tokens_per_s']:>12,.1f} tok/s   {ro[k]['s']:.3f} s")
+    lines.append(f"  peak memory {ro['peak_mem_gb']:.2f} GB")
+    tr = res["train"]
+    lines.append(f"train step / log-prob pass / weight sync ({tr['rows']} rows x {tr['prompt_len']}+{tr['response_len']} "
+                 f"tokens, micro-batch {tr['micro_batch']}; plain: {tr['plain_baseline']})")
+    lines.append(f"  {'':<8} {'train tok/s':>12} {'MFU':>6} {'train GB':>9} {'logprob tok/s':>14} {'MFU':>6} "
+                 f"{'sync GB/s':>10} {'peak GB':>8}")
+    for k in ("fsdp", "torch", "plain"):
+        e = tr[k]
+        lines.append(f"  {k:<8} {e['train']['tokens_per_s']:>12,.1f} {fmt(e['train']['mfu'], '.1%'):>6} "
+                     f"{e['train']['peak_mem_gb']:>9.2f} {e['log_prob']['tokens_per_s']:>14,.1f} "
+                     f"{fmt(e['log_prob']['mfu'], '.1%'):>6} {e['sync']['gb_per_s']:>10.2f} {e['peak_mem_gb']:>8.2f}")
+    lines.append("ratios (project / plain baseline, tokens/s or GB/s):")
+    for k, v in res["ratios"].items():
+        lines.append(f"  {k:<36} {fmt(v, '.3f')}")
+    e2e = res.get("e2e")
+    if e2e and "tokens_per_s" in e2e:
+        lines.append(f"end to end ({e2e['rows_per_step']} rows x {e2e['new_tokens']} new tokens, steps "
+                     f"{e2e['steps_measured']} measured; all steps {[round(s, 2) for s in e2e['all_step_s']]} s)")
+        lines.append(f"  tokens/s per device: {e2e['tokens_per_s']:,.1f} (prompt + response), "
+                     f"{e2e['response_tokens_per_s']:,.1f} (response); step {e2e['step_s']:.2f} s; "
+                     f"train MFU {fmt(e2e['train_mfu'], '.2%')}; peak memory {e2e['peak_mem_gb']:.2f} GB")
+        lines.append("  stage     " + " ".join(f"{k:>15}" for k in e2e["split_s"]))
+        lines.append("  span s    " + " ".join(f"{fmt(v, '.3f'):>15}" for v in e2e["split_s"].values()))
+        lines.append("  busy s    " + " ".join(f"{fmt(e2e['busy_s'].get(k), '.3f'):>15}" for k in e2e["split_s"]))
+    if e2e and "error" in e2e:
+        lines.append(f"end to end FAILED: {e2e['error'][:2000]}")
+    return "\n".join(lines)
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default=None, help="cuda, cuda:0, cpu (default: cuda when available)")
+    p.add_argument("--model", choices=MODELS, default=None)
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on the CPU")
+    for k in ("rows", "new_tokens", "prompt_len", "train_rows", "train_prompt_len", "train_response_len",
+              "micro_batch", "logprob_micro_batch", "repeats", "e2e_prompts", "e2e_samples", "e2e_new_tokens",
+              "e2e_steps", "e2e_timeout", "rollout_budget", "budget"):
+        p.add_argument("--" + k.replace("_", "-"), type=int, default=None,
+                       help=f"GPU default {GPU_DEFAULTS[k]}, CPU default {CPU_DEFAULTS[k]}")
+    p.add_argument("--skip-e2e", action="store_true", help="leave out the whole-trainer run")
+    p.add_argument("--peak-tflops", type=float, default=None, help="the device's peak for MFU (default: by name)")
+    p.add_argument("--json", default=None, help="write the results here")
+    a = p.parse_args(argv)
+    a.device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if a.device.type == "cuda" and a.device.index is None:
+        a.device = torch.device("cuda", torch.cuda.current_device())
+    defaults = GPU_DEFAULTS if a.device.type == "cuda" else CPU_DEFAULTS
+    for k, v in defaults.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    a.dtype = a.dtype or ("bfloat16" if a.device.type == "cuda" else "float32")
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    device = a.device
+    if device.type == "cpu":
+        torch.set_num_threads(os.cpu_count() or 1)
+    peak, peak_what = (a.peak_tflops, f"given: {a.peak_tflops:g} TFLOP/s") if a.peak_tflops else peak_tflops(device)
+    t_start = a.t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="single_device_") as tmp:
+        work = Path(tmp)
+        (work / "model").mkdir()
+        ckpt = build_checkpoint(a.model, work / "model")
+        from mindspeed_rl.models import load_tokenizer
+        tok = load_tokenizer(ckpt)
+        pad = int(tok.pad_token_id if tok.pad_token_id is not None else 0)
+        # prompt and response ids: the tokenizer's (valid in any of the three vocabularies), never the pad id
+        ids = (pad + 1, len(tok))
+        mem = PeakMemory(device)
+        rollout, rollout_engine = bench_rollout(a, ckpt, pad, device, mem, ids)
+        n_params = count_params(rollout_engine.model)
+        print(f"rollout done ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
+        train = bench_train(a, ckpt, pad, device, mem, rollout_engine, n_params, peak, ids)
+        print(f"train done ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
+        rollout_engine.close()
+        del rollout_engine
+        free(device)
+        ratios = {
+            "rollout_over_hf_generate": rollout["engine"]["tokens_per_s"] / rollout["hf_generate"]["tokens_per_s"],
+            "rollout_over_sampling_loop": rollout["engine"]["tokens_per_s"] / rollout["sampling_loop"]["tokens_per_s"],
+            "train_over_plain_autocast": train["fsdp"]["train"]["tokens_per_s"] / train["plain"]["train"]["tokens_per_s"],
+            "torch_train_over_plain_autocast": train["torch"]["train"]["tokens_per_s"] / train["plain"]["train"]["tokens_per_s"],
+            "log_prob_over_plain": train["fsdp"]["log_prob"]["tokens_per_s"] / train["plain"]["log_prob"]["tokens_per_s"],
+            "torch_log_prob_over_plain": train["torch"]["log_prob"]["tokens_per_s"] / train["plain"]["log_prob"]["tokens_per_s"],
+            "sync_over_load_state_dict": train["fsdp"]["sync"]["gb_per_s"] / train["plain"]["sync"]["gb_per_s"],
+            "torch_sync_over_load_state_dict": train["torch"]["sync"]["gb_per_s"] / train["plain"]["sync"]["gb_per_s"],
+        }
+        res = {
+            "machine": {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+                        "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "python": sys.version.split()[0],
+                        "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+                        "platform": platform.platform(), "peak": peak_what},
+            "args": {k: (str(v) if isinstance(v, torch.device) else v) for k, v in vars(a).items()},
+            "model": {"name": a.model, "params": n_params, "dtype": a.dtype},
+            "rollout": rollout, "train": train, "ratios": ratios,
+        }
+        if not a.skip_e2e:
+            res["e2e"] = bench_e2e(a, ckpt, device, n_params, peak, work)
+            print(f"e2e done ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
+        res["ru_maxrss_gb"] = ru_maxrss_gb()
+        res["wall_s"] = time.perf_counter() - t_start
+    print(f"single-device RL step: {a.model} ({n_params / 1e6:.1f}M params) on {res['machine']['device']} "
+          f"[{device}], torch {torch.__version__}, load {res['machine']['load_avg'][0]:.1f}; {peak_what}")
+    print(table(res))
+    print(f"wall {res['wall_s']:.0f} s; ru_maxrss {res['ru_maxrss_gb']:.2f} GB")
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(res, indent=1, default=str))
+    return 1 if "error" in res.get("e2e", {}) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
