@@ -115,6 +115,8 @@ class Trainer:
         self.run_dir = RunDirectory(cfg.trainer.output_dir)
         self._resume: ResumePoint | None = None
         self.dock_calls: DockCalls | None = None
+        self._reaper = None              # trainer/reaper.py: ends this run's Ray session if the driver is killed
+        self._t_start = time.time()      # shm_cleanup: records of processes older than this run are not ours
 
     # ------------------------------------------------------------------ the run
     def preflight(self) -> int | None:
@@ -648,6 +650,8 @@ class Trainer:
             elif p.ray_num_cpus is not None:
                 kwargs["num_cpus"] = int(p.ray_num_cpus)
             self._started_ray = True  # before: an interrupted ray.init is shut down too
+            from .reaper import start_reaper
+            self._reaper = start_reaper()  # kill -9 of this driver must not leave Ray's processes and shm behind
             try:
                 ray.init(**kwargs)
             except Exception as e:  # e.g. "The current node timed out during startup" on an overloaded machine
@@ -867,6 +871,12 @@ class Trainer:
                     ray.kill(w)
                 except Exception:
                     pass
+        from ..engines.shm_cleanup import remove_vllm_shm
+        try:  # what vLLM's tensor-parallel engines left in /dev/shm, also when they died (their recorded objects)
+            remove_vllm_shm([info["pid"] for info in self.worker_info.values() if "pid" in info],
+                            started_after=self._t_start)
+        except Exception as e:  # never hide the run's own error
+            print(f"warning: removing vLLM's shared memory failed: {type(e).__name__}: {e}", file=sys.stderr)
         self.workers = {}
         if self.placement_groups:
             from ..parallel import remove_placement_groups
@@ -888,6 +898,9 @@ class Trainer:
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
+        if self._reaper is not None:
+            self._reaper.stop()
+            self._reaper = None
 
 
 def check_ray_address(address: str) -> None:

@@ -222,8 +222,9 @@ def _main(argv: list[str]) -> int:
             watch.poll()
         if not shm.same_process_alive(driver, driver_ticks):  # belt and braces, should the pipe be inherited
             break
+    stopped_by_driver = shm.same_process_alive(driver, driver_ticks)  # Reaper.stop() after its own shutdown
     result = watch.reap()
-    if result["killed"] or result["removed"] or result["left"]:
+    if not stopped_by_driver and (result["killed"] or result["removed"] or result["left"]):
         print(f"mindspeed_rl reaper: the driver (pid {driver}) is gone; ended {result['killed']} process(es) of its "
               f"Ray session, removed {len(result['removed'])} /dev/shm object(s)"
               + (f"; still alive: {result['left']}" if result["left"] else ""), file=sys.stderr, flush=True)
