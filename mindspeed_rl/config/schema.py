@@ -158,8 +158,9 @@ class WeightSyncConfig:
     """How trained weights reach the engines that read them (engines/weight_sync.py)."""
     bucket_mb: int = 512                 # weights move a bucket of at most this many MiB at a time
     verify: bool = True                  # sha256 of the weights on both sides after each sync (small models)
-    backend: str = "auto"                # auto: the device's (gloo/nccl/hccl); gloo: through the CPU (a trainer
-                                         # and a reader on one GPU, where NCCL refuses two ranks)
+    backend: str = "auto"                # auto: ipc when the trainer and every reader share one GPU, else the
+                                         # device's collective (gloo/nccl/hccl); gloo: through the CPU; ipc:
+                                         # buckets through CUDA IPC (shared memory on the CPU; engines/ipc_sync.py)
 
 
 @dataclass
