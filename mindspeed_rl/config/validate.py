@@ -114,7 +114,7 @@ def validate_config(cfg: Config, models: Collection[str] | None = None) -> None:
     # backend names are checked by the plan against the engine registry (engines/registry.py)
     ws = cfg.weight_sync
     _positive(e, "weight_sync.bucket_mb", ws.bucket_mb, "weights move in buckets of this many MiB (512 is usual)")
-    _one_of(e, "weight_sync.backend", ws.backend, ("auto", "gloo"))
+    _one_of(e, "weight_sync.backend", ws.backend, ("auto", "gloo", "ipc"))
     v = g.vllm
     if not 0 < v.gpu_memory_utilization <= 1:
         e.append(f"generate_config.vllm.gpu_memory_utilization={v.gpu_memory_utilization}: must be in (0, 1]")
