@@ -406,8 +406,9 @@ def e2e_overrides(a, ckpt: str, out_dir: str, device) -> list[str]:
         o += ["placement.groups.integrated.num_gpus=1"]
     else:
         cpus = max(1, (os.cpu_count() or 2))
+        threads = a.threads
         o += ["placement.groups.integrated.num_cpus=1", "placement.groups.integrated.num_gpus=0",
-              "placement.groups.integrated.device=cpu", f"+placement.groups.integrated.torch_threads={cpus}",
+              "placement.groups.integrated.device=cpu", f"+placement.groups.integrated.torch_threads={threads}",
               "placement.groups.rule.num_cpus=0.5", "placement.device_kind=cpu",
               f"placement.ray_num_cpus={cpus}"]
     return o
@@ -603,6 +604,9 @@ def parse(argv=None):
         p.add_argument("--" + k.replace("_", "-"), type=int, default=None,
                        help=f"GPU default {GPU_DEFAULTS[k]}, CPU default {CPU_DEFAULTS[k]}")
     p.add_argument("--skip-e2e", action="store_true", help="leave out the whole-trainer run")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU only: torch threads here and in the trainer's worker (default 1: on a loaded machine, "
+                        "OpenMP threads spin-waiting for each other made the tiny model's ops ~100x slower)")
     p.add_argument("--peak-tflops", type=float, default=None, help="the device's peak for MFU (default: by name)")
     p.add_argument("--json", default=None, help="write the results here")
     a = p.parse_args(argv)
@@ -621,7 +625,7 @@ def main(argv=None) -> int:
     a = parse(argv)
     device = a.device
     if device.type == "cpu":
-        torch.set_num_threads(os.cpu_count() or 1)
+        torch.set_num_threads(a.threads)
     peak, peak_what = (a.peak_tflops, f"given: {a.peak_tflops:g} TFLOP/s") if a.peak_tflops else peak_tflops(device)
     t_start = a.t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="single_device_") as tmp:

@@ -242,10 +242,18 @@ for f in glob.glob(os.path.join(glob.escape(d), glob.escape(p) + "*")):
 
 def _start_reaper(prefix: str) -> subprocess.Popen:
     """A process that unlinks `prefix`* when this one dies, however (it reads EOF on a pipe only
-    this process holds open). Its own session, so a kill of our process group spares it."""
-    return subprocess.Popen([sys.executable, "-S", "-c", _REAPER, shm_dir(), prefix], stdin=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True,
-                            start_new_session=True)
+    this process holds open). Its own session, so a kill of our process group spares it; and not
+    our child: `sh` starts it in the background (stdin through fd 3, as a background job's own
+    stdin is /dev/null) and exits, so it is re-parented. A Ray actor's exit, ray.kill included,
+    kills the actor's child processes (RAY_kill_child_processes_on_worker_exit, on by default),
+    which took a direct-child reaper with it and left the segments behind in a trainer run.
+    The returned Popen is that `sh` (already gone); closing its stdin lets the reaper go."""
+    proc = subprocess.Popen(["sh", "-c", 'exec 3<&0; "$0" -S -c "$1" "$2" "$3" <&3 3<&- &',
+                             sys.executable, _REAPER, shm_dir(), prefix],
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            close_fds=True, start_new_session=True)
+    proc.wait(timeout=30)   # the reaper runs on, holding the pipe's read end
+    return proc
 
 
 def _finalize(segments: dict, reaper: list, adopted: dict | None = None) -> None:

@@ -45,6 +45,13 @@ What runs where:
   both copies take identical optimizer steps; the grad norm counts the weight once.
 * DP: with dp > 1, FSDP2 `fully_shard` of each decoder layer and of the stage root over the "dp"
   sub-mesh (torchtitan's 2-D/3-D recipe): gradients averaged over the replicas, as DDP would.
+* Mixed precision: `dtype` is the compute dtype. A trained engine loads fp32 master weights (fp32
+  AdamW state) and runs its stages under `torch.autocast(dtype)` (activations between stages stay
+  fp32: the residual stream adds fp32 to the autocast outputs); an inference-only engine holds
+  `dtype`. Exports are cast to `dtype`.
+* The last stage of a causal LM returns [rows, R, 2] log-probs and entropies, not logits: the head
+  runs on the real response tokens only, in chunks (`torch_train.head_log_probs`), so no
+  [rows, R, vocab] fp32 tensor crosses the schedule or stays for the backward.
 * The optimizer is AdamW over this rank's parameters (DTensor shards and plain tensors); the grad
   norm is the global one: `get_total_norm` per kind of tensor (a DTensor's `full_tensor()`), the
   squares summed over the pipeline stages; clipping with `clip_grads_with_norm_`.
@@ -72,6 +79,7 @@ Calling contract (every rank of the mesh calls every method, in the same order):
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any, Iterable, Iterator
 
@@ -79,7 +87,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..algorithms import entropy_from_logits, log_probs_from_logits
 from .base import Bucket, LossFn, MicroBatch, ModelOutput, NamedTensors, TrainEngine, TrainSpec, bucketed
 from .batching import SequenceBatch, collate, positions, unpad_rows
 
@@ -121,10 +128,12 @@ class StageModule(nn.Module):
     names: ``model.embed_tokens`` (first stage), ``model.layers.<global index>``, ``model.norm``
     and ``lm_head`` / ``score`` (last stage).
 
-    forward(x, attention_mask, position_ids): x is input ids on the first stage, hidden states
-    after it; the last stage returns the head's output at the response positions
+    forward(x, attention_mask, position_ids, labels=None): x is input ids on the first stage, hidden
+    states after it; the last stage returns the head's output at the response positions
     `response_slice` = (prompt_width P, response width R): positions P-1 .. P+R-2, as
-    `torch_train.response_logits` reads them."""
+    `torch_train.response_logits` reads them. A causal LM given `labels` (the [rows, R] responses)
+    returns [rows, R, 2] log-probs and entropies instead of logits (`log_probs`); without them,
+    fp32 logits (the mesh rollout backend samples from them)."""
 
     def __init__(self, hf: nn.Module, layers: range, first: bool, last: bool, kind: str):
         super().__init__()
@@ -144,8 +153,10 @@ class StageModule(nn.Module):
                 self.lm_head = hf.lm_head
         self.response_slice: tuple[int, int] | None = None
         self.temperature = 1.0
+        self.with_entropy = True   # log-probs mode: compute entropies too (training)
 
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         h = self.model.embed_tokens(x) if self.first else x
@@ -165,8 +176,20 @@ class StageModule(nn.Module):
         h = self.model.norm(h[:, p - 1:p + r - 1])
         if self.kind == "value":  # a copy, not a view: FSDP2 warns on a root module returning a view
             return self.score(h)[..., 0].float().clone()
+        if labels is not None:
+            return self.log_probs(h, labels, attention_mask[:, p:p + r])
         logits = self.lm_head(h).float()
         return logits / self.temperature if self.temperature not in (0, 1.0) else logits
+
+    def log_probs(self, h: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """[rows, R, 2]: log-prob of each label and entropy (0 unless `with_entropy`), fp32, 0 at
+        padding; the head runs on the real response tokens only, a chunk at a time
+        (`torch_train.head_log_probs`): no [rows, R, vocab] fp32 tensor leaves or stays in the stage."""
+        from .torch_train import head_log_probs
+
+        logp, ent = head_log_probs(h, self.lm_head.weight, self.lm_head.bias, labels, self.temperature,
+                                   self.with_entropy, mask=mask)
+        return torch.stack([logp, ent if ent is not None else torch.zeros_like(logp)], dim=-1)
 
 
 class MeshTrainEngine(TrainEngine):
@@ -192,6 +215,7 @@ class MeshTrainEngine(TrainEngine):
         self.device = torch.device(spec.device)
         self.pad_token_id = int(spec.pad_token_id)
         self.export_dtype = DTYPES[spec.dtype]
+        self.compute_dtype = DTYPES[spec.dtype]
         self.optim_config = spec.optim
         self.version = 0
         self._groups: list = []
@@ -251,7 +275,8 @@ class MeshTrainEngine(TrainEngine):
         device = torch.device(spec.device)
         if device.type != "cpu" and device.index is not None:
             getattr(torch, device.type).set_device(device)
-        stored = "float32" if spec.optim is not None or device.type == "cpu" else spec.dtype
+        # a trained model keeps fp32 master weights and computes under autocast; inference holds `dtype`
+        stored = "float32" if spec.optim is not None else spec.dtype
         torch.manual_seed(spec.seed)  # a value model's fresh head: the same on every rank
         loader = load_value_model if spec.model_kind == "value" else load_causal_lm
         return cls(loader(spec.model_path, stored), spec)
@@ -389,13 +414,25 @@ class MeshTrainEngine(TrainEngine):
     def _output(self, head_out: torch.Tensor, b: SequenceBatch, with_entropy: bool = True) -> ModelOutput:
         if self.model_kind == "value":
             return ModelOutput(response_mask=b.response_mask, values=head_out)
-        return ModelOutput(response_mask=b.response_mask, log_probs=log_probs_from_logits(head_out, b.responses),
-                           entropy=entropy_from_logits(head_out) if with_entropy else None)
+        return ModelOutput(response_mask=b.response_mask, log_probs=head_out[..., 0],
+                           entropy=head_out[..., 1] if with_entropy else None)
+
+    def autocast(self):
+        """Forward (and so backward) in the compute dtype when the parameters are held in another
+        (fp32 masters of a trained model)."""
+        held = next((p.dtype for p in self.stage.parameters()), self.compute_dtype)
+        if held == self.compute_dtype:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    def _labels(self, b: SequenceBatch):
+        return None if self.model_kind == "value" else b.responses
 
     def _run_local(self, b: SequenceBatch) -> torch.Tensor:
         """pp=1: the whole model on this rank (TP collectives inside)."""
         self.stage.response_slice = (b.prompt_width, b.responses.shape[1])
-        return self.stage(b.input_ids, b.attention_mask, b.position_ids)
+        with self.autocast():
+            return self.stage(b.input_ids, b.attention_mask, b.position_ids, labels=self._labels(b))
 
     def _padded_round(self, batches: list[SequenceBatch]):
         """The round's batches padded to one [rows, P + R] and concatenated (the pipeline chunks
@@ -417,12 +454,21 @@ class MeshTrainEngine(TrainEngine):
         ids, masks = torch.cat(ids), torch.cat(masks)
         return ids, masks, positions(masks), P, R, rows
 
-    def _pipeline(self, n_mb: int, rows: int, width: int, R: int, has_backward: bool, loss_fn=None):
+    def _round_labels(self, ids: torch.Tensor, P: int) -> dict:
+        """The `labels` kwarg of a padded round (its response columns), for a causal LM's last stage."""
+        return {} if self.model_kind == "value" else {"labels": ids[:, P:]}
+
+    def _pipeline(self, n_mb: int, rows: int, width: int, R: int, has_backward: bool, loss_fn=None,
+                  head: str = "logits"):
+        """A schedule of `n_mb` micro-batches of [rows, width]; the last stage puts out logits
+        [rows, R, V] (`head="logits"`: the mesh rollout backend) or [rows, R, 2] log-probs and
+        entropies (`head="log_probs"`, given `labels`)."""
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         hidden = self.stage.config.hidden_size
-        dt = torch.float32 if self.device.type == "cpu" else next(
-            (p.dtype for p in self.stage.parameters()), torch.float32)
+        # activations between stages: the parameters' dtype (fp32 masters under autocast keep an
+        # fp32 residual stream; an inference copy in bf16 passes bf16)
+        dt = next((p.dtype for p in self.stage.parameters()), torch.float32)
         meta = "meta"
         # the activations' metadata (no shape inference at run time); requires_grad marks the
         # tensors whose gradients travel back between stages when training
@@ -431,7 +477,8 @@ class MeshTrainEngine(TrainEngine):
         else:
             inp = torch.empty(rows, width, hidden, dtype=dt, device=meta, requires_grad=has_backward)
         if self.is_last:
-            out_shape = (rows, R) if self.model_kind == "value" else (rows, R, self.stage.config.vocab_size)
+            out_shape = ((rows, R) if self.model_kind == "value" else (rows, R, 2) if head == "log_probs"
+                         else (rows, R, self.stage.config.vocab_size))
             out = torch.empty(*out_shape, dtype=torch.float32, device=meta, requires_grad=has_backward)
         else:
             out = torch.empty(rows, width, hidden, dtype=dt, device=meta, requires_grad=has_backward)
@@ -460,6 +507,7 @@ class MeshTrainEngine(TrainEngine):
             pad = torch.tensor([self.pad_token_id])
             chunks += [collate([pad], [pad], self.pad_token_id) for _ in range(int(t.item()) - real)]
         outs: list[torch.Tensor] = []
+        self.stage.with_entropy = False
         if self.pp == 1:
             for b in chunks:
                 outs.append(self._run_local(self._to_device(b)))
@@ -469,10 +517,11 @@ class MeshTrainEngine(TrainEngine):
                 rnd = chunks[k:k + step]
                 ids, masks, pos, P, R, rows = self._padded_round(rnd)
                 self.stage.response_slice = (P, R)
-                sched = self._pipeline(len(rnd), rows, ids.shape[1], R, has_backward=False)
+                sched = self._pipeline(len(rnd), rows, ids.shape[1], R, has_backward=False, head="log_probs")
                 ids, masks, pos = self._dev(ids, masks, pos)
                 args = (ids,) if self.is_first else ()
-                merged = sched.eval(*args, attention_mask=masks, position_ids=pos)
+                with self.autocast():
+                    merged = sched.eval(*args, attention_mask=masks, position_ids=pos, **self._round_labels(ids, P))
                 if self.is_last:
                     for j, b in enumerate(rnd):
                         outs.append(merged[j * rows:j * rows + b.input_ids.shape[0], :b.responses.shape[1]])
@@ -482,7 +531,7 @@ class MeshTrainEngine(TrainEngine):
         result: list[torch.Tensor] = []
         for b, o in zip(chunks[:real], outs[:real]):
             b = self._to_device(b)
-            vals = o if self.model_kind == "value" else log_probs_from_logits(o, b.responses)
+            vals = o if self.model_kind == "value" else o[..., 0]
             result.extend(r.float().cpu() for r in unpad_rows(vals, b.response_mask))
         return result
 
@@ -537,6 +586,7 @@ class MeshTrainEngine(TrainEngine):
     def _train_round(self, rnd: list[MicroBatch], loss_fn: LossFn) -> list[dict]:
         cpu = [collate(mb.data["prompts"], mb.data["responses"], self.pad_token_id) for mb in rnd]
         batches = [self._to_device(b) for b in cpu]
+        self.stage.with_entropy = True
         if self.pp == 1:
             out = []
             for mb, b in zip(rnd, batches):
@@ -558,7 +608,7 @@ class MeshTrainEngine(TrainEngine):
             return loss * rnd[j].loss_scale
 
         self.stage.response_slice = (P, R)
-        sched = self._pipeline(len(rnd), rows, ids.shape[1], R, has_backward=True, loss_fn=pp_loss)
+        sched = self._pipeline(len(rnd), rows, ids.shape[1], R, has_backward=True, loss_fn=pp_loss, head="log_probs")
         target = torch.arange(len(rnd)).repeat_interleave(rows)
         ids, masks, pos, target = self._dev(ids, masks, pos, target)
         kwargs = {"attention_mask": masks, "position_ids": pos}
@@ -571,7 +621,9 @@ class MeshTrainEngine(TrainEngine):
             saved = [(p, p.grad) for p in self.stage.parameters() if p.grad is not None]
             for p, _ in saved:
                 p.grad = None
-        sched.step(*args, target=target if self.is_last else None, return_outputs=False, **kwargs)
+        with self.autocast():
+            sched.step(*args, target=target if self.is_last else None, return_outputs=False, **kwargs,
+                       **self._round_labels(ids, P))
         with torch.no_grad():
             for p, g in saved:
                 if p.grad is None:

@@ -428,6 +428,12 @@ class TorchTrainEngine(TrainEngine):
         time, each bucket into one buffer laid out as on the wire (still one broadcast)."""
         return cast_buckets(hf_named_weights(self.module), self.compute_dtype, bucket_bytes)
 
+    def ipc_shareable_module(self) -> torch.nn.Module:
+        """The module whose own (unsharded) parameters `export_weights` hands out, so colocated IPC
+        weight sync may share their memory with readers instead of packing a copy
+        (`ipc_sync.IPCSender.adopt`; sharded engines, which export gathered transients, lack this)."""
+        return self.module
+
     def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
         load_named(self.module, named_tensors)
         self.version = int(version)

@@ -699,9 +699,10 @@ class Trainer:
         for name, gp in plan.groups.items():
             r = gp.resources
             # threaded: colocated stages run at once; +4 for sync, checkpoint and ping calls beside them
-            # (x the steps in flight: with max_weight_staleness k, stages of k + 1 steps may run at once)
+            # (x the steps in flight: with max_weight_staleness k, stages of k + 1 steps may run at once);
+            # +3 for an IPC weight sync's deliveries (ipc_deliver) waiting beside its sync_weights call
             opts: dict[str, Any] = {"num_cpus": r.num_cpus,
-                                    "max_concurrency": len(gp.mfcs) * (cfg.rl_config.max_weight_staleness + 1) + 4}
+                                    "max_concurrency": len(gp.mfcs) * (cfg.rl_config.max_weight_staleness + 1) + 4 + 3}
             if r.num_gpus:
                 opts["num_gpus"] = r.num_gpus
             if r.num_npus:
@@ -758,6 +759,20 @@ class Trainer:
             self._sync_members[model] = members + remote
             if remote:
                 src = self.workers[train_group][0]
+                # IPC (engines/ipc_sync.py, shared memory, no group): weight_sync.backend ipc, or auto when
+                # rank 0 and every remote reader compute on one GPU (same CUDA uuid; NCCL refuses that)
+                keys = (self._get([w.device_key.remote() for w in [src] + remote], f"devices of '{model}'")
+                        if cfg.weight_sync.backend in ("ipc", "auto") else [])
+                same = len(set(keys)) == 1
+                if cfg.weight_sync.backend == "ipc" and not (same and keys[0].startswith(("cuda:", "cpu:"))):
+                    raise TrainingError(
+                        f"weight_sync.backend=ipc: the trainer of '{model}' and its readers are not on one device "
+                        f"({sorted(set(keys))}); IPC weight sync needs them all on one GPU (or all on the CPU of one "
+                        "host): place them together, or set weight_sync.backend=auto (NCCL/HCCL) or gloo")
+                if cfg.weight_sync.backend == "ipc" or (same and keys[0].startswith("cuda:")):
+                    self._get([src.init_ipc_sync.remote(model, "send", remote)]
+                              + [w.init_ipc_sync.remote(model, "read") for w in remote], f"IPC weight sync of '{model}'")
+                    continue
                 host = infos[all_workers.index(src)]["host"]
                 port = self._get([src.free_port.remote()], "sync port")[0]
                 world = 1 + len(remote)

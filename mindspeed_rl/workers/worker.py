@@ -85,6 +85,10 @@ class Worker:
         self.infer: dict[str, Any] = {}     # model -> TrainEngine (no optimizer): a reader of another's model
         self.rollout: dict[str, Any] = {}   # model -> RolloutEngine
         self.sync_groups: dict[str, Any] = {}
+        self.ipc_senders: dict[str, Any] = {}      # model -> IPCSender (the trainer's rank 0, weight_sync ipc)
+        self.ipc_peers: dict[str, list] = {}       # model -> the reader actors it hands handles to
+        self.ipc_mailboxes: dict[str, Any] = {}    # model -> Mailbox (a reader): handles arrive on other threads
+        self.ipc_attach: dict[str, Any] = {}       # model -> IPCAttachments (a reader's mappings, kept across syncs)
         self.ddp_group = None
         self.tokenizer = None
         self.reward_fn = None
@@ -582,6 +586,58 @@ class Worker:
         self.sync_groups[model] = stateless_group(host, port, rank, world_size, dist_backend(device), timeout_s,
                                                   device=device)
 
+    def device_key(self) -> str:
+        """Which device this actor computes on, comparable across processes: "cuda:<uuid>" (two processes
+        with different CUDA_VISIBLE_DEVICES see one GPU under different indexes, never under different
+        uuids), or "cpu:<node id>" (one host's /dev/shm). The driver picks IPC weight sync when a
+        trainer and all its readers share one key that starts with "cuda:"."""
+        from ..device import resolve_device
+        dev = resolve_device(self.spec.device)
+        if dev.type == "cuda":
+            return "cuda:" + str(torch.cuda.get_device_properties(dev).uuid)
+        import ray
+        return f"{dev.type}:" + ray.get_runtime_context().get_node_id()
+
+    def init_ipc_sync(self, model: str, role: str, peers=()) -> None:
+        """weight_sync.backend ipc (engines/ipc_sync.py): "send" on the trainer's rank 0 (one staging
+        sender, kept for the job; `peers`: the reader actors), "read" on a worker hosting readers."""
+        from ..device import resolve_device
+        from ..engines.ipc_sync import IPCAttachments, IPCSender, Mailbox
+        dev = resolve_device(self.spec.device)
+        if role == "send":
+            sender = IPCSender(self.cfg.weight_sync.bucket_mb << 20, dev)
+            # zero copy: an engine whose exported tensors are its own, unsharded parameters declares
+            # the module holding them (`ipc_shareable_module`); sharded engines gather into transients
+            shareable = getattr(self.train[model], "ipc_shareable_module", None)
+            module = shareable() if callable(shareable) else None
+            if module is not None:
+                sender.adopt(module)
+            self.ipc_senders[model], self.ipc_peers[model] = sender, list(peers)
+        elif role == "read":
+            self.ipc_mailboxes[model] = Mailbox()
+            self.ipc_attach[model] = IPCAttachments(dev)
+        else:
+            raise ValueError(f"init_ipc_sync: role {role!r}: 'send' or 'read'")
+
+    def ipc_deliver(self, model: str, handles) -> Any:
+        """A batch of handles (None at the end) from the trainer, for the thread running this worker's
+        `sync_weights` (another actor thread); returns its ack, or at the end its stats."""
+        return self.ipc_mailboxes[model].deliver(handles, self._ipc_timeout())
+
+    def _ipc_timeout(self) -> float:
+        return max(60.0, 2 * self.cfg.trainer.stage_timeout_s + 60.0)
+
+    def close_ipc_sync(self) -> None:
+        """Unlink the senders' segments and drop the readers' mappings (a killed actor's are removed
+        by the sender's reaper process and with the process, respectively)."""
+        for s in self.ipc_senders.values():
+            with contextlib.suppress(Exception):
+                s.close()
+        for a in self.ipc_attach.values():
+            with contextlib.suppress(Exception):
+                a.close()
+        self.ipc_senders, self.ipc_attach, self.ipc_mailboxes, self.ipc_peers = {}, {}, {}, {}
+
     def _readers(self, model: str) -> list[Any]:
         """This worker's engines that read `model` without training it: its rollout, an inference copy."""
         out = []
@@ -619,13 +675,27 @@ class Worker:
         if model in self.train:
             stream = tee_buckets(self.train[model].export_weights(self.cfg.weight_sync.bucket_mb << 20),
                                  readers, version, digest)
-            if group is not None and self.spec.rank == 0:
+            if model in self.ipc_senders and self.spec.rank == 0:
+                import ray
+
+                from ..engines.ipc_sync import CallChannel, send_ipc
+                chans = [CallChannel(lambda x, p=p: p.ipc_deliver.remote(model, x),
+                                     lambda ref, t: ray.get(ref, timeout=t)) for p in self.ipc_peers[model]]
+                out["transfer"] = send_ipc(self.ipc_senders[model], stream, chans, self._ipc_timeout())
+            elif group is not None and self.spec.rank == 0:
                 out["transfer"] = send_buckets(group, stream)
             else:
                 for _ in stream:  # a sharded engine's other ranks take part in each bucket's gather
                     pass
             if digest is not None and self.spec.rank == 0:
                 out["sent"] = digest.hexdigest()
+        elif model in self.ipc_mailboxes:  # mapped from the trainer's memory into a reader's own
+            from ..engines.ipc_sync import IPCReceiver, serve_ipc
+            rx = IPCReceiver.for_readers(readers, version, digest, self.ipc_attach[model])
+            info = serve_ipc(rx, self.ipc_mailboxes[model], self._ipc_timeout(), finish=rx.finish_readers)
+            out["bytes_into_targets"] = info["bytes_into_targets"]
+            if digest is not None:
+                out["received"].append(digest.hexdigest())
         elif group is not None:  # big tensors straight into a reader's own (`receive_targets`)
             out["bytes_into_targets"] = receive_weights(group, readers, version, digest)["bytes_into_targets"]
             if digest is not None:

@@ -37,10 +37,10 @@ def exported(engine, bucket_bytes: int = 1 << 30) -> list[tuple[str, torch.Tenso
     return [(n, t.clone()) for b in engine.export_weights(bucket_bytes) for n, t in b]
 
 
-def _engine(path: str, options: dict, optim: OptimConfig | None, kind: str = "causal_lm"):
+def _engine(path: str, options: dict, optim: OptimConfig | None, kind: str = "causal_lm", dtype: str = "float32"):
     from mindspeed_rl.engines.mesh_train import MeshTrainEngine
     return MeshTrainEngine.build(TrainSpec(model_path=path, model_kind=kind, pad_token_id=PAD, optim=optim, seed=0,
-                                           options=options))
+                                           options=options, dtype=dtype))
 
 
 def value_loss(out, mb):
@@ -97,3 +97,31 @@ def run(rank: int, world: int, port: int, path: str, options: dict, replicas: li
             "lp_after": lp_after, "lp_uneven": lp_uneven, "files": files, "loaded": loaded, "a": wa, "b": wb,
             "stats_a": stats_a, "stats_b": stats_b, "versions": versions,
             "values": values}
+
+
+def run_bf16(rank: int, world: int, port: int, path: str, options: dict, rows: tuple, optim: OptimConfig) -> dict:
+    """Mixed precision on the mesh (CPU autocast bf16): a trained engine's parameter, gradient and
+    AdamW-state dtypes, its export dtype and log-probs before and after one step; an inference
+    engine's parameter dtype and log-probs (bf16 activations through the pipeline)."""
+    dist.init_process_group("gloo", init_method=f"tcp://{HOST}:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    prompts, responses = rows
+    a = _engine(path, options, optim, dtype="bfloat16")
+    reader = a.is_reader
+    lp_before = a.log_probs(prompts if reader else None, responses if reader else None, micro_batch_size=2)
+    grad_dtypes = set()
+    a.optimizer.register_step_pre_hook(lambda opt, args, kw: grad_dtypes.update(
+        str(p.grad.dtype) for p in a.stage.parameters() if p.grad is not None))
+    stats = a.train_step(iter(micro_batches(prompts, responses, [2, 2])) if reader else None, nll_loss)
+    lp_after = a.log_probs(prompts if reader else None, responses if reader else None, micro_batch_size=2)
+    out = {"params": sorted({str(p.dtype) for p in a.stage.parameters()}), "grads": sorted(grad_dtypes),
+           "optim": sorted({str(t.dtype) for st in a.optimizer.state.values() for k, t in st.items() if k != "step"}),
+           "export": sorted({str(t.dtype) for b in a.export_weights(1 << 30) for _, t in b}),
+           "lp_before": lp_before, "lp_after": lp_after, "stats": stats}
+    a.close()
+    b = _engine(path, options, None, dtype="bfloat16")
+    out["infer_params"] = sorted({str(p.dtype) for p in b.stage.parameters()})
+    out["infer_lp"] = b.log_probs(prompts if reader else None, responses if reader else None, micro_batch_size=2)
+    b.close()
+    dist.destroy_process_group()
+    return out

@@ -190,3 +190,29 @@ def test_pp2_matches_single_process(path, ref_one, tmp_path):
 def test_four_ranks(path, ref_one, ref_two, tmp_path, options, layout):
     results = launch(path, options, layout, tmp_path)
     check_run(results, ref_one if layout is ONE_REPLICA else ref_two, n_stages=options.get("pp", 1))
+
+
+def test_pp2_bf16_keeps_fp32_masters_and_computes_in_bf16(path, tmp_path):
+    """dtype bfloat16 on the CPU: the trained mesh engine holds fp32 parameters, gradients and AdamW
+    state and exports bf16; an inference engine holds bf16. Log-probs match the torch backend with
+    the same dtype (autocast over fp32 masters; bf16 parameters for inference) within bf16 noise."""
+    from mindspeed_rl.engines.base import TrainSpec
+
+    prompts, responses = data()
+    prompts, responses = prompts[:4], responses[:4]
+    port = free_port()
+    results = W.run_procs([(M.run_bf16, (r, 2, port, path, {"pp": 2, "pp_microbatches": 2}, (prompts, responses),
+                                         OPTIM)) for r in range(2)], tmp_path, TIMEOUT_S)
+    for r in results:
+        assert r["params"] == r["grads"] == r["optim"] == ["torch.float32"]
+        assert r["export"] == ["torch.bfloat16"] and r["infer_params"] == ["torch.bfloat16"]
+    last = results[1]
+    spec = dict(model_path=path, pad_token_id=PAD, seed=0, dtype="bfloat16")
+    trained, infer = TorchTrainEngine.build(TrainSpec(**spec, optim=OPTIM)), TorchTrainEngine.build(TrainSpec(**spec))
+    fp32 = TorchTrainEngine.build(TrainSpec(**{**spec, "dtype": "float32"}))
+    want = trained.log_probs(prompts, responses, 2)
+    assert_rows_close(last["lp_before"], want, atol=2e-2)
+    assert torch.cat(want).sub(torch.cat(fp32.log_probs(prompts, responses, 2))).abs().max() > 1e-4  # bf16 ran
+    trained.train_step(iter(M.micro_batches(prompts, responses, [2, 2])), M.nll_loss)
+    assert_rows_close(last["lp_after"], trained.log_probs(prompts, responses, 2), atol=2e-2)
+    assert_rows_close(last["infer_lp"], infer.log_probs(prompts, responses, 2), atol=2e-2)
