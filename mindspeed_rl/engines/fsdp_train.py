@@ -24,9 +24,9 @@ caller's to keep (the worker runs a group's collective MFCs in turns: `Worker._t
 mesh (one rank, no process group) the model is a plain module and calls run at once, as the torch
 backend's do: `train_step` may wait on its micro-batches for log-probs another thread computes.
 
-Dtypes: trained models keep fp32 parameters (the sharded master weights); on a device with
-`dtype: bfloat16`/`float16` the forward and backward run in that dtype (`MixedPrecisionPolicy`,
-gradients reduced in fp32). On the CPU everything is fp32. An inference-only engine on a device
+Dtypes: trained models keep fp32 parameters (the sharded master weights) and fp32 AdamW state; on a
+device with `dtype: bfloat16`/`float16` the forward and backward run in that dtype
+(`MixedPrecisionPolicy` over a mesh, gradients reduced in fp32; `torch.autocast` on one rank). On the CPU everything is fp32. An inference-only engine on a device
 holds its parameters in `dtype` directly. `export_weights` casts to `dtype` (what rollout engines
 load). docs/engines.md has the options and what was run where.
 """
@@ -42,10 +42,9 @@ from typing import Iterable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from ..algorithms import entropy_from_logits, log_probs_from_logits
 from .base import Bucket, LossFn, MicroBatch, ModelOutput, NamedTensors, TrainEngine, TrainSpec, bucketed
 from .batching import SequenceBatch, collate, unpad_rows
-from .torch_train import response_logits, response_values
+from .torch_train import response_log_probs, response_values
 
 OPTIONS = {"reshard_after_forward"}   # TrainSpec.options keys this backend reads
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -180,13 +179,23 @@ class FSDPTrainEngine(TrainEngine):
         return b
 
     def forward(self, batch: SequenceBatch, with_entropy: bool = True) -> ModelOutput:
-        """The model's outputs over the response tokens, with grad when grad is enabled."""
-        if self.model_kind == "value":
-            return ModelOutput(response_mask=batch.response_mask, values=response_values(self.model, batch))
-        logits = response_logits(self.model, batch, self.temperature)
-        return ModelOutput(response_mask=batch.response_mask,
-                           log_probs=log_probs_from_logits(logits, batch.responses),
-                           entropy=entropy_from_logits(logits) if with_entropy else None)
+        """The model's outputs over the response tokens, with grad when grad is enabled. Log-probs and
+        entropies come chunked from the response positions only (`response_log_probs`): no
+        [rows, tokens, vocab] fp32 tensor."""
+        with self._autocast():
+            if self.model_kind == "value":
+                return ModelOutput(response_mask=batch.response_mask, values=response_values(self.model, batch))
+            logp, entropy = response_log_probs(self.model, batch, self.temperature, with_entropy)
+        return ModelOutput(response_mask=batch.response_mask, log_probs=logp, entropy=entropy)
+
+    def _autocast(self):
+        """One rank has no FSDP2 MixedPrecisionPolicy: there the fp32 master weights compute in `dtype`
+        under autocast on a device, as the policy makes a mesh's do. The CPU computes in fp32 either way."""
+        if self.mesh is not None or self.device.type == "cpu" or self.export_dtype == torch.float32:
+            return contextlib.nullcontext()
+        if next(self.model.parameters()).dtype == self.export_dtype:  # an inference engine holds dtype itself
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.export_dtype)
 
     def _one_call(self):
         """The lock of a sharded engine (FSDP2's state is per module); nothing without a mesh."""

@@ -103,3 +103,17 @@ def test_cpu_default_stays_fp32(checkpoint):
     assert engine.compute_dtype == torch.float32
     assert all(p.dtype == torch.float32 for p in engine.module.parameters())
     assert all(t.dtype == torch.float32 for b in engine.export_weights(1 << 30) for _, t in b)
+
+
+def test_fsdp_one_rank_keeps_fp32_masters_and_optimizer_state_and_exports_dtype(checkpoint):
+    """fsdp on one rank (no MixedPrecisionPolicy there): fp32 master weights and AdamW state, exports
+    in the compute dtype; on the CPU it computes in fp32, as over a mesh (autocast is for devices)."""
+    from mindspeed_rl.engines.fsdp_train import FSDPTrainEngine
+    engine = FSDPTrainEngine.build(TrainSpec(model_path=checkpoint, dtype="bfloat16", pad_token_id=PAD,
+                                             optim=OptimConfig(lr=1e-3)))
+    assert all(p.dtype == torch.float32 for p in engine.model.parameters())
+    engine.train_step([MicroBatch({"prompts": PROMPTS, "responses": RESPONSES}, 1.0, last=True)], nll_loss_fn)
+    state = list(engine.optimizer.state.values())
+    assert state and all(s["exp_avg"].dtype == s["exp_avg_sq"].dtype == torch.float32 for s in state)
+    exported = [t for bucket in engine.export_weights(1 << 20) for _, t in bucket]
+    assert exported and all(t.dtype == torch.bfloat16 for t in exported)
