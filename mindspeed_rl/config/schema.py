@@ -107,6 +107,8 @@ class ActorConfig:
     kl_horizon: int = 10000              # adaptive only
     entropy_coeff: float = 0.0
     log_prob_micro_batch_size_per_device: int = 64  # rows per get and forward of old log-probs
+    max_tokens_per_micro_batch: Optional[int] = None  # rows x padded length per forward (length-sorted split, no
+                                         # compute on other rows' padding); null: a micro-batch is one forward
     off_policy_correction: str = "none"  # none, tis (verl's truncated IS), decoupled (AReaL's decoupled PPO)
     tis_cap: float = 2.0                 # cap of the behaviour importance weight (tis, decoupled)
 

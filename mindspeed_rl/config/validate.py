@@ -132,6 +132,9 @@ def validate_config(cfg: Config, models: Collection[str] | None = None) -> None:
     _one_of(e, "actor_config.kl_loss_type", a.kl_loss_type, KL_TYPES)
     _one_of(e, "actor_config.kl_ctrl", a.kl_ctrl, ("fixed", "adaptive"))
     _positive(e, "actor_config.lr", a.lr)
+    if a.max_tokens_per_micro_batch is not None:
+        _positive(e, "actor_config.max_tokens_per_micro_batch", a.max_tokens_per_micro_batch,
+                  "or null for one forward per micro-batch")
     _positive(e, "actor_config.grad_clip", a.grad_clip)
     if a.tis_cap < 1:
         e.append(f"actor_config.tis_cap={a.tis_cap}: must be >= 1 (a fresh on-policy token has weight 1; a cap below "

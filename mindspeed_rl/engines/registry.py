@@ -28,6 +28,7 @@ class Backend:
     lockstep: bool = False               # every forward is collective across the DP ranks (sharded
                                          # weights): each rank must make as many inference calls
     value_models: bool = True            # can it train/run a critic (a one-output value head)?
+    options: tuple[str, ...] = ()        # config-driven TrainSpec.options keys it reads (the plan refuses others)
     split: str = ""                      # rollout with tp or pp > 1 (placement.mode: mesh): "" cannot;
                                          # "engine": one worker per replica, whose engine starts its own
                                          # tensor-parallel ranks (tp only); "mesh": one worker per rank,
@@ -70,6 +71,7 @@ ROLLOUT_BACKENDS: dict[str, Backend] = {b.name: b for b in (
 
 TRAIN_BACKENDS: dict[str, Backend] = {b.name: b for b in (
     Backend("torch", "mindspeed_rl.engines.torch_train:TorchTrainEngine", ("cpu", "cuda", "npu"),
+            options=("max_tokens_per_micro_batch",),
             doc="plain torch AdamW, DDP over the DP ranks"),
     Backend("fsdp", "mindspeed_rl.engines.fsdp_train:FSDPTrainEngine", ("cpu", "cuda", "npu"), lockstep=True,
             doc="FSDP2 (fully_shard per decoder layer and root), sharded optimizer, DCP checkpoints"),

@@ -288,6 +288,13 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
             raise ConfigError(f"actor_config.backend={spec.name}: runs on {list(spec.devices)}, but worker "
                               f"group '{g}' ({engines}) has device={p.resources.device!r}; pick a backend that runs "
                               f"there (docs/engines.md) or put the group on {spec.devices[0]}")
+        budget = cfg.actor_config.max_tokens_per_micro_batch
+        if budget and engines and "max_tokens_per_micro_batch" not in spec.options:
+            from ..engines.registry import TRAIN_BACKENDS
+            able = [b.name for b in TRAIN_BACKENDS.values() if "max_tokens_per_micro_batch" in b.options]
+            raise ConfigError(f"actor_config.max_tokens_per_micro_batch={budget}: the {spec.name} train backend (worker "
+                              f"group '{g}') does not split micro-batches by tokens; backends that do: {able}; set it "
+                              "to null or use one of them")
         if check_files and engines:
             _check_train_model(spec, p, [m for m in p.mfcs if model_kinds[m.name] in ("policy", "value")],
                                model_paths)

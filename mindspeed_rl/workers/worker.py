@@ -165,8 +165,9 @@ class Worker:
                 options = {"costs": costs.get(model, {})}
             elif split:
                 options = {"tp": self.spec.tp, "pp": self.spec.pp, "dp": self.spec.dp}
-            else:
-                options = {}
+            else:  # config-driven engine options (the plan checked that the backend reads them)
+                options = ({"max_tokens_per_micro_batch": a.max_tokens_per_micro_batch}
+                           if a.max_tokens_per_micro_batch else {})
             return TrainSpec(model_path=model_path(model), model_kind="value" if f.engine == "value" else "causal_lm",
                              dtype=a.dtype, device=device, pad_token_id=pad, temperature=g.temperature or 1.0,
                              optim=optim, process_group=self.ddp_group if optim is not None else None,
