@@ -226,7 +226,7 @@ def response_values(model: torch.nn.Module, batch: SequenceBatch) -> torch.Tenso
         out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                     position_ids=batch.position_ids, use_cache=False)
         return out.logits[:, p - 1:p + r - 1, 0].float()
-    return _value_head(unwrap(model))(response_states(model, batch))[..., 0].float()
+    return _value_head(unwrap(model))(response_states(model, batch).contiguous())[..., 0].float()
 
 
 def compute_dtype_of(dtype, model: torch.nn.Module) -> torch.dtype:
