@@ -476,11 +476,15 @@ class TorchTrainEngine(TrainEngine):
         if self._rank() != 0:
             return []
         os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, "engine.pt")
-        torch.save(self.state_dict(), path + ".tmp")
-        os.replace(path + ".tmp", path)
-        return [path]
+        from ..models.files import save_file  # a full disk names the file and leaves no .tmp
+        return [save_file(self.state_dict(), os.path.join(directory, "engine.pt"))]
 
     def load_checkpoint(self, directory: str) -> None:
-        path = os.path.join(directory, "engine.pt")
-        self.load_state_dict(torch.load(path, map_location=self.device, weights_only=False))
+        from ..models.files import load_file  # a damaged or missing file is named, with the fix
+        state = load_file(os.path.join(directory, "engine.pt"), map_location=self.device, what="engine state")
+        try:
+            self.load_state_dict(state)
+        except RuntimeError as e:  # e.g. a checkpoint of another model size: not a size-mismatch dump
+            first = str(e).strip().splitlines()[0][:300]
+            raise RuntimeError(f"engine state {os.path.join(directory, 'engine.pt')} does not fit this model "
+                               f"({first}); resume with the model it was saved with") from None

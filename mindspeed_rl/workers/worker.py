@@ -717,11 +717,9 @@ class Worker:
             where = os.path.join(directory, model)
             written += engine.save_checkpoint(where)
             if self.spec.rank == 0:
-                path = os.path.join(where, "rng.pt")
-                torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-                            "python": random.getstate()}, path + ".tmp")
-                os.replace(path + ".tmp", path)
-                written.append(path)
+                from ..models.files import save_file
+                written.append(save_file({"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+                                          "python": random.getstate()}, os.path.join(where, "rng.pt")))
         return written
 
     def load_checkpoint(self, directory: str) -> list[str]:
@@ -729,7 +727,8 @@ class Worker:
         for model, engine in self.train.items():
             where = os.path.join(directory, model)
             engine.load_checkpoint(where)
-            rng = torch.load(os.path.join(where, "rng.pt"), weights_only=False)
+            from ..models.files import load_file
+            rng = load_file(os.path.join(where, "rng.pt"), what="RNG state")
             torch.set_rng_state(rng["torch"])
             np.random.set_state(rng["numpy"])
             random.setstate(rng["python"])
