@@ -19,3 +19,15 @@ def ray_session():
                  runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def foreign_segment():
+    """Another run's shared-memory segment, mapped by a live process (this one) and in no record of
+    ours: what the shm clean-ups must leave alone."""
+    from multiprocessing import shared_memory
+    from pathlib import Path
+    seg = shared_memory.SharedMemory(create=True, size=4096)
+    yield Path("/dev/shm") / seg.name
+    seg.close()
+    seg.unlink()

@@ -92,6 +92,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 import torch
 
+from ..transfer_dock.shm import pid_alive
 from .base import ALIGN, Bucket
 from .weight_sync import Checksum, _dtype, _dtype_name
 
@@ -284,22 +285,12 @@ def cleanup_stale(directory: str | None = None) -> list[str]:
         return removed
     for name in names:
         m = _NAME_RE.match(name)
-        if m is None or _alive(int(m.group(1))):
+        if m is None or pid_alive(int(m.group(1))):
             continue
         path = os.path.join(directory, name)
         _unlink(path)
         removed.append(path)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def segment_files(prefix: str = PREFIX, directory: str | None = None) -> list[str]:

@@ -90,7 +90,7 @@ def generation_path(tag: str, dock_pid: int) -> str:
     return os.path.join(SHM_DIR, f"{PREFIX}{tag}-gen-{dock_pid}")
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -120,7 +120,7 @@ def remove_stale_files() -> int:
         for path in glob.glob(os.path.join(SHM_DIR, f"{PREFIX}*{marker}*")):
             name = os.path.basename(path)[len(PREFIX):]
             tag, _, pid = name.rpartition(marker)
-            if pid.isdigit() and not _pid_alive(int(pid)):
+            if pid.isdigit() and not pid_alive(int(pid)):
                 n += remove_dock_files(tag)
     return n
 

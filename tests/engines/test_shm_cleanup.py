@@ -70,15 +70,6 @@ def _wait_gone(pid: int, ticks: int | None, timeout: float) -> bool:
     return True
 
 
-@pytest.fixture
-def foreign_segment():
-    """Another run's segment, mapped by a live process (this one) and in no record of ours."""
-    seg = shared_memory.SharedMemory(create=True, size=4096)
-    yield Path("/dev/shm") / seg.name
-    seg.close()
-    seg.unlink()
-
-
 def test_a_killed_engine_group_leaves_exactly_its_objects_and_they_are_removed(foreign_segment):
     t0 = time.time()
     proc = subprocess.Popen([sys.executable, "-c", ENGINE, WORKER], stdout=subprocess.PIPE, start_new_session=True)

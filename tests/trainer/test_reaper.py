@@ -133,14 +133,6 @@ def _kill(pids) -> None:
             pass
 
 
-@pytest.fixture
-def foreign_segment():
-    seg = shared_memory.SharedMemory(create=True, size=4096)
-    yield Path("/dev/shm") / seg.name
-    seg.close()
-    seg.unlink()
-
-
 def test_kill_9_of_the_driver_ends_its_session_and_removes_its_shared_memory(foreign_segment):
     child = _Child([FAKE_DRIVER, OWNER, "kill"])
     info = {}
