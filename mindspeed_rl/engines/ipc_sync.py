@@ -94,7 +94,7 @@ import torch
 
 from ..transfer_dock.shm import pid_alive
 from .base import ALIGN, Bucket
-from .weight_sync import Checksum, _dtype, _dtype_name
+from .weight_sync import Checksum, _dtype, _dtype_name, direct_reader
 
 PREFIX = "msrl-ipc-"
 _NAME_RE = re.compile(re.escape(PREFIX) + r"(\d+)-(\d+)-")
@@ -778,12 +778,7 @@ class IPCReceiver:
         the rest a bucket at a time (`update_weights(bucket, version)`). Call `finish_readers()`
         instead of `finish()`: the other readers then load the in-place tensors from the first's
         own, and the first is told `update_weights((), version)` (it now serves `version`)."""
-        direct, targets = None, None
-        for r in readers:
-            t = r.receive_targets()
-            if t:
-                direct, targets = r, t
-                break
+        direct, targets = direct_reader(readers)
 
         def load(bucket: Bucket) -> None:
             for r in readers:

@@ -55,7 +55,7 @@ import json
 import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
@@ -472,6 +472,16 @@ def receive_buckets(group: SyncGroup, device: torch.device | str | None = None, 
                        "layout_version": version, "layout_changed": changed}  # end header: the bucket count
 
 
+def direct_reader(readers) -> tuple[Any, dict | None]:
+    """The first reader that offers tensors to receive into in place (`receive_targets()`), with them;
+    (None, None) when none does. Every transport (collective or IPC) lands bytes in that one reader."""
+    for reader in readers:
+        targets = reader.receive_targets()
+        if targets:
+            return reader, targets
+    return None, None
+
+
 def receive_weights(group: SyncGroup, readers: Sequence, version: int, digest: "Checksum | None" = None,
                     src: int = 0, prefetch: bool = True, reuse_buffers: bool = True) -> dict:
     """A reader process's whole side of a sync (`Worker.sync_weights` runs exactly this): receive
@@ -485,12 +495,7 @@ def receive_weights(group: SyncGroup, readers: Sequence, version: int, digest: "
     buckets and then the in-place tensors themselves, so it equals the sender's digest only if every
     byte arrived, and `weight_sync.verify` still compares it (and each reader's `state_checksum`)
     with what was sent. Returns `group.last_sync` (bytes_into_targets: what needed no copy)."""
-    direct, targets = None, None
-    for reader in readers:
-        t = reader.receive_targets()
-        if t:
-            direct, targets = reader, t
-            break
+    direct, targets = direct_reader(readers)
     for bucket in tee_buckets(receive_buckets(group, group.device, src, prefetch, reuse_buffers, targets),
                               readers, version, digest):
         pass
