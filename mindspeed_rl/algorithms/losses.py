@@ -9,9 +9,8 @@ from typing import Dict, NamedTuple, Tuple
 
 import torch
 
+from ..config.vocab import AGG_MODES
 from .functional import masked_mean, masked_sum
-
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 # verl clamps the log-ratio to this range before exp(): a stale or garbage log-prob can make the
 # difference huge, exp() would give inf, and -0 * inf = NaN for a zero advantage.

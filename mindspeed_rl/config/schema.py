@@ -98,7 +98,7 @@ class ActorConfig:
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0            # dual-clip bound for negative advantages
-    loss_agg_mode: str = "token-mean"    # token-mean, seq-mean-token-mean, seq-mean-token-sum
+    loss_agg_mode: str = "token-mean"    # one of vocab.AGG_MODES
     use_kl_loss: bool = True             # GRPO's KL to the reference in the loss
     kl_loss_type: str = "k3"             # k1, k2, k3 (verl's low_var_kl)
     kl_loss_coef: float = 0.001
@@ -129,7 +129,7 @@ class CriticConfig:
     ppo_mini_batch_size: Optional[int] = 4  # prompts per critic optimizer step; null: one step per RL step
     ppo_micro_batch_size_per_device: int = 32  # rows per forward/backward; rounded to divide the mini-batch
     cliprange_value: float = 0.5         # new values stay within +-this of the old ones in the loss
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: str = "token-mean"    # one of vocab.AGG_MODES
     forward_micro_batch_size_per_device: int = 64  # rows per get and forward of critic_values
 
 

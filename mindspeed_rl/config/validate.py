@@ -10,8 +10,8 @@ from typing import Collection
 
 from .load import ConfigError
 from .schema import Config
+from .vocab import AGG_MODES
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 KL_TYPES = ("k1", "k2", "k3", "kl", "mse", "low_var_kl", "abs")
 PLACEMENT_MODES = ("colocated", "disaggregated", "custom", "mesh")
 LOGGERS = ("console", "jsonl", "tensorboard")

@@ -169,3 +169,49 @@ def test_documented_error_examples_are_real(tmp_path):
         assert str(e) in TEXT
     else:
         raise AssertionError("check_cluster accepted a plan needing 2 CPUs on 1")
+
+
+# ------------------------------------------------------------------ one vocabulary per list (issue 26 item 7)
+def _vocabularies() -> dict[str, tuple[str, ...]]:
+    """Dotted key -> the one tuple its value must come from (where the code defines it)."""
+    from mindspeed_rl.config import vocab
+    return {"actor_config.loss_agg_mode": vocab.AGG_MODES, "critic_config.loss_agg_mode": vocab.AGG_MODES}
+
+
+VOCABULARIES = _vocabularies()
+
+
+def _doc_row(key: str) -> list[str]:
+    section, name = key.rsplit(".", 1)
+    section = re.sub(r"^placement\.groups\.[^.]+$", "placement.groups.<name>", section)
+    return TABLES[section][name]
+
+
+@pytest.mark.parametrize("key", list(VOCABULARIES))
+def test_validation_lists_exactly_the_vocabulary(key):
+    """The error of a value outside the list names the list as the code defines it, in its order."""
+    msg = error_of({key: "nonsense"}, "validate")
+    assert f"{key}='nonsense': must be one of {list(VOCABULARIES[key])}" in msg
+
+
+@pytest.mark.parametrize("key", list(VOCABULARIES))
+def test_docs_name_exactly_the_vocabulary(key):
+    """docs/configs.md's row names every allowed value (or points to the row that does), and when it
+    spells out "One of `a`, `b`, ...", that list is the code's tuple, in its order."""
+    description = _doc_row(key)[3]
+    same = re.search(r"same \w+ as `([^`]+)`", description)
+    if same:
+        assert VOCABULARIES[same.group(1)] is VOCABULARIES[key]
+        description = _doc_row(same.group(1))[3]
+    named = re.findall(r"`([^`]+)`", description)
+    assert [v for v in VOCABULARIES[key] if v not in named] == [], f"docs/configs.md's {key} row"
+    listed = re.search(r"One of ((?:`[^`]+`(?:, | or )?)+)\.", description)
+    if listed:
+        assert re.findall(r"`([^`]+)`", listed.group(1)) == list(VOCABULARIES[key])
+
+
+def test_loss_aggregation_modes_have_one_source():
+    from mindspeed_rl import algorithms
+    from mindspeed_rl.algorithms import losses
+    from mindspeed_rl.config import vocab
+    assert V.AGG_MODES is losses.AGG_MODES is algorithms.AGG_MODES is vocab.AGG_MODES

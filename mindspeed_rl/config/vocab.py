@@ -1,0 +1,13 @@
+"""The names a config value may take where code above the config switches on them, each written once.
+
+`validate.py` refuses any other value (its message lists the tuple), `algorithms/` switches on the
+same tuples and names them in its own errors, and tests/config/test_docs.py checks that
+docs/configs.md lists exactly them. They live here, in layer 1, because the config is the lowest
+layer that reads them (lower layers never import higher ones: algorithms/ imports them from here,
+not the other way round). Pure Python: importing this imports nothing else.
+"""
+from __future__ import annotations
+
+# actor_config.loss_agg_mode / critic_config.loss_agg_mode: how per-token losses become one number
+# (algorithms/losses.py `agg_loss`)
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
