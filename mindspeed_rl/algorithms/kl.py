@@ -11,9 +11,7 @@ from typing import Optional, Union
 
 import torch
 
-# Every accepted name, grouped by the estimator it selects (J. Schulman, "Approximating KL
-# divergence", 2020, http://joschu.net/blog/kl-approx.html).
-KL_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
+from ..config.vocab import KL_KINDS  # every accepted name, grouped by the estimator it selects
 
 
 def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) -> torch.Tensor:

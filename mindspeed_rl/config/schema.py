@@ -100,7 +100,7 @@ class ActorConfig:
     clip_ratio_c: float = 3.0            # dual-clip bound for negative advantages
     loss_agg_mode: str = "token-mean"    # one of vocab.AGG_MODES
     use_kl_loss: bool = True             # GRPO's KL to the reference in the loss
-    kl_loss_type: str = "k3"             # k1, k2, k3 (verl's low_var_kl)
+    kl_loss_type: str = "k3"             # one of vocab.KL_KINDS (k3: verl's low_var_kl)
     kl_loss_coef: float = 0.001
     kl_ctrl: str = "fixed"               # fixed or adaptive coefficient on top of kl_loss_coef
     kl_target: float = 0.1               # adaptive only

@@ -10,9 +10,8 @@ from typing import Collection
 
 from .load import ConfigError
 from .schema import Config
-from .vocab import AGG_MODES
+from .vocab import AGG_MODES, KL_KINDS
 
-KL_TYPES = ("k1", "k2", "k3", "kl", "mse", "low_var_kl", "abs")
 PLACEMENT_MODES = ("colocated", "disaggregated", "custom", "mesh")
 LOGGERS = ("console", "jsonl", "tensorboard")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -129,7 +128,7 @@ def validate_config(cfg: Config, models: Collection[str] | None = None) -> None:
                      f"{longest}, or null (prompt + response lengths)")
     _one_of(e, "actor_config.dtype", a.dtype, DTYPES)
     _one_of(e, "actor_config.loss_agg_mode", a.loss_agg_mode, AGG_MODES)
-    _one_of(e, "actor_config.kl_loss_type", a.kl_loss_type, KL_TYPES)
+    _one_of(e, "actor_config.kl_loss_type", a.kl_loss_type, KL_KINDS)
     _one_of(e, "actor_config.kl_ctrl", a.kl_ctrl, ("fixed", "adaptive"))
     _positive(e, "actor_config.lr", a.lr)
     if a.max_tokens_per_micro_batch is not None:

@@ -11,3 +11,8 @@ from __future__ import annotations
 # actor_config.loss_agg_mode / critic_config.loss_agg_mode: how per-token losses become one number
 # (algorithms/losses.py `agg_loss`)
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+# actor_config.kl_loss_type: the per-token KL estimator (algorithms/kl.py `kl_penalty`), every accepted
+# name grouped by the estimator it selects: k1 = kl, abs, k2 = mse, k3 = low_var_kl (J. Schulman,
+# "Approximating KL divergence", 2020, http://joschu.net/blog/kl-approx.html)
+KL_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")

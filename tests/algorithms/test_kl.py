@@ -16,24 +16,31 @@ from mindspeed_rl.algorithms import (
 LOGP = [0.0, -1.0, -2.0]
 REF = [-1.0, -1.0, 0.0]
 
+KL_VALUES = [
+    ("k1", [1.0, 0.0, -2.0]),  # d
+    ("kl", [1.0, 0.0, -2.0]),
+    ("abs", [1.0, 0.0, 2.0]),  # |d|
+    ("k2", [0.5, 0.0, 2.0]),  # 0.5 * d^2 = 0.5 * [1, 0, 4]
+    ("mse", [0.5, 0.0, 2.0]),
+    # k3: kl = ref - logp = [-1, 0, 2]; exp(kl) - kl - 1:
+    #   e^-1 + 1 - 1 = 0.3678794;  1 - 0 - 1 = 0;  e^2 - 2 - 1 = 7.3890561 - 3 = 4.3890561
+    ("k3", [0.3678794, 0.0, 4.3890561]),
+    ("low_var_kl", [0.3678794, 0.0, 4.3890561]),
+]
 
-@pytest.mark.parametrize(
-    "kind, expected",
-    [
-        ("k1", [1.0, 0.0, -2.0]),  # d
-        ("kl", [1.0, 0.0, -2.0]),
-        ("abs", [1.0, 0.0, 2.0]),  # |d|
-        ("k2", [0.5, 0.0, 2.0]),  # 0.5 * d^2 = 0.5 * [1, 0, 4]
-        ("mse", [0.5, 0.0, 2.0]),
-        # k3: kl = ref - logp = [-1, 0, 2]; exp(kl) - kl - 1:
-        #   e^-1 + 1 - 1 = 0.3678794;  1 - 0 - 1 = 0;  e^2 - 2 - 1 = 7.3890561 - 3 = 4.3890561
-        ("k3", [0.3678794, 0.0, 4.3890561]),
-        ("low_var_kl", [0.3678794, 0.0, 4.3890561]),
-    ],
-)
+
+@pytest.mark.parametrize("kind, expected", KL_VALUES)
 def test_kl_penalty_values(kind, expected):
     out = kl_penalty(torch.tensor(LOGP), torch.tensor(REF), kind)
     torch.testing.assert_close(out, torch.tensor(expected), atol=1e-6, rtol=0)
+
+
+def test_every_kl_name_is_an_estimator_with_a_value_above():
+    """KL_KINDS (config/vocab.py) is what the config accepts: each name selects an estimator, and the
+    table above checks each one's numbers."""
+    assert sorted(kind for kind, _ in KL_VALUES) == sorted(KL_KINDS)
+    for kind in KL_KINDS:
+        assert kl_penalty(torch.tensor(LOGP), torch.tensor(REF), kind).shape == (3,)
 
 
 def test_kl_penalty_is_elementwise_on_2d():

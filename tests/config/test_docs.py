@@ -133,7 +133,7 @@ def test_allowed_values_are_documented():
     from mindspeed_rl.rewards.registry import BUILTIN_REWARDS
 
     from mindspeed_rl.engines.registry import ROLLOUT_BACKENDS, TRAIN_BACKENDS, user_backends
-    names = [*V.AGG_MODES, *V.KL_TYPES, *V.PLACEMENT_MODES, *V.LOGGERS, *user_backends(TRAIN_BACKENDS),
+    names = [*V.AGG_MODES, *V.KL_KINDS, *V.PLACEMENT_MODES, *V.LOGGERS, *user_backends(TRAIN_BACKENDS),
              *user_backends(ROLLOUT_BACKENDS),
              *V.DTYPES, "fixed", "adaptive", "cpu", "cuda", "npu", "auto", *BUILTIN_REWARDS,
              *(f"builtin:{k}" for k in KINDS), *(f"builtin:{m}" for m in BUILTIN_MODELS),
@@ -175,7 +175,8 @@ def test_documented_error_examples_are_real(tmp_path):
 def _vocabularies() -> dict[str, tuple[str, ...]]:
     """Dotted key -> the one tuple its value must come from (where the code defines it)."""
     from mindspeed_rl.config import vocab
-    return {"actor_config.loss_agg_mode": vocab.AGG_MODES, "critic_config.loss_agg_mode": vocab.AGG_MODES}
+    return {"actor_config.loss_agg_mode": vocab.AGG_MODES, "critic_config.loss_agg_mode": vocab.AGG_MODES,
+            "actor_config.kl_loss_type": vocab.KL_KINDS}
 
 
 VOCABULARIES = _vocabularies()
@@ -215,3 +216,10 @@ def test_loss_aggregation_modes_have_one_source():
     from mindspeed_rl.algorithms import losses
     from mindspeed_rl.config import vocab
     assert V.AGG_MODES is losses.AGG_MODES is algorithms.AGG_MODES is vocab.AGG_MODES
+
+
+def test_kl_estimators_have_one_source():
+    from mindspeed_rl import algorithms
+    from mindspeed_rl.algorithms import kl
+    from mindspeed_rl.config import vocab
+    assert V.KL_KINDS is kl.KL_KINDS is algorithms.KL_KINDS is vocab.KL_KINDS
