@@ -11,7 +11,7 @@ from typing import Optional, Union
 
 import torch
 
-from ..config.vocab import KL_KINDS  # every accepted name, grouped by the estimator it selects
+from ..config.vocab import KL_CONTROLLER_KINDS, KL_KINDS  # KL_KINDS: grouped by the estimator each selects
 
 
 def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) -> torch.Tensor:
@@ -85,7 +85,6 @@ class AdaptiveKLController:
 
 
 KLController = Union[FixedKLController, AdaptiveKLController]
-KL_CONTROLLER_KINDS = ("fixed", "adaptive")
 
 
 def make_kl_controller(

@@ -102,7 +102,7 @@ class ActorConfig:
     use_kl_loss: bool = True             # GRPO's KL to the reference in the loss
     kl_loss_type: str = "k3"             # one of vocab.KL_KINDS (k3: verl's low_var_kl)
     kl_loss_coef: float = 0.001
-    kl_ctrl: str = "fixed"               # fixed or adaptive coefficient on top of kl_loss_coef
+    kl_ctrl: str = "fixed"               # vocab.KL_CONTROLLER_KINDS: fixed or adaptive, on top of kl_loss_coef
     kl_target: float = 0.1               # adaptive only
     kl_horizon: int = 10000              # adaptive only
     entropy_coeff: float = 0.0

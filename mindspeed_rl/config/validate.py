@@ -10,7 +10,7 @@ from typing import Collection
 
 from .load import ConfigError
 from .schema import Config
-from .vocab import AGG_MODES, KL_KINDS
+from .vocab import AGG_MODES, KL_CONTROLLER_KINDS, KL_KINDS
 
 PLACEMENT_MODES = ("colocated", "disaggregated", "custom", "mesh")
 LOGGERS = ("console", "jsonl", "tensorboard")
@@ -129,7 +129,7 @@ def validate_config(cfg: Config, models: Collection[str] | None = None) -> None:
     _one_of(e, "actor_config.dtype", a.dtype, DTYPES)
     _one_of(e, "actor_config.loss_agg_mode", a.loss_agg_mode, AGG_MODES)
     _one_of(e, "actor_config.kl_loss_type", a.kl_loss_type, KL_KINDS)
-    _one_of(e, "actor_config.kl_ctrl", a.kl_ctrl, ("fixed", "adaptive"))
+    _one_of(e, "actor_config.kl_ctrl", a.kl_ctrl, KL_CONTROLLER_KINDS)
     _positive(e, "actor_config.lr", a.lr)
     if a.max_tokens_per_micro_batch is not None:
         _positive(e, "actor_config.max_tokens_per_micro_batch", a.max_tokens_per_micro_batch,

@@ -16,3 +16,6 @@ AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 # name grouped by the estimator it selects: k1 = kl, abs, k2 = mse, k3 = low_var_kl (J. Schulman,
 # "Approximating KL divergence", 2020, http://joschu.net/blog/kl-approx.html)
 KL_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
+
+# actor_config.kl_ctrl: how the KL coefficient moves (algorithms/kl.py `make_kl_controller`)
+KL_CONTROLLER_KINDS = ("fixed", "adaptive")

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from mindspeed_rl.algorithms import (
+    KL_CONTROLLER_KINDS,
     KL_KINDS,
     AdaptiveKLController,
     FixedKLController,
@@ -124,6 +125,13 @@ def test_make_kl_controller():
     adaptive = make_kl_controller("adaptive", **cfg)
     assert isinstance(adaptive, AdaptiveKLController)
     assert (adaptive.value, adaptive.target, adaptive.horizon) == (0.001, 0.1, 10000)
+
+
+def test_every_controller_kind_builds():
+    """KL_CONTROLLER_KINDS (config/vocab.py) is what the config accepts: each one builds a controller."""
+    cfg = {"kl_coef": 0.001, "target_kl": 0.1, "horizon": 10000}
+    assert [type(make_kl_controller(k, **cfg)) for k in KL_CONTROLLER_KINDS] == [FixedKLController,
+                                                                                 AdaptiveKLController]
 
 
 def test_make_kl_controller_errors():

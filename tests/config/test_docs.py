@@ -130,12 +130,13 @@ def test_allowed_values_are_documented():
     from mindspeed_rl.data.synthetic import KINDS
     from mindspeed_rl.dataflow import get_algorithm
     from mindspeed_rl.models.checkpoint import BUILTIN_MODELS
+    from mindspeed_rl.config import vocab
     from mindspeed_rl.rewards.registry import BUILTIN_REWARDS
 
     from mindspeed_rl.engines.registry import ROLLOUT_BACKENDS, TRAIN_BACKENDS, user_backends
     names = [*V.AGG_MODES, *V.KL_KINDS, *V.PLACEMENT_MODES, *V.LOGGERS, *user_backends(TRAIN_BACKENDS),
              *user_backends(ROLLOUT_BACKENDS),
-             *V.DTYPES, "fixed", "adaptive", "cpu", "cuda", "npu", "auto", *BUILTIN_REWARDS,
+             *V.DTYPES, *vocab.KL_CONTROLLER_KINDS, "cpu", "cuda", "npu", "auto", *BUILTIN_REWARDS,
              *(f"builtin:{k}" for k in KINDS), *(f"builtin:{m}" for m in BUILTIN_MODELS),
              *(m.name for m in get_algorithm("grpo")[0])]
     missing = [n for n in names if f"`{n}`" not in TEXT]
@@ -176,7 +177,7 @@ def _vocabularies() -> dict[str, tuple[str, ...]]:
     """Dotted key -> the one tuple its value must come from (where the code defines it)."""
     from mindspeed_rl.config import vocab
     return {"actor_config.loss_agg_mode": vocab.AGG_MODES, "critic_config.loss_agg_mode": vocab.AGG_MODES,
-            "actor_config.kl_loss_type": vocab.KL_KINDS}
+            "actor_config.kl_loss_type": vocab.KL_KINDS, "actor_config.kl_ctrl": vocab.KL_CONTROLLER_KINDS}
 
 
 VOCABULARIES = _vocabularies()
@@ -223,3 +224,11 @@ def test_kl_estimators_have_one_source():
     from mindspeed_rl.algorithms import kl
     from mindspeed_rl.config import vocab
     assert V.KL_KINDS is kl.KL_KINDS is algorithms.KL_KINDS is vocab.KL_KINDS
+
+
+def test_kl_controller_kinds_have_one_source():
+    from mindspeed_rl import algorithms
+    from mindspeed_rl.algorithms import kl
+    from mindspeed_rl.config import vocab
+    assert (V.KL_CONTROLLER_KINDS is kl.KL_CONTROLLER_KINDS is algorithms.KL_CONTROLLER_KINDS
+            is vocab.KL_CONTROLLER_KINDS)
