@@ -10,6 +10,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from ..dataflow.dataset import LABELS, PROMPT_LENGTH, PROMPTS
 from .base import PromptDataset
 
 
@@ -174,10 +175,10 @@ class PromptLoader:
         ids, cut = truncate_left(ids, self.max_prompt_length)
         self.truncated += cut
         self.last_truncated = cut
-        return {
-            "prompts": ids,
-            "prompt_length": [np.array([len(x)], dtype=np.int64) for x in ids],
-            "labels": [encode_label(r["answer"]) for r in records],
+        return {  # the dock columns of dataflow.DATASET_KEYS, then the texts for the run's log
+            PROMPTS: ids,
+            PROMPT_LENGTH: [np.array([len(x)], dtype=np.int64) for x in ids],
+            LABELS: [encode_label(r["answer"]) for r in records],
             "prompt_text": [prompt_text(r["prompt"]) for r in records],
             "answer_text": [r["answer"] for r in records],
         }

@@ -4,6 +4,7 @@ An RL algorithm is a list of `MFCDef`; `build_graph` turns it into a checked net
 the trainer derives the dock's columns and consumers, the stage order, the worker groups and the
 weight-sync points from that graph. `draw` renders it (SVG, or PNG with matplotlib).
 """
+from .dataset import DATASET_KEYS
 from .graph import (build_graph, data_graph, dataset_readers, describe, dock_columns, dock_consumers,
                     same_step_readers, topological_order, train_time_mfcs, trained_models, version_edges,
                     weight_sync_targets, worker_groups)
@@ -18,7 +19,7 @@ __all__ = [
     "build_graph", "data_graph", "topological_order", "dock_columns", "dock_consumers",
     "dataset_readers", "version_edges", "trained_models", "weight_sync_targets", "same_step_readers", "train_time_mfcs",
     "worker_groups", "describe",
-    "grpo_mfcs", "GRPO_DATASET_KEYS",
+    "DATASET_KEYS", "grpo_mfcs", "GRPO_DATASET_KEYS",
     "ALGORITHMS", "known_algorithms", "get_algorithm", "algorithm_graph",
     "AlgorithmOptions", "options_from_config", "uses_kl_loss",
 ]

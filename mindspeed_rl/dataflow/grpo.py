@@ -8,11 +8,9 @@ Everything else (dock columns, consumers, order, weight syncs) is derived by `bu
 """
 from __future__ import annotations
 
+from .dataset import DATASET_KEYS  # the columns the dataset puts into the dock
 from .mfc import MFCDef
 from .options import FULL, AlgorithmOptions, reference_mfcs, train_inputs
-
-# Columns the dataset puts into the dock: prompt tokens, their length, reference answers.
-DATASET_KEYS = ("prompts", "prompt_length", "labels")
 
 
 def grpo_mfcs(options: AlgorithmOptions = FULL) -> list[MFCDef]:

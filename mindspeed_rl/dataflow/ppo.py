@@ -8,10 +8,9 @@ critic_values), so the trainer syncs both without a line of PPO-specific code.
 """
 from __future__ import annotations
 
+from .dataset import DATASET_KEYS  # the columns the dataset puts into the dock
 from .mfc import MFCDef
 from .options import FULL, AlgorithmOptions, reference_mfcs, train_inputs
-
-DATASET_KEYS = ("prompts", "prompt_length", "labels")
 
 
 def ppo_mfcs(options: AlgorithmOptions = FULL) -> list[MFCDef]:

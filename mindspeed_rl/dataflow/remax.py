@@ -8,10 +8,9 @@ remaps, so ReMax needs no new worker code beyond its advantage function.
 """
 from __future__ import annotations
 
+from .dataset import DATASET_KEYS  # the columns the dataset puts into the dock
 from .mfc import MFCDef
 from .options import FULL, AlgorithmOptions, reference_mfcs, train_inputs
-
-DATASET_KEYS = ("prompts", "prompt_length", "labels")
 
 
 def remax_mfcs(options: AlgorithmOptions = FULL) -> list[MFCDef]:

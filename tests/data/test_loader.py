@@ -34,6 +34,16 @@ def test_batch_layout(tok):
         assert ds.task.solve(text) == answer
 
 
+def test_a_batch_holds_every_dataset_column_of_the_graphs(tok):
+    """The loader produces exactly the columns every algorithm's graph starts from (one source:
+    dataflow/dataset.py), plus the texts for the log."""
+    from mindspeed_rl.dataflow import ALGORITHMS, DATASET_KEYS
+    batch = PromptLoader(SyntheticPromptDataset("copy", size=4, seed=0), tok, prompts_per_step=2, seed=0).next_batch()
+    assert set(batch) - set(DATASET_KEYS) == {"prompt_text", "answer_text"}
+    for name, (_, keys) in ALGORITHMS.items():
+        assert keys is DATASET_KEYS, name
+
+
 def test_labels_round_trip():
     for text in ("579", "#### 1,000", "é ü 中", ""):
         assert decode_label(encode_label(text)) == text
