@@ -72,6 +72,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from mindspeed_rl.data.base import ANSWER, PROMPT  # noqa: E402
 from mindspeed_rl.engines import MicroBatch, OptimConfig, RolloutSpec, SamplingParams, TrainSpec  # noqa: E402
 from mindspeed_rl.engines.registry import make_rollout_engine, make_train_engine  # noqa: E402
 
@@ -395,7 +396,7 @@ def bench_train(a, ckpt: str, pad: int, device, mem: PeakMemory, rollout_engine,
 def e2e_overrides(a, ckpt: str, out_dir: str, device) -> list[str]:
     o = [f"actor_config.model_path={ckpt}", "generate_config.backend=hf", "actor_config.backend=fsdp",
          "~placement.groups.rollout", "data.dataset=builtin:copy", "rl_config.reward_fn=digits",
-         "data.prompt_key=prompt", "data.answer_key=answer", "data.chat_template=false",
+         f"data.prompt_key={PROMPT}", f"data.answer_key={ANSWER}", "data.chat_template=false",
          "generate_config.stop_tokens=[]", f"generate_config.max_new_tokens={a.e2e_new_tokens}",
          f"rl_config.prompts_per_step={a.e2e_prompts}", f"rl_config.n_samples_per_prompt={a.e2e_samples}",
          f"actor_config.ppo_mini_batch_size={max(1, a.e2e_prompts // 2)}",   # 2 updates per step, as the config

@@ -23,6 +23,9 @@ if importlib.util.find_spec("mindspeed_rl") is None:  # run from a checkout that
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+from mindspeed_rl.data.base import ANSWER, PROMPT, PROMPT_IDS  # noqa: E402 (the record's fields; torch-free)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -31,8 +34,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output", required=True, help="the preprocessed .jsonl to write")
     p.add_argument("--tokenizer", required=True,
                    help="builtin:tiny-qwen2 or a local HF checkpoint / tokenizer directory")
-    p.add_argument("--prompt-key", default="prompt", help="input field with the prompt (dotted for nested)")
-    p.add_argument("--answer-key", default="answer", help="input field with the answer (dotted for nested)")
+    p.add_argument("--prompt-key", default=PROMPT, help="input field with the prompt (dotted for nested)")
+    p.add_argument("--answer-key", default=ANSWER, help="input field with the answer (dotted for nested)")
     p.add_argument("--chat-template", action="store_true",
                    help="render each prompt with the tokenizer's chat template")
     p.add_argument("--max-prompt-length", type=int, default=None,
@@ -61,20 +64,20 @@ def main(argv=None) -> int:
         raise SystemExit(f"error: --chat-template given but the tokenizer {args.tokenizer!r} has no "
                          f"chat template")
     records = list(dataset)
-    ids, truncated = encode_prompts(tokenizer, [r["prompt"] for r in records],
+    ids, truncated = encode_prompts(tokenizer, [r[PROMPT] for r in records],
                                     apply_chat_template=args.chat_template,
                                     max_prompt_length=args.max_prompt_length)
     empty = [i for i, x in enumerate(ids) if len(x) == 0]
     if empty:
         raise SystemExit(f"error: {len(empty)} prompts tokenize to nothing (first: record {empty[0]}: "
-                         f"{records[empty[0]]['prompt']!r})")
+                         f"{records[empty[0]][PROMPT]!r})")
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     with open(tmp, "w", encoding="utf-8") as f:
         for record, x in zip(records, ids):
-            f.write(json.dumps({"prompt": record["prompt"], "answer": record["answer"],
-                                "prompt_ids": x.tolist()}, ensure_ascii=False) + "\n")
+            f.write(json.dumps({PROMPT: record[PROMPT], ANSWER: record[ANSWER], PROMPT_IDS: x.tolist()},
+                               ensure_ascii=False) + "\n")
     os.replace(tmp, out)
     lengths = [len(x) for x in ids]
     mean = sum(lengths) / len(lengths) if lengths else 0.0

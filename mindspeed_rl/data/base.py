@@ -5,6 +5,13 @@ from typing import Any, Iterator, Sequence
 
 Record = dict[str, Any]
 
+# The fields of a record, named once. PROMPT and ANSWER are also the default source fields a file
+# dataset reads them from (`prompt_key` / `answer_key` here, `--prompt-key` / `--answer-key` of
+# cli/preprocess_data.py); config/schema.py's DataConfig, a layer below, spells the same two defaults
+# and tests/data/test_prompts.py checks that they agree. A preprocessed record adds PROMPT_IDS.
+PROMPT, ANSWER, PROMPT_IDS = "prompt", "answer", "prompt_ids"
+RECORD_KEYS = (PROMPT, ANSWER)
+
 
 class PromptDataset:
     """A finite, indexable list of prompt records.
@@ -17,7 +24,7 @@ class PromptDataset:
     def __init__(self, records: Sequence[Record], source: str = "<records>"):
         self.records = list(records)
         self.source = source
-        self.preprocessed = bool(self.records) and all("prompt_ids" in r for r in self.records)
+        self.preprocessed = bool(self.records) and all(PROMPT_IDS in r for r in self.records)
 
     def __len__(self) -> int:
         return len(self.records)

@@ -11,7 +11,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from ..dataflow.dataset import LABELS, PROMPT_LENGTH, PROMPTS
-from .base import PromptDataset
+from .base import ANSWER, PROMPT, PROMPT_IDS, PromptDataset
 
 
 def encode_label(answer: str) -> np.ndarray:
@@ -155,15 +155,15 @@ class PromptLoader:
     def next_batch(self) -> dict[str, list]:
         records = [self.dataset[i] for i in self._take_indices(self.prompts_per_step)]
         ids: list[np.ndarray | None] = [None] * len(records)
-        to_encode = [i for i, r in enumerate(records) if "prompt_ids" not in r]
+        to_encode = [i for i, r in enumerate(records) if PROMPT_IDS not in r]
         if to_encode:
-            encoded, _ = encode_prompts(self.tokenizer, [records[i]["prompt"] for i in to_encode],
+            encoded, _ = encode_prompts(self.tokenizer, [records[i][PROMPT] for i in to_encode],
                                         self.apply_chat_template)
             for i, x in zip(to_encode, encoded):
                 ids[i] = x
         for i, r in enumerate(records):
             if ids[i] is None:
-                ids[i] = np.asarray(r["prompt_ids"], dtype=np.int64)
+                ids[i] = np.asarray(r[PROMPT_IDS], dtype=np.int64)
                 if self._vocab_size is not None and ids[i].size and ids[i].max() >= self._vocab_size:
                     raise ValueError(f"preprocessed prompt_ids hold id {int(ids[i].max())}, beyond the "
                                      f"tokenizer's {self._vocab_size} tokens: the dataset was "
@@ -171,16 +171,16 @@ class PromptLoader:
                                      f"cli/preprocess_data.py again with this one")
             if ids[i].size == 0:
                 raise ValueError(f"a prompt of {getattr(self.dataset, 'source', 'the dataset')} "
-                                 f"tokenizes to nothing: {r['prompt']!r}")
+                                 f"tokenizes to nothing: {r[PROMPT]!r}")
         ids, cut = truncate_left(ids, self.max_prompt_length)
         self.truncated += cut
         self.last_truncated = cut
         return {  # the dock columns of dataflow.DATASET_KEYS, then the texts for the run's log
             PROMPTS: ids,
             PROMPT_LENGTH: [np.array([len(x)], dtype=np.int64) for x in ids],
-            LABELS: [encode_label(r["answer"]) for r in records],
-            "prompt_text": [prompt_text(r["prompt"]) for r in records],
-            "answer_text": [r["answer"] for r in records],
+            LABELS: [encode_label(r[ANSWER]) for r in records],
+            "prompt_text": [prompt_text(r[PROMPT]) for r in records],
+            "answer_text": [r[ANSWER] for r in records],
         }
 
     def prompt_lengths(self, chunk: int = 1024) -> Iterator[int]:
@@ -189,10 +189,10 @@ class PromptLoader:
         n = len(self.dataset)
         for start in range(0, n, chunk):
             part = [self.dataset[i] for i in range(start, min(start + chunk, n))]
-            texts = [r["prompt"] for r in part if "prompt_ids" not in r]
+            texts = [r[PROMPT] for r in part if PROMPT_IDS not in r]
             encoded = iter(encode_prompts(self.tokenizer, texts, self.apply_chat_template)[0] if texts else [])
             for r in part:
-                yield len(r["prompt_ids"]) if "prompt_ids" in r else len(next(encoded))
+                yield len(r[PROMPT_IDS]) if PROMPT_IDS in r else len(next(encoded))
 
     def truncation_warning(self, setting: str = "data.max_prompt_length") -> str | None:
         """One line saying how many of the dataset's prompts `max_prompt_length` cuts (None: none).

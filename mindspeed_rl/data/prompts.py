@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
-from .base import PromptDataset, Record
+from .base import ANSWER, PROMPT, PROMPT_IDS, PromptDataset, Record
 
 BUILTIN_PREFIX = "builtin:"
 SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -43,7 +43,7 @@ def _lookup(raw: dict, key: str) -> Any:
     return value
 
 
-def make_record(raw: Any, where: str, prompt_key: str = "prompt", answer_key: str = "answer",
+def make_record(raw: Any, where: str, prompt_key: str = PROMPT, answer_key: str = ANSWER,
                 preprocessed: bool = False, setting_prefix: str = "") -> Record:
     """Turn one source row into a record; errors start with `where` (file and line or row).
 
@@ -56,7 +56,7 @@ def make_record(raw: Any, where: str, prompt_key: str = "prompt", answer_key: st
         raise ValueError(f"{where}: expected an object with {prompt_key!r} and {answer_key!r}, "
                          f"got {type(raw).__name__}")
     if preprocessed:
-        prompt_key, answer_key = "prompt", "answer"
+        prompt_key, answer_key = PROMPT, ANSWER
     fields = {}
     for role, key in (("prompt_key", prompt_key), ("answer_key", answer_key)):
         value = _lookup(raw, key)
@@ -74,16 +74,16 @@ def make_record(raw: Any, where: str, prompt_key: str = "prompt", answer_key: st
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         raise ValueError(f"{where}: {answer_key!r} must be a string or a number, "
                          f"got {type(answer).__name__}")
-    record = {"prompt": prompt, "answer": str(answer)}
+    record = {PROMPT: prompt, ANSWER: str(answer)}
     if preprocessed:
-        ids = raw.get("prompt_ids", _MISSING)
+        ids = raw.get(PROMPT_IDS, _MISSING)
         if ids is _MISSING:
-            raise ValueError(f"{where}: missing key 'prompt_ids' (the file's first record has it, "
+            raise ValueError(f"{where}: missing key {PROMPT_IDS!r} (the file's first record has it, "
                              f"so every record of this preprocessed file must)")
         if not isinstance(ids, list) or not ids or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-            raise ValueError(f"{where}: 'prompt_ids' must be a non-empty list of token ids")
-        record["prompt_ids"] = ids
+            raise ValueError(f"{where}: {PROMPT_IDS!r} must be a non-empty list of token ids")
+        record[PROMPT_IDS] = ids
     return record
 
 
@@ -152,13 +152,13 @@ def parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
 
 
 def _is_preprocessed(first_row: Any) -> bool:
-    return isinstance(first_row, dict) and "prompt_ids" in first_row
+    return isinstance(first_row, dict) and PROMPT_IDS in first_row
 
 
 class JsonlPromptDataset(PromptDataset):
     """One JSON object per line (blank lines skipped); a `.json` file holding one array also works."""
 
-    def __init__(self, path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer"):
+    def __init__(self, path: str | Path, prompt_key: str = PROMPT, answer_key: str = ANSWER):
         path = Path(path)
         _check_file(path)
         rows = list(json_rows(path))
@@ -179,7 +179,7 @@ def _import_parquet(path: Path):
 class ParquetPromptDataset(PromptDataset):
     """A parquet table, one row per record; needs pyarrow (imported only here)."""
 
-    def __init__(self, path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer"):
+    def __init__(self, path: str | Path, prompt_key: str = PROMPT, answer_key: str = ANSWER):
         path = Path(path)
         _check_file(path)
         rows = list(parquet_rows(path))
@@ -188,7 +188,7 @@ class ParquetPromptDataset(PromptDataset):
                           for where, raw in rows], source=str(path))
 
 
-def check_prompt_file(spec: str | Path, prompt_key: str = "prompt", answer_key: str = "answer",
+def check_prompt_file(spec: str | Path, prompt_key: str = PROMPT, answer_key: str = ANSWER,
                       setting_prefix: str = "") -> int:
     """Read a dataset file once, streaming, and check every row as the loader will; return the count.
 
@@ -222,7 +222,7 @@ def check_prompt_file(spec: str | Path, prompt_key: str = "prompt", answer_key: 
     return count
 
 
-def load_prompt_dataset(spec: str | Path, prompt_key: str = "prompt", answer_key: str = "answer",
+def load_prompt_dataset(spec: str | Path, prompt_key: str = PROMPT, answer_key: str = ANSWER,
                         num_digits: int = 3, size: int = 10000, seed: int = 0) -> PromptDataset:
     """The dataset named by `spec`.
 

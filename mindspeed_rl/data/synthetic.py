@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import PromptDataset
+from .base import ANSWER, PROMPT, PromptDataset
 
 KINDS = ("copy", "reverse", "sort", "add")
 ALPHABET = "0123456789+="  # every character a synthetic prompt may hold
@@ -109,6 +109,6 @@ class SyntheticPromptDataset(PromptDataset):
         self.task = task
         self.seed = seed
         pairs = task.sample_many(np.random.default_rng(seed), int(size))
-        super().__init__([{"prompt": p, "answer": a} for p, a in pairs],
+        super().__init__([{PROMPT: p, ANSWER: a} for p, a in pairs],
                          source=f"builtin:{task.kind} (num_digits={task.num_digits}, "
                                 f"size={size}, seed={seed})")

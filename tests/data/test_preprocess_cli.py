@@ -83,3 +83,22 @@ def test_cli_errors(tmp_path, preprocess_data):
         preprocess_data.main(["--input", "builtin:copy", "--output", str(out), "--tokenizer",
                               str(tok_dir), "--max-prompt-length", "0"])
     assert not out.exists()
+
+
+def test_record_fields_have_one_source(preprocess_data):
+    """The record's fields are named once (data/base.py); the defaults of the source fields that spell
+    them (the CLI's --prompt-key / --answer-key, the config's data.prompt_key / data.answer_key, the
+    loaders' keyword defaults) are those names."""
+    import inspect
+
+    from mindspeed_rl.config import DataConfig
+    from mindspeed_rl.data import base, check_prompt_file, make_record
+    args = preprocess_data.parse_args(["--input", "x", "--output", "y", "--tokenizer", "z"])
+    assert (args.prompt_key, args.answer_key) == base.RECORD_KEYS == (base.PROMPT, base.ANSWER)
+    assert (DataConfig().prompt_key, DataConfig().answer_key) == base.RECORD_KEYS
+    for fn in (make_record, check_prompt_file, load_prompt_dataset):
+        params = inspect.signature(fn).parameters
+        assert (params["prompt_key"].default, params["answer_key"].default) == base.RECORD_KEYS, fn
+    assert tuple(load_prompt_dataset("builtin:copy", size=2)[0]) == base.RECORD_KEYS
+    assert tuple(make_record({"prompt": "1", "answer": 1, "prompt_ids": [5]}, "row 0", preprocessed=True)) == (
+        *base.RECORD_KEYS, base.PROMPT_IDS)
