@@ -23,14 +23,15 @@ if importlib.util.find_spec("mindspeed_rl") is None:  # run from a checkout that
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-from mindspeed_rl.data.base import ANSWER, PROMPT, PROMPT_IDS  # noqa: E402 (the record's fields; torch-free)
+from mindspeed_rl.data import SYNTHETIC_KINDS  # noqa: E402 (torch-free)
+from mindspeed_rl.data.base import ANSWER, PROMPT, PROMPT_IDS  # noqa: E402 (the record's fields)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", required=True,
-                   help="a .jsonl / .json / .parquet file, or builtin:copy|reverse|sort|add")
+                   help=f"a .jsonl / .json / .parquet file, or builtin:{'|'.join(SYNTHETIC_KINDS)}")
     p.add_argument("--output", required=True, help="the preprocessed .jsonl to write")
     p.add_argument("--tokenizer", required=True,
                    help="builtin:tiny-qwen2 or a local HF checkpoint / tokenizer directory")

@@ -183,7 +183,7 @@ class RLConfig:
 
 @dataclass
 class DataConfig:
-    dataset: str = "builtin:copy"        # builtin:copy|reverse|sort|add, or a .jsonl/.parquet path
+    dataset: str = "builtin:copy"        # builtin:<data.synthetic.KINDS>, or a .jsonl/.parquet path
     num_digits: int = 3                  # built-in tasks only
     size: int = 10000                    # built-in tasks only: prompts in the dataset
     prompt_key: str = "prompt"

@@ -243,9 +243,10 @@ def load_prompt_dataset(spec: str | Path, prompt_key: str = PROMPT, answer_key: 
     path = Path(spec_str).expanduser()
     suffix = path.suffix.lower()
     if suffix not in SUFFIXES:
+        from .synthetic import KINDS
         raise ValueError(f"prompt dataset {spec_str!r}: unsupported file type {suffix or '(none)'!r}; "
-                         f"give a {', '.join(SUFFIXES)} file or one of builtin:copy, "
-                         f"builtin:reverse, builtin:sort, builtin:add")
+                         f"give a {', '.join(SUFFIXES)} file or one of "
+                         f"{', '.join(BUILTIN_PREFIX + k for k in KINDS)}")
     if suffix == ".parquet":
         return ParquetPromptDataset(path, prompt_key, answer_key)
     return JsonlPromptDataset(path, prompt_key, answer_key)

@@ -97,8 +97,10 @@ def test_spec_errors(tmp_path):
                                          r"are \['builtin:copy', 'builtin:reverse'"):
         load_prompt_dataset("builtin:mul")
     with pytest.raises(ValueError, match=r"data.csv': unsupported file type '.csv'; give a .jsonl, "
-                                         r".json, .parquet file or one of builtin:copy"):
+                                         r".json, .parquet file or one of builtin:copy") as e:
         load_prompt_dataset(tmp_path / "data.csv")
+    from mindspeed_rl.data import SYNTHETIC_KINDS  # the one list of built-in tasks, named in full
+    assert str(e.value).endswith("one of " + ", ".join(f"builtin:{k}" for k in SYNTHETIC_KINDS))
     with pytest.raises(FileNotFoundError, match="prompt dataset .*missing.jsonl' does not exist"):
         load_prompt_dataset(tmp_path / "missing.jsonl")
     (tmp_path / "dir.jsonl").mkdir()
