@@ -10,6 +10,8 @@ Per-token tensors are ``[batch, response_len]`` with a response mask (1 = real t
 * ``losses``: loss aggregation and the clipped policy loss shared by all of them.
 * ``kl``: KL penalty estimators and coefficient controllers.
 * ``off_policy``: behaviour importance weights (none / TIS / decoupled) for training on stale rollouts.
+* ``preference``: reward models: the Bradley-Terry pairwise loss, accuracy and margin, the score at a
+  sequence's last token, and model + rule rewards combined by weight.
 """
 from .functional import (
     entropy_from_logits,
@@ -32,6 +34,8 @@ from .kl import (
 from .losses import AGG_MODES, agg_loss, policy_loss
 from .off_policy import OFF_POLICY_CORRECTIONS, behaviour_weights, corrected_policy_loss
 from .ppo import gae_advantages, value_loss
+from .preference import (REWARD_SOURCES, bradley_terry_loss, combine_rewards, last_token_scores,
+                         preference_accuracy, preference_margin)
 from .remax import remax_advantages
 
 __all__ = [
@@ -39,16 +43,20 @@ __all__ = [
     "KL_CONTROLLER_KINDS",
     "KL_KINDS",
     "OFF_POLICY_CORRECTIONS",
+    "REWARD_SOURCES",
     "AdaptiveKLController",
     "FixedKLController",
     "agg_loss",
     "behaviour_weights",
+    "bradley_terry_loss",
     "broadcast_to_tokens",
+    "combine_rewards",
     "corrected_policy_loss",
     "entropy_from_logits",
     "gae_advantages",
     "grpo_advantages",
     "kl_penalty",
+    "last_token_scores",
     "log_probs_from_logits",
     "make_kl_controller",
     "masked_mean",
@@ -57,6 +65,8 @@ __all__ = [
     "masked_whiten",
     "outcome_token_rewards",
     "policy_loss",
+    "preference_accuracy",
+    "preference_margin",
     "remax_advantages",
     "value_loss",
 ]

@@ -19,3 +19,7 @@ KL_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
 
 # actor_config.kl_ctrl: how the KL coefficient moves (algorithms/kl.py `make_kl_controller`)
 KL_CONTROLLER_KINDS = ("fixed", "adaptive")
+
+# rl_config.reward_weights: the sources of the reward that trains, each weighted (algorithms/preference.py
+# `combine_rewards`): the reward model's score (reward_model.enable) and the rule reward (rl_config.reward_fn)
+REWARD_SOURCES = ("model", "rule")
