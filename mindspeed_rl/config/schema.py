@@ -198,11 +198,11 @@ class GroupConfig:
     """One worker group: the Ray actors that run some MFCs, with their resources."""
     mfcs: list = field(default_factory=list)
     num_cpus: float = 0.5                # per actor (fractional CPUs let several share a core)
-    num_gpus: float = 0.0                # per actor
+    num_gpus: float = 0.0                # per actor (device.RAY_RESOURCES: which Ray resource each num_* asks for)
     num_npus: float = 0.0                # per actor
     dp: int = 1                          # data-parallel actors in the group
     torch_threads: int = 1               # torch.set_num_threads inside each actor
-    device: str = "cpu"                  # cpu, cuda, npu, auto
+    device: str = "cpu"                  # one of device.WORKER_DEVICES: cpu, cuda, npu, auto
 
 
 @dataclass
@@ -212,7 +212,8 @@ class PlacementConfig:
     mfcs: dict = field(default_factory=dict)    # mode mesh: MFC name -> {mesh, dp, tp, pp} (docs/parallel.md)
     n_nodes: int = 1                     # mode mesh: hosts in the cluster the meshes are drawn on
     n_devices_per_node: int = 2          # mode mesh: devices per host
-    device_kind: str = "cpu"             # mode mesh: what a device is: cpu (a slot of CPUs), gpu, npu
+    device_kind: str = "cpu"             # mode mesh: what a device is, one of device.DEVICE_KINDS: cpu (a slot of
+                                         # CPUs), gpu, npu
     cpus_per_device: float = 0.5         # mode mesh: Ray CPUs per device slot (cpu) or per device (gpu/npu)
     ray_address: Optional[str] = None    # null: start a local Ray
     ray_num_cpus: Optional[float] = None  # local Ray only; null: all cores

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Collection
 
+from ..device import DEVICE_KINDS, RAY_RESOURCES, WORKER_DEVICES
 from .load import ConfigError
 from .schema import Config
 from .vocab import AGG_MODES, KL_CONTROLLER_KINDS, KL_KINDS
@@ -176,7 +177,7 @@ def validate_config(cfg: Config, models: Collection[str] | None = None) -> None:
     pl = cfg.placement
     _positive(e, "placement.n_nodes", pl.n_nodes)
     _positive(e, "placement.n_devices_per_node", pl.n_devices_per_node)
-    _one_of(e, "placement.device_kind", pl.device_kind, ("cpu", "gpu", "npu"))
+    _one_of(e, "placement.device_kind", pl.device_kind, DEVICE_KINDS)
     _positive(e, "placement.cpus_per_device", pl.cpus_per_device, "0 is fine for gpu/npu devices",
               allow_zero=pl.device_kind != "cpu")
     if pl.mfcs and pl.mode != "mesh":
@@ -188,10 +189,9 @@ def validate_config(cfg: Config, models: Collection[str] | None = None) -> None:
     for name, grp in cfg.placement.groups.items():
         k = f"placement.groups.{name}"
         _positive(e, f"{k}.dp", grp.dp)
-        _positive(e, f"{k}.num_cpus", grp.num_cpus, allow_zero=True)
-        _positive(e, f"{k}.num_gpus", grp.num_gpus, allow_zero=True)
-        _positive(e, f"{k}.num_npus", grp.num_npus, allow_zero=True)
+        for field in RAY_RESOURCES:  # num_cpus, num_gpus, num_npus
+            _positive(e, f"{k}.{field}", getattr(grp, field), allow_zero=True)
         _positive(e, f"{k}.torch_threads", grp.torch_threads)
-        _one_of(e, f"{k}.device", grp.device, ("cpu", "cuda", "npu", "auto"))
+        _one_of(e, f"{k}.device", grp.device, WORKER_DEVICES)
     if e:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(e))

@@ -1,6 +1,15 @@
 """cpu / cuda / npu in one place: which torch device a worker uses, which collective backend, which
 Ray resource.
 
+Every spelling of a device kind is in one table, `DEVICE_TABLE` (kinds.py): placement's `device_kind`
+(cpu / gpu / npu), torch's device type (cpu / cuda / npu), Ray's resource (CPU / GPU / NPU), the
+GroupConfig field of a worker's share (num_cpus / num_gpus / num_npus), the collective backend and the
+variable Ray sets to the accelerators it gave an actor. Code above this layer looks spellings up here
+(`torch_device_type(kind)`, `ray_resource(kind)`, `group_field(kind)`, `group_resources(group)`,
+`group_actor_options(group)`, `RAY_RESOURCES`) instead of writing its own map. torch is imported inside
+the functions that use it, so importing this package (the config does, to check device names) imports
+no torch.
+
 Code above this layer asks for `resolve_device("auto")`, `dist_backend(device)`, `set_device(device)`
 and `ray_resource_key(kind)` and never imports torch_npu itself; torch_npu is imported lazily, only
 when an NPU is asked for (`require_torch_npu`), because importing it is what registers the 'npu'
@@ -16,14 +25,17 @@ from __future__ import annotations
 
 import importlib
 
-import torch
+from .kinds import (ACCELERATOR_OPTION_KEYS, ACCELERATOR_TYPES, DEVICE_KINDS, DEVICE_TABLE, RAY_RESOURCES,
+                    TORCH_DEVICE_TYPES, VISIBLE_DEVICES_ENV, WORKER_DEVICES, DeviceKind, accelerator_share,
+                    device_spec, group_actor_options, group_field, group_resources, ray_actor_options, ray_resource,
+                    ray_resource_key, torch_device_type)
 
-DEVICE_KINDS = ("auto", "cpu", "cuda", "npu")
-_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
-# Ray's resource per device kind (placement.device_kind says "gpu" where torch says "cuda")
-_RAY_RESOURCES = {"cpu": None, "cuda": "GPU", "gpu": "GPU", "npu": "NPU"}
-# the variable Ray sets to the accelerators it gave an actor
-VISIBLE_DEVICES_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
+__all__ = ["ACCELERATOR_OPTION_KEYS", "ACCELERATOR_TYPES", "DEVICE_KINDS", "DEVICE_TABLE", "RAY_RESOURCES",
+           "TORCH_DEVICE_TYPES", "TORCH_NPU_INSTALL", "VISIBLE_DEVICES_ENV", "WORKER_DEVICES", "DeviceKind",
+           "accelerator_share", "device_spec", "device_type", "dist_backend", "group_actor_options", "group_field",
+           "group_resources", "ray_actor_options", "ray_resource", "ray_resource_key", "require_torch_npu",
+           "resolve_device", "set_device", "torch_device_type"]
+
 TORCH_NPU_INSTALL = ("install torch_npu (Ascend Extension for PyTorch) matching your torch and CANN on an "
                      "Ascend machine: pip install torch-npu, or the project's `npu` extra")
 
@@ -38,6 +50,7 @@ def require_torch_npu():
 
 
 def _npu_available() -> bool:
+    import torch
     try:
         require_torch_npu()
     except ImportError:
@@ -47,8 +60,9 @@ def _npu_available() -> bool:
 
 def resolve_device(kind: str = "auto") -> torch.device:
     """The device a worker computes on; `auto` prefers cuda, then npu, then cpu."""
-    if kind not in DEVICE_KINDS:
-        raise ValueError(f"device={kind!r}; it must be one of {DEVICE_KINDS}")
+    import torch
+    if kind not in WORKER_DEVICES:
+        raise ValueError(f"device={kind!r}; it must be one of {WORKER_DEVICES}")
     if kind == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
@@ -70,20 +84,22 @@ def resolve_device(kind: str = "auto") -> torch.device:
 
 def device_type(device: torch.device | str) -> str:
     """'cpu', 'cuda' or 'npu' of a device or device string ("npu:3" works without torch_npu)."""
+    import torch
     kind = device.type if isinstance(device, torch.device) else str(device).split(":", 1)[0].strip().lower()
-    if kind not in _BACKENDS:
-        raise ValueError(f"device {device!r}: type {kind!r} is not one of {sorted(_BACKENDS)}")
+    if kind not in TORCH_DEVICE_TYPES:
+        raise ValueError(f"device {device!r}: type {kind!r} is not one of {sorted(TORCH_DEVICE_TYPES)}")
     return kind
 
 
 def dist_backend(device: torch.device | str) -> str:
     """gloo on CPU, nccl on CUDA, hccl on NPU: the backend for DDP and weight broadcasts."""
-    return _BACKENDS[device_type(device)]
+    return device_spec(device_type(device)).dist_backend
 
 
 def set_device(device: torch.device | str) -> None:
     """Make `device` the current one of its kind (what NCCL/HCCL and megatron's
     `torch.<kind>.current_device()` use); nothing on the CPU."""
+    import torch
     kind = device_type(device)
     if kind == "cpu":
         return
@@ -92,20 +108,3 @@ def set_device(device: torch.device | str) -> None:
         torch.npu.set_device(torch.device(device))
     else:
         torch.cuda.set_device(torch.device(device))
-
-
-def ray_resource_key(device_kind: str) -> str | None:
-    """The Ray resource an actor on this device kind asks for: "GPU" (cuda/gpu), "NPU" (npu), None (cpu)."""
-    kind = str(device_kind).strip().lower()
-    if kind not in _RAY_RESOURCES:
-        raise ValueError(f"device kind {device_kind!r}; use one of {sorted(_RAY_RESOURCES)}")
-    return _RAY_RESOURCES[kind]
-
-
-def ray_actor_options(device_kind: str, per_actor: float) -> dict:
-    """Ray `.options(...)` for an actor holding `per_actor` devices: num_gpus for GPUs (Ray's own
-    keyword), a custom-resource entry for NPUs (Ray has no num_npus keyword), nothing on the CPU."""
-    key = ray_resource_key(device_kind)
-    if key is None or not per_actor:
-        return {}
-    return {"num_gpus": per_actor} if key == "GPU" else {"resources": {key: per_actor}}

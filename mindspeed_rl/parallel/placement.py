@@ -19,11 +19,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from ..device import DEVICE_KINDS, RAY_RESOURCES, device_spec, ray_resource
 from .mesh import DeviceMesh, format_ids
 from .topology import ParallelGroups, ProcessTopology, parallel_groups
 
-DEVICE_KINDS = ("cpu", "gpu", "npu")
-RESOURCE_NAMES = {"cpu": "CPU", "gpu": "GPU", "npu": "NPU"}
+CPU = ray_resource("cpu")  # Ray's CPU resource: a cpu cluster's devices, and the CPUs beside an accelerator
 PLACEMENT_KEYS = ("mesh", "dp", "tp", "pp")
 
 
@@ -44,16 +44,18 @@ class ClusterSpec:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"ClusterSpec: {name}={v!r} must be an integer >= 1")
-        kind = self.device_kind.strip().lower() if isinstance(self.device_kind, str) else self.device_kind
-        kind = "gpu" if kind == "cuda" else kind
-        if kind not in DEVICE_KINDS:
+        try:  # either spelling: "cuda" is "gpu" (device/DEVICE_TABLE)
+            kind = device_spec(self.device_kind).name if isinstance(self.device_kind, str) else None
+        except ValueError:
+            kind = None
+        if kind is None:
             raise ValueError(f"ClusterSpec: device_kind={self.device_kind!r}; use one of {list(DEVICE_KINDS)}")
         object.__setattr__(self, "device_kind", kind)
 
     @property
     def resource(self) -> str:
         """The Ray resource one device is: "CPU", "GPU" or "NPU"."""
-        return RESOURCE_NAMES[self.device_kind]
+        return ray_resource(self.device_kind)
 
     @property
     def n_devices(self) -> int:
@@ -181,10 +183,10 @@ class PlacementPlan:
             if cpus <= 0:
                 raise ValueError(f"cpus_per_device={cpus_per_device!r}: on a cpu cluster a device is a slot of "
                                  f"CPUs, so it must be > 0 (e.g. 0.5)")
-            return {"CPU": cpus}
+            return {CPU: cpus}
         bundle = {self.cluster.resource: 1.0}
         if cpus_per_device:
-            bundle["CPU"] = float(cpus_per_device)
+            bundle[CPU] = float(cpus_per_device)
         return bundle
 
     def bundles(self, cpus_per_device: float | None = None) -> dict[int, list[dict[str, float]]]:
@@ -221,9 +223,9 @@ class PlacementPlan:
             sizes = ", ".join(f"{n}: {p.mesh.size} on {format_ids(p.mesh.devices)}" for n, p in self.placements.items())
             blame = (f"MFC(s) {', '.join(alone)} alone need more than that; " if alone else
                      f"the meshes together cover {len(used)} devices ({sizes}); ")
-            if res == "CPU" and self.cluster.device_kind == "cpu":
+            if res == CPU and self.cluster.device_kind == "cpu":
                 fix = "lower placement.cpus_per_device, shrink the meshes, or give Ray more CPUs (placement.ray_num_cpus)"
-            elif res == "CPU":
+            elif res == CPU:
                 fix = "lower placement.cpus_per_device (0 is fine for actors that ask for no CPU), or give Ray more CPUs"
             else:
                 fix = f"shrink the meshes, or start Ray on nodes with more {res}s"
@@ -390,7 +392,7 @@ def placement_group_nodes(placement_groups: Mapping[int, tuple[Any, int]]) -> di
 
 
 def _resources_text(res: Mapping[str, float]) -> str:
-    keep = {k: v for k, v in res.items() if k in ("CPU", "GPU", "NPU")}
+    keep = {k: v for k, v in res.items() if k in RAY_RESOURCES.values()}
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(keep.items())) + "}"
 
 

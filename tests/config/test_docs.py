@@ -131,12 +131,13 @@ def test_allowed_values_are_documented():
     from mindspeed_rl.dataflow import get_algorithm
     from mindspeed_rl.models.checkpoint import BUILTIN_MODELS
     from mindspeed_rl.config import vocab
+    from mindspeed_rl.device import DEVICE_KINDS, WORKER_DEVICES
     from mindspeed_rl.rewards.registry import BUILTIN_REWARDS
 
     from mindspeed_rl.engines.registry import ROLLOUT_BACKENDS, TRAIN_BACKENDS, user_backends
     names = [*V.AGG_MODES, *V.KL_KINDS, *V.PLACEMENT_MODES, *V.LOGGERS, *user_backends(TRAIN_BACKENDS),
              *user_backends(ROLLOUT_BACKENDS),
-             *V.DTYPES, *vocab.KL_CONTROLLER_KINDS, "cpu", "cuda", "npu", "auto", *BUILTIN_REWARDS,
+             *V.DTYPES, *vocab.KL_CONTROLLER_KINDS, *DEVICE_KINDS, *WORKER_DEVICES, *BUILTIN_REWARDS,
              *(f"builtin:{k}" for k in KINDS), *(f"builtin:{m}" for m in BUILTIN_MODELS),
              *(m.name for m in get_algorithm("grpo")[0])]
     missing = [n for n in names if f"`{n}`" not in TEXT]
@@ -176,8 +177,10 @@ def test_documented_error_examples_are_real(tmp_path):
 def _vocabularies() -> dict[str, tuple[str, ...]]:
     """Dotted key -> the one tuple its value must come from (where the code defines it)."""
     from mindspeed_rl.config import vocab
+    from mindspeed_rl.device import DEVICE_KINDS, WORKER_DEVICES
     return {"actor_config.loss_agg_mode": vocab.AGG_MODES, "critic_config.loss_agg_mode": vocab.AGG_MODES,
-            "actor_config.kl_loss_type": vocab.KL_KINDS, "actor_config.kl_ctrl": vocab.KL_CONTROLLER_KINDS}
+            "actor_config.kl_loss_type": vocab.KL_KINDS, "actor_config.kl_ctrl": vocab.KL_CONTROLLER_KINDS,
+            "placement.device_kind": DEVICE_KINDS, "placement.groups.integrated.device": WORKER_DEVICES}
 
 
 VOCABULARIES = _vocabularies()
@@ -232,3 +235,31 @@ def test_kl_controller_kinds_have_one_source():
     from mindspeed_rl.config import vocab
     assert (V.KL_CONTROLLER_KINDS is kl.KL_CONTROLLER_KINDS is algorithms.KL_CONTROLLER_KINDS
             is vocab.KL_CONTROLLER_KINDS)
+
+
+def test_device_kinds_have_one_table():
+    """placement.device_kind's docs row says, per kind, the Ray resource and the torch device type that
+    device/DEVICE_TABLE gives it; the config checks groups' num_* fields, the ones RAY_RESOURCES maps."""
+    from mindspeed_rl.device import DEVICE_TABLE, RAY_RESOURCES
+    from mindspeed_rl.parallel import placement
+    description = _doc_row("placement.device_kind")[3]
+    for k in DEVICE_TABLE:
+        if k.name != "cpu":
+            assert re.search(rf"`{k.name}` \(Ray's (custom )?`{k.ray_resource}`, workers on `{k.torch_type}`\)",
+                             description), k
+    assert placement.DEVICE_KINDS is V.DEVICE_KINDS
+    assert set(RAY_RESOURCES) <= {f.name for f in dataclasses.fields(GroupConfig)}
+    for field in RAY_RESOURCES:
+        assert f"placement.groups.rule.{field}=-1.0: must be >= 0" in error_of({f"placement.groups.rule.{field}": -1},
+                                                                              "validate")
+
+
+def test_the_config_and_its_vocabularies_import_no_torch():
+    """config/ (layer 1) reads config/vocab.py and device/kinds.py; none of them pulls in torch, so a config
+    check (cli/visualize_dfg.py, a dry run's first error) stays quick."""
+    import subprocess
+    import sys
+    code = ("import sys, mindspeed_rl.config, mindspeed_rl.config.vocab, mindspeed_rl.device; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
