@@ -10,6 +10,8 @@ Per-token tensors are ``[batch, response_len]`` with a response mask (1 = real t
 * ``losses``: loss aggregation and the clipped policy loss shared by all of them.
 * ``kl``: KL penalty estimators and coefficient controllers.
 * ``off_policy``: behaviour importance weights (none / TIS / decoupled) for training on stale rollouts.
+* ``metrics``: the metric naming rule (``_max`` maxed, ``_min`` minned, the rest summed) every layer
+  combines reports with.
 * ``preference``: reward models: the Bradley-Terry pairwise loss, accuracy and margin, the score at a
   sequence's last token, and model + rule rewards combined by weight.
 """
