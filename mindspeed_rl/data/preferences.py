@@ -21,15 +21,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
+# the dock columns of a preference batch: token ids of the prompt and of each response, no padding
+from ..dataflow.reward_modeling import DATASET_KEYS as PREFERENCE_KEYS
 from .base import PROMPT, PromptDataset, Record
 from .loader import PromptLoader, encode_prompts, prompt_text, truncate_left
 from .prompts import BUILTIN_PREFIX, BadRow, _lookup, _MISSING, json_rows
 
 CHOSEN, REJECTED = "chosen", "rejected"
 PAIR_FIELDS = (PROMPT, CHOSEN, REJECTED)
-# dock columns of a preference batch (dataflow/reward_modeling.py reads the same names): token ids of
-# the prompt and of each response, no padding
-PREFERENCE_KEYS = ("prompts", "chosen", "rejected")
 BUILTIN_PAIRS = {"copy_pairs": "copy"}
 CORRUPTIONS = ("digits", "truncated", "extra", "noise")
 EOS_TEXT = "<eos>"  # the built-in tokenizer's end-of-sequence token, as text
@@ -182,9 +181,10 @@ def encode_pairs(tokenizer, records: Sequence[Record], apply_chat_template: bool
         if x.size == 0:
             raise ValueError(f"a prompt tokenizes to nothing: {r[PROMPT]!r}")
     prompts, cut = truncate_left(prompts, max_prompt_length)
-    return {"prompts": prompts,
-            "chosen": encode_responses(tokenizer, [r[CHOSEN] for r in records], " (chosen)"),
-            "rejected": encode_responses(tokenizer, [r[REJECTED] for r in records], " (rejected)")}, cut
+    p_key, c_key, r_key = PREFERENCE_KEYS
+    return {p_key: prompts,
+            c_key: encode_responses(tokenizer, [r[CHOSEN] for r in records], " (chosen)"),
+            r_key: encode_responses(tokenizer, [r[REJECTED] for r in records], " (rejected)")}, cut
 
 
 class PreferenceLoader(PromptLoader):

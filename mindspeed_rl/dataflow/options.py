@@ -6,6 +6,11 @@ loss or KL in the reward): a stage whose output nothing uses is not run, and its
 loaded. This project has no KL-in-reward, so the reference is needed exactly when the actor's
 loss has a KL term with a coefficient above 0 (an adaptive controller scales its coefficient by a
 factor, so one that starts at 0 stays 0).
+
+The reward is decided the same way (`reward_mfcs`): a rule reward alone writes `rm_scores`; with a reward
+model (`reward_model.enable`) its inference MFC and the rule (when `rl_config.reward_fn` names one) each
+write their own score and a compute MFC combines them by `rl_config.reward_weights` into `rm_scores`, so
+the advantage stages read the same column either way.
 """
 from __future__ import annotations
 
@@ -18,6 +23,8 @@ from .mfc import MFCDef
 class AlgorithmOptions:
     use_reference: bool = True   # a frozen reference model gives ref_log_prob to the KL term of the loss
     off_policy_correction: bool = False  # the actor's loss reads rollout_log_prob (the behaviour policy)
+    reward_model: bool = False   # a reward model scores the responses (reward_model.enable)
+    rule_reward: bool = True     # a rule reward scores them (rl_config.reward_fn is set)
 
 
 FULL = AlgorithmOptions()
@@ -29,6 +36,35 @@ def reference_mfcs(options: AlgorithmOptions) -> list[MFCDef]:
         return []
     return [MFCDef("ref_log_prob", "ref", "inference", ("prompts", "responses"), ("ref_log_prob",),
                    output_key_remap={"log_prob": "ref_log_prob"})]
+
+
+def reward_mfcs(options: AlgorithmOptions, responses: str = "responses", out: str = "rm_scores",
+                prefix: str = "") -> list[MFCDef]:
+    """The MFCs that score `responses` into the column `out` (ReMax scores its greedy responses too: `prefix`
+    "greedy_" names their stages and columns apart).
+
+    A rule reward alone: `rule_reward` writes `out`. With a reward model: `reward_model` (model `reward`,
+    inference) writes `model_scores`, `rule_reward` (when there is a rule) writes `rule_scores`, and
+    `combine_reward` writes their weighted sum to `out`. The rule runs whatever its weight, so its mean is
+    logged beside the model's (`reward/rule_mean`, `reward/model_mean`)."""
+    rule, model, combine = ((f"{prefix}reward", f"{prefix}reward_model", f"combine_{prefix}reward") if prefix else
+                            ("rule_reward", "reward_model", "combine_reward"))
+    remap_in = {responses: "responses"} if responses != "responses" else {}
+    if not options.reward_model:
+        return [MFCDef(rule, "reward", "compute", ("prompts", responses, "labels"), (out,), fn="rule_reward",
+                       input_key_remap=remap_in, output_key_remap={"rm_scores": out} if out != "rm_scores" else {})]
+    model_col, rule_col = f"{prefix}model_scores", f"{prefix}rule_scores"
+    mfcs = [MFCDef(model, "reward", "inference", ("prompts", responses), (model_col,), fn="reward_model_score",
+                   input_key_remap=remap_in,
+                   output_key_remap={"model_scores": model_col} if model_col != "model_scores" else {})]
+    if options.rule_reward:
+        mfcs.append(MFCDef(rule, "reward", "compute", ("prompts", responses, "labels"), (rule_col,), fn="rule_reward",
+                           input_key_remap=remap_in, output_key_remap={"rm_scores": rule_col}))
+    inputs = (model_col, rule_col) if options.rule_reward else (model_col,)
+    mfcs.append(MFCDef(combine, "reward", "compute", inputs, (out,), fn="combine_reward",
+                       input_key_remap={c: c[len(prefix):] for c in inputs if prefix},
+                       output_key_remap={"rm_scores": out} if out != "rm_scores" else {}))
+    return mfcs
 
 
 def train_inputs(options: AlgorithmOptions, *keys: str) -> tuple[str, ...]:
@@ -47,5 +83,9 @@ def uses_kl_loss(use_kl_loss: bool, kl_loss_coef: float) -> bool:
 def options_from_config(cfg) -> AlgorithmOptions:
     """The options a `Config` implies (duck-typed: anything with `actor_config.use_kl_loss/kl_loss_coef`)."""
     a = cfg.actor_config
+    rm = getattr(cfg, "reward_model", None)
+    rl = getattr(cfg, "rl_config", None)
     return AlgorithmOptions(use_reference=uses_kl_loss(a.use_kl_loss, a.kl_loss_coef),
-                            off_policy_correction=getattr(a, "off_policy_correction", "none") != "none")
+                            off_policy_correction=getattr(a, "off_policy_correction", "none") != "none",
+                            reward_model=bool(getattr(rm, "enable", False)),
+                            rule_reward=bool(getattr(rl, "reward_fn", "digits")))

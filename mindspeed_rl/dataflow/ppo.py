@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .dataset import DATASET_KEYS  # the columns the dataset puts into the dock
 from .mfc import MFCDef
-from .options import FULL, AlgorithmOptions, reference_mfcs, train_inputs
+from .options import FULL, AlgorithmOptions, reference_mfcs, reward_mfcs, train_inputs
 
 
 def ppo_mfcs(options: AlgorithmOptions = FULL) -> list[MFCDef]:
@@ -18,8 +18,7 @@ def ppo_mfcs(options: AlgorithmOptions = FULL) -> list[MFCDef]:
     return [
         MFCDef("actor_rollout", "actor", "generate",
                ("prompts", "prompt_length"), ("responses", "response_length", "weight_version", "rollout_log_prob")),
-        MFCDef("rule_reward", "reward", "compute",
-               ("prompts", "responses", "labels"), ("rm_scores",), fn="rule_reward"),
+        *reward_mfcs(options),
         *reference_mfcs(options),
         MFCDef("actor_log_prob", "actor", "inference",
                ("prompts", "responses", "rollout_log_prob"), ("old_log_prob",),

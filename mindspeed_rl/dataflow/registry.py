@@ -19,11 +19,14 @@ from .ppo import DATASET_KEYS as PPO_DATASET_KEYS
 from .ppo import ppo_mfcs
 from .remax import DATASET_KEYS as REMAX_DATASET_KEYS
 from .remax import remax_mfcs
+from .reward_modeling import DATASET_KEYS as REWARD_MODELING_DATASET_KEYS
+from .reward_modeling import reward_modeling_mfcs
 
 ALGORITHMS: dict[str, tuple[Callable[[AlgorithmOptions], list[MFCDef]], tuple[str, ...]]] = {
     "grpo": (grpo_mfcs, GRPO_DATASET_KEYS),
     "ppo": (ppo_mfcs, PPO_DATASET_KEYS),
     "remax": (remax_mfcs, REMAX_DATASET_KEYS),
+    "reward_modeling": (reward_modeling_mfcs, REWARD_MODELING_DATASET_KEYS),
 }
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .dataset import DATASET_KEYS  # the columns the dataset puts into the dock
 from .mfc import MFCDef
-from .options import FULL, AlgorithmOptions, reference_mfcs, train_inputs
+from .options import FULL, AlgorithmOptions, reference_mfcs, reward_mfcs, train_inputs
 
 
 def remax_mfcs(options: AlgorithmOptions = FULL) -> list[MFCDef]:
@@ -21,12 +21,8 @@ def remax_mfcs(options: AlgorithmOptions = FULL) -> list[MFCDef]:
         MFCDef("actor_greedy_rollout", "actor", "generate",
                ("prompts", "prompt_length"), ("greedy_responses",), fn="generate_greedy",
                output_key_remap={"responses": "greedy_responses"}),
-        MFCDef("rule_reward", "reward", "compute",
-               ("prompts", "responses", "labels"), ("rm_scores",), fn="rule_reward"),
-        MFCDef("greedy_reward", "reward", "compute",
-               ("prompts", "greedy_responses", "labels"), ("reward_baselines",), fn="rule_reward",
-               input_key_remap={"greedy_responses": "responses"},
-               output_key_remap={"rm_scores": "reward_baselines"}),
+        *reward_mfcs(options),
+        *reward_mfcs(options, responses="greedy_responses", out="reward_baselines", prefix="greedy_"),
         *reference_mfcs(options),
         MFCDef("actor_log_prob", "actor", "inference",
                ("prompts", "responses", "rollout_log_prob"), ("old_log_prob",),

@@ -16,7 +16,7 @@ def g():
 
 
 def test_registry():
-    assert known_algorithms() == ["grpo", "ppo", "remax"] and "grpo" in ALGORITHMS
+    assert known_algorithms() == ["grpo", "ppo", "remax", "reward_modeling"] and "grpo" in ALGORITHMS
     mfcs, keys = get_algorithm("GRPO")
     assert keys == GRPO_DATASET_KEYS == ("prompts", "prompt_length", "labels")
     assert [m.name for m in mfcs] == ORDER

@@ -66,3 +66,54 @@ def test_loss_without_kl_needs_no_ref_log_prob_and_reports_no_kl():
     engine, batch = _loss_inputs(with_ref=True)
     out = step(engine, batch, 0.01)
     assert out["kl"] == pytest.approx(0.0, abs=1e-6)  # the reference equals the policy here
+
+
+# ------------------------------------------------------------------ the reward model's MFCs (issue 27)
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo", "remax"])
+def test_reward_model_mfc_only_when_enabled(algorithm):
+    off = algorithm_graph(algorithm, AlgorithmOptions(use_reference=False))
+    on = algorithm_graph(algorithm, AlgorithmOptions(use_reference=False, reward_model=True))
+    added = set(on.nodes) - set(off.nodes)
+    greedy = {"greedy_reward_model", "combine_greedy_reward"} if algorithm == "remax" else set()
+    assert added == {"reward_model", "combine_reward"} | greedy
+    assert "reward_model" not in off.nodes and "model_scores" not in dock_columns(off)
+    rm = on.nodes["reward_model"]["mfc"]
+    assert (rm.model_name, rm.interface_type.value, rm.input_keys, rm.output_keys) == \
+        ("reward", "inference", ("prompts", "responses"), ("model_scores",))
+    # the rule still runs (its mean is logged) and the combined score is what the advantage reads
+    assert on.nodes["rule_reward"]["mfc"].output_keys == ("rule_scores",)
+    assert on.nodes["combine_reward"]["mfc"].input_keys == ("model_scores", "rule_scores")
+    assert on.nodes["combine_reward"]["mfc"].output_keys == ("rm_scores",)
+    assert ("combine_reward", "compute_advantage") in on.edges
+    # never trained: no version edge, nothing to sync, nothing to checkpoint
+    from mindspeed_rl.dataflow import trained_models, weight_sync_targets
+    assert "reward" not in trained_models(on) and "reward" not in weight_sync_targets(on)
+    # without a rule reward: the model's score alone
+    alone = algorithm_graph(algorithm, AlgorithmOptions(use_reference=False, reward_model=True, rule_reward=False))
+    assert "rule_reward" not in alone.nodes
+    assert alone.nodes["combine_reward"]["mfc"].input_keys == ("model_scores",)
+
+
+def test_remax_scores_its_greedy_answer_with_the_reward_model_too():
+    g = algorithm_graph("remax", AlgorithmOptions(use_reference=False, reward_model=True))
+    greedy = g.nodes["greedy_reward_model"]["mfc"]
+    assert greedy.input_keys == ("prompts", "greedy_responses") and greedy.output_keys == ("greedy_model_scores",)
+    assert greedy.arg_name("greedy_responses") == "responses" and greedy.column_of("model_scores") == "greedy_model_scores"
+    combine = g.nodes["combine_greedy_reward"]["mfc"]
+    assert combine.output_keys == ("reward_baselines",) and combine.arg_name("greedy_rule_scores") == "rule_scores"
+
+
+def test_options_from_config_read_the_reward_model_section():
+    cfg = config_from_dict({"reward_model": {"enable": True, "model_path": "/x"}, "rl_config": {"reward_fn": None}})
+    opts = options_from_config(cfg)
+    assert opts.reward_model and not opts.rule_reward
+    assert not options_from_config(config_from_dict({})).reward_model
+
+
+def test_reward_modeling_is_one_train_step_over_the_pairs():
+    from mindspeed_rl.dataflow import trained_models, weight_sync_targets
+    g = algorithm_graph("reward_modeling")
+    assert list(g.nodes) == ["rm_train"] and g.graph["dataset_keys"] == ("prompts", "chosen", "rejected")
+    m = g.nodes["rm_train"]["mfc"]
+    assert m.is_trainable and m.model_name == "reward" and m.fn == "reward_train"
+    assert trained_models(g) == {"reward": "rm_train"} and weight_sync_targets(g) == {"reward": []}
