@@ -67,7 +67,9 @@ class TrainerConfig:
     keep_checkpoints: int = 3            # newest complete checkpoints kept, older ones deleted; 0: keep all
     resume: bool = False                 # continue from the newest checkpoint in output_dir
     overwrite: bool = False              # a fresh run over a previous run's results deletes them (else refused)
-    dry_run: bool = False                # validate, print graph and placement plan, start nothing
+    dry_run: bool = False                # validate, print graph and placement plan, write plan.json, start nothing
+    plugins: list = field(default_factory=list)  # modules imported (driver and every worker) before any engine is
+                                         # built: they register backends (engines.register_*_backend)
     logger: list = field(default_factory=lambda: ["console", "jsonl"])  # console, jsonl, tensorboard
     progress: bool = True                # per-step progress bar with per-stage consumption
     stage_timeout_s: float = 120.0       # a stage waiting longer than this for its inputs fails the run
@@ -86,7 +88,9 @@ class TrainerConfig:
 @dataclass
 class ActorConfig:
     model_path: str = "builtin:tiny-qwen2"  # local HF checkpoint dir, or builtin:tiny-qwen2
-    backend: str = "torch"               # torch (DDP) or fsdp (FSDP2); also the reference's and critic's
+    backend: str = "torch"               # torch (DDP), fsdp (FSDP2), megatron; also the reference's and critic's
+    backend_options: dict = field(default_factory=dict)  # the train backend's options (its dataclass checks them):
+                                         # fsdp: reshard_after_forward; megatron: layer_spec, ... (docs/engines.md)
     dtype: str = "float32"
     lr: float = 1e-3
     weight_decay: float = 0.0
@@ -141,11 +145,17 @@ class VLLMConfig:
     max_model_len: Optional[int] = None  # null: prompt + response lengths of this config
     enforce_eager: bool = True           # no CUDA graphs / torch.compile (always on CPU)
     enable_sleep_mode: bool = False      # CUDA: free the weights and KV cache between rollouts
+    sleep_level: int = 1                 # 1: offload the weights, drop the KV cache; 2: drop both
+    max_num_seqs: Optional[int] = None   # rows decoded together (null: vLLM's default)
+    enable_prefix_caching: Optional[bool] = None  # automatic prefix caching (null: vLLM's default, on)
+    disable_torch_compile: Optional[bool] = None  # torch.compile off in the rollout process (null: on CPU yes)
+    engine_kwargs: dict = field(default_factory=dict)  # any other vllm.LLM(...) argument, passed as is
 
 
 @dataclass
 class GenerateConfig:
     backend: str = "hf"                  # hf (transformers, KV cache) or vllm (generate_config.vllm)
+    backend_options: dict = field(default_factory=dict)  # a plugin rollout backend's options (vllm: the vllm section)
     max_new_tokens: int = 4
     temperature: float = 1.0
     top_p: float = 1.0

@@ -88,6 +88,8 @@ class MFCDef:
     input_key_remap:  dock column -> the function's argument name, for a column named otherwise than the
                     function expects (ReaLHF's name), e.g. ``{"greedy_responses": "responses"}``.
     output_key_remap: the function's output name -> dock column, e.g. ``{"log_prob": "ref_log_prob"}``.
+    fn_args:        arguments of the function's implementation (workers/impls.py) over those it takes from the
+                    config, e.g. ``{"temperature": 0.0}`` for one generate MFC (ReaLHF's interface_impl args).
 
     Why name functions instead of dispatching on the role: the same function serves several MFCs
     (``log_probs`` gives both ``old_log_prob`` and ``ref_log_prob``; ``rule_reward`` scores sampled
@@ -106,6 +108,7 @@ class MFCDef:
     fn: str | None = None
     input_key_remap: dict = field(default_factory=dict, hash=False)
     output_key_remap: dict = field(default_factory=dict, hash=False)
+    fn_args: dict = field(default_factory=dict, hash=False)
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name.strip():
@@ -156,6 +159,9 @@ class MFCDef:
                 raise ValueError(f"MFC {name!r}: {which} names column(s) {', '.join(map(repr, stray))} that are "
                                  f"not in its {side} {keys!r}; remap only columns the MFC "
                                  f"{'reads' if side == 'input_keys' else 'writes'}")
+        if not isinstance(self.fn_args, dict) or not all(isinstance(k, str) and k for k in self.fn_args):
+            raise ValueError(f"MFC {name!r}: fn_args={self.fn_args!r} must be a dict of argument name -> value")
+        object.__setattr__(self, "fn_args", dict(self.fn_args))
         object.__setattr__(self, "input_key_remap", dict(self.input_key_remap))
         object.__setattr__(self, "output_key_remap", dict(self.output_key_remap))
 

@@ -47,7 +47,35 @@ NamedTensors = Iterable[tuple[str, torch.Tensor]]
 Bucket = list[tuple[str, torch.Tensor]]
 
 
-class RolloutEngine(abc.ABC):
+class ReplicaRoles:
+    """What this rank does in its replica (the ranks holding one copy of the model), as verl's engines
+    declare their data-parallel rank and which rank holds the outputs (`is_mp_src_rank_with_outputs`).
+
+    A one-rank replica (plain data parallelism, the default) reads its own micro-batches from the dock
+    and writes its own results. A split model (tp or pp > 1) has one reader (it pulls micro-batches and
+    the replica gets them from it) and one writer (it holds the outputs and pushes them); the worker's
+    stage loop reads these members and nothing else of the engine's layout.
+    """
+
+    is_dock_reader: bool = True          # pulls micro-batches from the dock
+    is_dock_writer: bool = True          # pushes the replica's outputs to the dock
+    replica_group: Any = None            # the process group over the replica's ranks (None: one rank)
+    reader_rank: int = 0                 # the reader's rank in the default group (the replica's broadcast source)
+    writer_rank: int = 0                 # the writer's rank in the default group
+    dp_rank: int = 0                     # this replica's data-parallel index
+    dp_size: int = 1
+    collective_forward: bool = False     # every forward is collective across the DP ranks (sharded weights:
+                                         # FSDP, a mesh, megatron): each rank must make as many inference calls
+
+    @property
+    def shares_batches(self) -> bool:
+        """Must the worker hand each micro-batch the reader pulled to the whole replica before the engine's
+        call? Yes where the writer is not the reader (it must know which rows it writes); an engine that
+        broadcasts inside its own calls needs nothing else."""
+        return self.replica_group is not None and self.reader_rank != self.writer_rank
+
+
+class RolloutEngine(ReplicaRoles, abc.ABC):
     """Generates responses; holds its own copy of the policy weights, refreshed by weight sync."""
 
     weight_version: int = 0
@@ -111,6 +139,8 @@ class RolloutSpec:
     pad_token_id: int = 0
     seed: int = 0
     options: dict = field(default_factory=dict)  # backend-specific keys (generate_config.vllm.*)
+    max_seq_len: int = 0                 # the longest prompt + response this run makes (0: unknown); an engine
+                                         # that sizes its caches by it (vLLM's max_model_len) defaults to it
 
 
 @dataclass
@@ -151,7 +181,7 @@ class ModelOutput:
 LossFn = Callable[[ModelOutput, MicroBatch], "tuple[torch.Tensor, dict[str, float]]"]
 
 
-class TrainEngine(abc.ABC):
+class TrainEngine(ReplicaRoles, abc.ABC):
     """Forward, backward and optimizer of one model (the policy, a critic, a reference).
 
     Built with an optimizer it trains (`train_step`); built without one it only infers (reference

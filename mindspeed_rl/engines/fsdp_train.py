@@ -37,7 +37,8 @@ import functools
 import os
 import threading
 import warnings
-from typing import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,16 @@ from .batching import SequenceBatch, collate, unpad_rows
 from .torch_train import response_log_probs, response_values
 
 OPTIONS = {"reshard_after_forward"}   # TrainSpec.options keys this backend reads
+
+
+@dataclass
+class FSDPOptions:
+    """The fsdp backend's options (actor_config.backend_options)."""
+    reshard_after_forward: bool = True   # free the gathered parameters after each forward (ZeRO-3); false: ZeRO-2
+
+    def check(self) -> None:
+        if not isinstance(self.reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward={self.reshard_after_forward!r}: true or false")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -93,6 +104,7 @@ def _exclusive(method):
 
 
 class FSDPTrainEngine(TrainEngine):
+    collective_forward = True   # sharded weights: every forward gathers them across the DP ranks
     def __init__(self, model: torch.nn.Module, spec: TrainSpec):
         self.spec = spec
         self._lock = threading.RLock()

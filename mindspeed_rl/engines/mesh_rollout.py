@@ -102,7 +102,7 @@ class MeshRolloutEngine(RolloutEngine):
                 box[0].copy_(nxt)
                 box[1].copy_(logp)
             if m.replica_group is not None and m.pp > 1:
-                dist.broadcast(box, src=m.last_tp0, group=m.replica_group)
+                dist.broadcast(box, src=m.writer_rank, group=m.replica_group)
             nxt = responses.add(box[0].long(), box[1].float())
             keep = responses.compaction()
             if responses.complete:
@@ -119,24 +119,37 @@ class MeshRolloutEngine(RolloutEngine):
         self.weight_version = int(version)
 
     @property
-    def is_reader(self) -> bool:
-        return self.model.is_reader
+    def is_dock_reader(self) -> bool:
+        return self.model.is_dock_reader
 
     @property
-    def is_writer(self) -> bool:
-        return self.model.is_writer
+    def is_dock_writer(self) -> bool:
+        return self.model.is_dock_writer
 
     @property
     def replica_group(self):
         return self.model.replica_group
 
     @property
-    def reader(self) -> int:
-        return self.model.reader
+    def reader_rank(self) -> int:
+        return self.model.reader_rank
 
     @property
-    def last_tp0(self) -> int:
-        return self.model.last_tp0
+    def dp_rank(self) -> int:
+        return self.model.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.model.dp
+
+    @property
+    def shares_batches(self) -> bool:
+        """Every rank of a replica samples the reader's rows with their seeds: it needs the micro-batch."""
+        return self.replica_group is not None
+
+    @property
+    def writer_rank(self) -> int:
+        return self.model.writer_rank
 
     def close(self) -> None:
         self.model.close()

@@ -193,6 +193,7 @@ class StageModule(nn.Module):
 
 
 class MeshTrainEngine(TrainEngine):
+    collective_forward = True   # sharded weights: every forward gathers them across the DP ranks
     def __init__(self, model: nn.Module, spec: TrainSpec):
         opts = dict(spec.options)
         unknown = set(opts) - OPTIONS
@@ -308,9 +309,10 @@ class MeshTrainEngine(TrainEngine):
         replicas = [sorted(int(r) for r in grid[:, d, :].reshape(-1)) for d in range(self.dp)]
         self.replica_group = self._subgroup(replicas, replicas[self.dp_rank])
         self.replica_size = len(replicas[self.dp_rank])
-        self.reader = int(grid[0, self.dp_rank, 0])
-        self.last_tp0 = int(grid[self.pp - 1, self.dp_rank, 0])
-        self.is_reader = self.rank == self.reader
+        self.reader_rank = int(grid[0, self.dp_rank, 0])
+        self.writer_rank = int(grid[self.pp - 1, self.dp_rank, 0])
+        self.is_dock_reader = self.rank == self.reader_rank
+        self.dp_size = self.dp
         self.embed_group = None
 
     def _subgroup(self, groups: list[list[int]], mine: list[int]):
@@ -359,9 +361,9 @@ class MeshTrainEngine(TrainEngine):
         return self.pp_rank == self.pp - 1
 
     @property
-    def is_writer(self) -> bool:
+    def is_dock_writer(self) -> bool:
         """TP rank 0 of the last stage: the rank of its replica that pushes outputs to the dock."""
-        return self.rank == self.last_tp0
+        return self.rank == self.writer_rank
 
     @property
     def coord(self) -> tuple[int, int, int]:
@@ -382,22 +384,22 @@ class MeshTrainEngine(TrainEngine):
 
         if self.replica_group is None:
             return data
-        n = len(next(iter(data.values()))) if self.is_reader and data else 0
-        out, _ = broadcast_micro_batch(data if self.is_reader else None, list(range(n)) if self.is_reader else None,
-                                       src=self.reader, group=self.replica_group,
+        n = len(next(iter(data.values()))) if self.is_dock_reader and data else 0
+        out, _ = broadcast_micro_batch(data if self.is_dock_reader else None, list(range(n)) if self.is_dock_reader else None,
+                                       src=self.reader_rank, group=self.replica_group,
                                        device=self.device if self.device.type != "cpu" else None)
         return out
 
     def _next_round(self, it, size: int) -> list[MicroBatch]:
         """Up to `size` micro-batches from the reader's iterator, on every rank of the replica."""
         mbs: list[MicroBatch] = []
-        if self.is_reader:
+        if self.is_dock_reader:
             for mb in it:
                 mbs.append(mb)
                 if len(mbs) == size:
                     break
-        head = self._bcast_obj([(float(mb.loss_scale), bool(mb.last)) for mb in mbs], self.reader, self.replica_group)
-        if self.is_reader:
+        head = self._bcast_obj([(float(mb.loss_scale), bool(mb.last)) for mb in mbs], self.reader_rank, self.replica_group)
+        if self.is_dock_reader:
             for mb in mbs:
                 self._bcast_batch(mb.data)
             return mbs
@@ -495,7 +497,7 @@ class MeshTrainEngine(TrainEngine):
     def _infer(self, prompts, responses, micro_batch_size: int) -> list[torch.Tensor] | None:
         if micro_batch_size <= 0:
             raise ValueError(f"micro_batch_size={micro_batch_size}: must be > 0")
-        data = self._bcast_batch({"prompts": list(prompts), "responses": list(responses)} if self.is_reader else None)
+        data = self._bcast_batch({"prompts": list(prompts), "responses": list(responses)} if self.is_dock_reader else None)
         prompts, responses = data["prompts"], data["responses"]
         starts = list(range(0, len(prompts), micro_batch_size))
         chunks = [collate(prompts[s:s + micro_batch_size], responses[s:s + micro_batch_size], self.pad_token_id)
@@ -553,7 +555,7 @@ class MeshTrainEngine(TrainEngine):
     def train_step(self, micro_batches: Iterable[MicroBatch] | None, loss_fn: LossFn) -> dict[str, float]:
         if self.optimizer is None:
             raise RuntimeError("train_step on an inference-only engine (built without optim)")
-        it = iter(micro_batches) if self.is_reader else None
+        it = iter(micro_batches) if self.is_dock_reader else None
         sums: dict[str, float] = {}
         n = 0
         round_size = 1 if self.pp == 1 else self.pp_microbatches
@@ -580,7 +582,7 @@ class MeshTrainEngine(TrainEngine):
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
         if self.pp > 1:  # the loss metrics live on the last stage: the replica reports them
-            sums = self._bcast_obj(sums, self.last_tp0, self.replica_group)
+            sums = self._bcast_obj(sums, self.writer_rank, self.replica_group)
         return {**sums, "micro_batches": n, "grad_norm": grad_norm}
 
     def _train_round(self, rnd: list[MicroBatch], loss_fn: LossFn) -> list[dict]:

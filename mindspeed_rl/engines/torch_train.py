@@ -28,7 +28,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-from typing import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,18 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # vocabulary: 220 tokens a chunk)
 LOGITS_CHUNK_BYTES = 128 << 20
 OPTIONS = {"max_tokens_per_micro_batch"}
+
+
+@dataclass
+class TorchOptions:
+    """The torch backend's options (actor_config.backend_options; actor_config.max_tokens_per_micro_batch
+    is the same option, kept as a key of its own since every trained model reads it)."""
+    max_tokens_per_micro_batch: Optional[int] = None  # split a micro-batch into groups of at most this many tokens
+
+    def check(self) -> None:
+        n = self.max_tokens_per_micro_batch
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"max_tokens_per_micro_batch={n!r}: an integer >= 1, or null")
 
 
 # ---------------------------------------------------------------------------- log-probs, chunked

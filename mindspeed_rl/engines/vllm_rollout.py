@@ -143,6 +143,18 @@ SHM_PREFIX = "mindspeed_rl-vllm-weights-"
 _ALIGN = 64
 
 
+def actor_env(bundle_indices: list[int], resources) -> dict[str, str]:
+    """Environment of a replica's actor with accelerators (tensor_parallel_size > 1 on a placement group): the
+    bundles of its replica's devices and each worker's device share, which vLLM's Ray executor reads
+    (VLLM_RAY_BUNDLE_INDICES, VLLM_RAY_PER_WORKER_GPUS); nothing on CPU (the engine binds its ranks' threads
+    itself). Unrun (no GPU here)."""
+    share = resources.num_gpus or resources.num_npus
+    if not share:
+        return {}
+    return {"VLLM_RAY_BUNDLE_INDICES": ",".join(str(i) for i in bundle_indices),
+            "VLLM_RAY_PER_WORKER_GPUS": f"{share:g}"}
+
+
 class VLLMWorkerDied(RuntimeError):
     """A vLLM tensor-parallel worker process of this engine died: the engine cannot generate or load
     weights any more (vLLM's executor is shut down). The message names the worker; one line, since
@@ -319,6 +331,10 @@ class VLLMRolloutEngine(RolloutEngine):
             raise ValueError(f"generate_config.vllm: unknown option(s) {sorted(unknown)}; "
                              f"known: {list(OPTIONS)}")
         opts = {k: v for k, v in spec.options.items() if v is not None}  # null in the config = default
+        if not opts.get("engine_kwargs"):
+            opts.pop("engine_kwargs", None)
+        if "max_model_len" not in opts and spec.max_seq_len:
+            opts["max_model_len"] = spec.max_seq_len
         device_type = torch.device(spec.device).type
         on_cpu = device_type == "cpu"
         restore: dict = {"set_num_threads": torch.set_num_threads}
@@ -361,7 +377,7 @@ class VLLMRolloutEngine(RolloutEngine):
         if tp > 1:
             kwargs["worker_extension_cls"] = f"{__name__}.{ShmWeightLoader.__name__}"
             # the trainer pins an accelerator replica's actor into its placement group and names the
-            # bundles (driver.engine_rollout_env): vLLM's Ray executor puts the ranks there
+            # bundles (the backend's actor_env, vllm_rollout.actor_env): vLLM's Ray executor puts the ranks there
             kwargs["distributed_executor_backend"] = "ray" if os.environ.get("VLLM_RAY_BUNDLE_INDICES") else "mp"
             if on_cpu and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
                 restore["VLLM_CPU_OMP_THREADS_BIND"] = None

@@ -39,7 +39,7 @@ from .checkpoint import (ResumePoint, checkpoint_dir, mark_latest, prune_checkpo
 from .dock_calls import DockCalls, DockSilent
 from .resume import check_resume
 from .run_dir import RunDirectory, refuse_or_clear_previous
-from .plan import Plan, check_cluster, format_plan, make_plan
+from .plan import Plan, check_cluster, format_plan, make_plan, write_plan_json
 from .run_log import MetricsFileError, RunLog, plot_curve
 
 STARTUP_TIMEOUT_S = 300.0
@@ -155,13 +155,10 @@ class Trainer:
 
     def _layouts(self) -> dict[str, dict]:
         """Per trained model, the train backend and dp/tp/pp its checkpoint files are written in."""
-        from .plan import engine_backends, group_train_backend
-        _, train_spec = engine_backends(self.cfg, check_files=False)
         out = {}
         for model, train_mfc in self.plan.trained.items():
             g = self.plan.groups[self.plan.group_of(train_mfc)]
-            out[model] = {"backend": group_train_backend(train_spec, g).name, "dp": g.resources.dp, "tp": g.tp,
-                          "pp": g.pp}
+            out[model] = {"backend": g.train_backend, "dp": g.resources.dp, "tp": g.tp, "pp": g.pp}
         return out
 
     def _check_layouts(self, found: ResumePoint) -> None:
@@ -183,6 +180,7 @@ class Trainer:
         cfg = self.cfg
         if cfg.trainer.dry_run:
             print(self.describe())
+            print(f"plan: {write_plan_json(self.plan, cfg.trainer.output_dir)}")
             return []
         error: BaseException | None = None
         self._trap_signals()
@@ -192,6 +190,7 @@ class Trainer:
                 from .run_log import read_metrics
                 path = os.path.join(cfg.trainer.output_dir, "metrics.jsonl")
                 return read_metrics(Path(path)) if os.path.exists(path) else []
+            write_plan_json(self.plan, cfg.trainer.output_dir)   # what the plan decided, for tools and users
             self._start_dashboard()  # a port in use fails before Ray starts
             self._start_ray()
             self._trap_signals()  # again: ray.init installs a SIGTERM handler of its own (sys.exit)
@@ -674,7 +673,8 @@ class Trainer:
         from ..data.prompts import load_prompt_dataset
         from ..models import load_tokenizer
         from ..transfer_dock.client import create_transfer_dock
-        from ..workers.worker import Worker, WorkerSpec
+        from ..workers.worker import Worker
+        from .worker_specs import worker_specs
 
         cfg, plan = self.cfg, self.plan
         t = cfg.trainer
@@ -707,42 +707,38 @@ class Trainer:
                 opts["num_gpus"] = r.num_gpus
             if r.num_npus:
                 opts["resources"] = {"NPU": r.num_npus}
-            # mode mesh: dp * tp * pp ranks, rank k (the topology's sub-rank k) on device k of the group's mesh
+            # mode mesh: the deployment's actors, actor k on its devices (one, or a replica's for an engine that
+            # starts its own ranks there)
             def pinned(k: int, gp=gp, opts=opts):
-                if not gp.devices:
+                devices = gp.actor_devices(k)
+                if not devices:
                     return ray.remote(Worker).options(**opts)
-                if gp.engine_rollout:  # one actor per replica; its vLLM engine starts the tp ranks
-                    return ray.remote(Worker).options(**engine_rollout_options(self.placement_groups,
-                                                                               gp.actor_devices(k), opts))
+                if len(devices) > 1:
+                    return ray.remote(Worker).options(**multi_device_actor_options(self.placement_groups, devices, opts))
                 from ..parallel import scheduling_strategy
                 return ray.remote(Worker).options(
-                    **opts, scheduling_strategy=scheduling_strategy(self.placement_groups, gp.devices[k]))
-            # an engine-split rollout group: dp whole replicas to the trainer, tp only for the engine
-            tp, pp, engine_tp = (1, 1, gp.tp) if gp.engine_rollout else (gp.tp, gp.pp, 1)
-            self.workers[name] = [
-                pinned(k).remote(WorkerSpec(group=name, rank=k, dp=r.dp, tp=tp, pp=pp, mfcs=gp.mfcs, config=cfg,
-                                            docks=self.docks, model_paths=plan.model_paths, trained_models=plan.trained,
-                                            same_step_outputs=plan.same_step_outputs,
-                                            rows_per_step=plan.rows_per_step, torch_threads=r.torch_threads,
-                                            device=r.device, engine_tp=engine_tp,
-                                            env={**env, **engine_rollout_env(self.placement_groups,
-                                                                             gp.actor_devices(k), r)}
-                                            if gp.engine_rollout else env))
-                for k in range(gp.world)]
+                    **opts, scheduling_strategy=scheduling_strategy(self.placement_groups, devices[0]))
+
+            def env_of(k: int, gp=gp) -> dict:
+                devices = gp.actor_devices(k)
+                if len(devices) > 1 and gp.rollout_backend:
+                    from ..engines.registry import rollout_backend
+                    return {**env, **rollout_backend(gp.rollout_backend).actor_env(
+                        [self.placement_groups[d][1] for d in devices], gp.resources)}
+                return env
+            self.workers[name] = [pinned(k).remote(spec)
+                                  for k, spec in enumerate(worker_specs(cfg, plan, gp, self.docks, env_of))]
         all_workers = [w for ws in self.workers.values() for w in ws]
         infos = self._get([w.ping.remote() for w in all_workers], "starting workers")
         for name, ws in self.workers.items():
             self.worker_nodes[name] = [infos[all_workers.index(w)]["node_id"] for w in ws]
             for rank, w in enumerate(ws):  # named in the message if it dies
                 self.worker_info[(name, rank)] = {**infos[all_workers.index(w)], "actor_id": _actor_id(w)}
-        from ..dataflow.mfc import InterfaceType
         for name, ws in self.workers.items():
-            engines = {InterfaceType(m.interface_type) for m in plan.groups[name].mfcs}
-            if len(ws) > 1 and (engines & {InterfaceType.TRAIN_STEP, InterfaceType.INFERENCE}
-                                or plan.groups[name].mesh_rollout):
-                # the default group over a model's ranks (DDP, FSDP; all dp*tp*pp of a model-parallel group,
-                # generating ones too); never in another rollout-only group, whose engine (vLLM) may take
-                # torch's default group for itself.
+            if plan.groups[name].deployment.default_group:
+                # the default group over a model's ranks, where its deployment says so (DDP, FSDP; all dp*tp*pp of
+                # a model-parallel group, generating ones too); never in a rollout-only data-parallel group, whose
+                # engine (vLLM) may take torch's default group for itself.
                 # Its collectives may wait for a reader waiting on the dock: a timeout beyond the stage's
                 host = infos[all_workers.index(ws[0])]["host"]
                 port = self._get([ws[0].free_port.remote()], "DDP port")[0]
@@ -874,7 +870,7 @@ class Trainer:
 
     def shutdown(self) -> None:
         import ray
-        split = [w for name, ws in self.workers.items() if self.plan.groups[name].engine_rollout for w in ws]
+        split = [w for name, ws in self.workers.items() if self.plan.groups[name].rollout_backend for w in ws]
         if split:  # vLLM's worker processes end with the actor, but only a close removes their /dev/shm queues
             try:
                 ray.wait([w.close_rollout.remote() for w in split], num_returns=len(split), timeout=CLOSE_TIMEOUT_S)
@@ -938,15 +934,16 @@ def check_ray_address(address: str) -> None:
                           "start a local Ray") from None
 
 
-def engine_rollout_options(placement_groups: Mapping, devices: list[int], opts: dict) -> dict:
-    """Ray options of an engine-split rollout actor (one per DP replica; GroupPlan.engine_rollout).
+def multi_device_actor_options(placement_groups: Mapping, devices: list[int], opts: dict) -> dict:
+    """Ray options of an actor that holds several devices (an engine that starts its own ranks there, as vLLM's
+    tensor parallelism does: one actor per DP replica; engines/deployment.py).
 
     An actor can take resources from one placement-group bundle (one device) only, so it is pinned to
     its replica's first device; the replica's other devices stay reserved for it (the plan pins no
     other rank of its group there). On CPU the actor keeps that bundle's CPU share and vLLM's worker
     processes, children of the actor, run on the replica's CPU slots outside Ray's accounting. With
     accelerators the actor takes no GPU/NPU: vLLM's Ray executor starts one worker per device on the
-    replica's bundles (`engine_rollout_env` names them; child tasks are captured by the placement
+    replica's bundles (the backend's `actor_env` names them; child tasks are captured by the placement
     group). That path is written against Ray's and vLLM's public API and has not been run (no GPU here).
     """
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -961,17 +958,6 @@ def engine_rollout_options(placement_groups: Mapping, devices: list[int], opts: 
     out = {k: v for k, v in opts.items() if k not in ("num_gpus", "resources")}
     return {**out, "scheduling_strategy": PlacementGroupSchedulingStrategy(
         placement_group=pg, placement_group_bundle_index=index, placement_group_capture_child_tasks=accelerated)}
-
-
-def engine_rollout_env(placement_groups: Mapping, devices: list[int], resources) -> dict[str, str]:
-    """Environment of an engine-split rollout actor with accelerators: the bundles of its replica's
-    devices and each worker's device share, which vLLM's Ray executor reads (VLLM_RAY_BUNDLE_INDICES,
-    VLLM_RAY_PER_WORKER_GPUS); nothing on CPU (the engine binds its ranks' threads itself). Unrun."""
-    share = resources.num_gpus or resources.num_npus
-    if not share:
-        return {}
-    return {"VLLM_RAY_BUNDLE_INDICES": ",".join(str(placement_groups[d][1]) for d in devices),
-            "VLLM_RAY_PER_WORKER_GPUS": f"{share:g}"}
 
 
 def _cache_env() -> str:

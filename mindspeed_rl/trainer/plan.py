@@ -15,6 +15,7 @@ from ..config.sizes import group_size_note, train_size_note
 from ..dataflow import (MFCDef, algorithm_graph, dock_columns, dock_consumers, get_algorithm, options_from_config,
                         same_step_readers, train_time_mfcs, topological_order, trained_models, weight_sync_targets)
 from ..dataflow.mfc import InterfaceType
+from ..engines.deployment import Deployment, DeployError, Slice
 from ..parallel import ClusterSpec, PlacementPlan, plan_placement
 
 
@@ -23,47 +24,35 @@ class GroupPlan:
     name: str
     mfcs: list[MFCDef]
     resources: GroupConfig                  # resources.dp: the data-parallel replicas
-    devices: list[int] = field(default_factory=list)  # placement.mode=mesh: rank k runs on devices[k]
-    tp: int = 1                             # placement.mode=mesh: tensor- and pipeline-parallel sizes; the
-    pp: int = 1                             # group runs dp * tp * pp actors, one per device of its mesh
-    rollout_backend: str = ""               # the rollout backend the config chose (registry.chosen_backends)
-
-    @property
-    def mesh_rollout(self) -> bool:
-        """A model-parallel group that generates on the mesh rollout backend (the configured rollout
-        backend's `split` is "mesh"): its ranks share torch's default group, as a train group's do."""
-        from ..engines.registry import ROLLOUT_BACKENDS
-        backend = ROLLOUT_BACKENDS.get(self.rollout_backend)
-        return (self.model_parallel and backend is not None and backend.split == "mesh"
-                and any(InterfaceType(m.interface_type) is InterfaceType.GENERATE for m in self.mfcs))
-
-    @property
-    def engine_rollout(self) -> bool:
-        """A generating group with tp > 1 whose rollout backend starts its own tensor-parallel ranks
-        (`Backend.split == "engine"`: vLLM's workers): one actor per DP replica, on the tp devices of its
-        replica (`actor_devices`). To the rest of the trainer it is a data-parallel group of dp actors."""
-        from ..engines.registry import ROLLOUT_BACKENDS
-        backend = ROLLOUT_BACKENDS.get(self.rollout_backend)
-        return (self.tp * self.pp > 1 and backend is not None and backend.split == "engine"
-                and any(InterfaceType(m.interface_type) is InterfaceType.GENERATE for m in self.mfcs))
+    devices: list[int] = field(default_factory=list)  # placement.mode=mesh: the group's devices, topology order
+    tp: int = 1                             # placement.mode=mesh: the tensor- and pipeline-parallel sizes of
+    pp: int = 1                             # the group's slice (its backend's deployment decides the actors)
+    deployment: Deployment | None = None    # what the backends make of the slice (engines/deployment.py)
+    rollout_backend: str = ""               # the backend whose rollout engine generates here ("": none)
+    train_backend: str = ""                 # the backend whose engines run the group's other models ("": none)
+    rollout_options: dict = field(default_factory=dict)  # their options, checked by their dataclasses
+    train_options: dict = field(default_factory=dict)
 
     @property
     def world(self) -> int:
-        """The group's actors (ranks): dp * tp * pp, sub-rank k on `devices[k]` (parallel/topology.py);
-        dp for an engine-split rollout group (each actor's engine starts its tp ranks itself)."""
-        return self.resources.dp * (1 if self.engine_rollout else self.tp * self.pp)
-
-    @property
-    def model_parallel(self) -> bool:
-        """TP or PP > 1 over the group's actors: the mesh backends run its models, one dock reader and
-        writer per replica (not an engine-split rollout group, whose actors are whole replicas)."""
-        return self.tp * self.pp > 1 and not self.engine_rollout
+        """The group's actors (ranks) as its deployment starts them."""
+        return self.deployment.actors if self.deployment is not None else self.resources.dp
 
     def actor_devices(self, k: int) -> list[int]:
-        """The mesh devices actor k holds: `devices[k]`, or replica k's tp devices (topology order, TP
-        innermost) in an engine-split rollout group; [] outside placement.mode=mesh."""
-        n = len(self.devices) // self.world if self.devices else 0
-        return self.devices[k * n:(k + 1) * n]
+        """The mesh devices actor k holds ([] outside placement.mode=mesh)."""
+        return list(self.deployment.actor_devices(k)) if self.deployment is not None else []
+
+    def as_dict(self) -> dict:
+        """The group as plan.json gives it."""
+        r = self.resources
+        dep = self.deployment.as_dict() if self.deployment is not None else {}
+        return {"mfcs": [m.name for m in self.mfcs],
+                "roles": sorted({f"{m.model_name}/{InterfaceType(m.interface_type).value}" for m in self.mfcs}),
+                "rollout_backend": self.rollout_backend or None, "train_backend": self.train_backend or None,
+                "rollout_options": self.rollout_options, "train_options": self.train_options,
+                "dp": r.dp, "tp": self.tp, "pp": self.pp, "devices": list(self.devices), "device": r.device,
+                "num_cpus": r.num_cpus, "num_gpus": r.num_gpus, "num_npus": r.num_npus,
+                "actors": self.world, "deployment": dep}
 
 
 @dataclass
@@ -149,6 +138,11 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
     `options_from_config`), and only the sections of the graph's models are validated.
     """
     rl = cfg.rl_config
+    from ..engines.registry import import_plugins
+    try:  # first: a plugin may register the backends and functions the rest of the config names
+        import_plugins(cfg.trainer.plugins)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     from ..algorithms import OFF_POLICY_CORRECTIONS
     if cfg.actor_config.off_policy_correction not in OFF_POLICY_CORRECTIONS:
         raise ConfigError(f"actor_config.off_policy_correction={cfg.actor_config.off_policy_correction!r}: must be one "
@@ -216,8 +210,7 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
         if g not in groups:
             res = dataclasses.replace(resources.get(g, GroupConfig()), mfcs=[])
             tp, pp = mesh_splits.get(g, (1, 1))
-            groups[g] = GroupPlan(name=g, mfcs=[], resources=res, devices=list(mesh_devices.get(g, [])), tp=tp, pp=pp,
-                                  rollout_backend=rollout_spec.name)
+            groups[g] = GroupPlan(name=g, mfcs=[], resources=res, devices=list(mesh_devices.get(g, [])), tp=tp, pp=pp)
         groups[g].mfcs.append(m)
         groups[g].resources.mfcs.append(m.name)
     folded, fold_notes = _fold_own_process_group(cfg, order, rollout_spec, assign, groups)
@@ -281,20 +274,17 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
                                   "default process group, re-seeds the RNGs and patches torch.set_num_threads); move "
                                   "the generate MFCs to a group of their own")
     model_kinds = {m.name: functions[m.name].engine for m in order}
+    deploy_notes = _deploy_groups(cfg, groups, model_kinds, rollout_spec, train_spec, check_files)
     for g, p in groups.items():  # the train backend runs every model engine but rollout: can it run here?
-        spec = group_train_backend(train_spec, p)
+        if not p.train_backend:
+            continue
+        from ..engines.registry import train_backend as train_row
+        spec = train_row(p.train_backend)
         engines = [m.name for m in p.mfcs if model_kinds[m.name] in ("policy", "value")]
         if engines and p.resources.device != "auto" and p.resources.device not in spec.devices:
             raise ConfigError(f"actor_config.backend={spec.name}: runs on {list(spec.devices)}, but worker "
                               f"group '{g}' ({engines}) has device={p.resources.device!r}; pick a backend that runs "
                               f"there (docs/engines.md) or put the group on {spec.devices[0]}")
-        budget = cfg.actor_config.max_tokens_per_micro_batch
-        if budget and engines and "max_tokens_per_micro_batch" not in spec.options:
-            from ..engines.registry import TRAIN_BACKENDS
-            able = [b.name for b in TRAIN_BACKENDS.values() if "max_tokens_per_micro_batch" in b.options]
-            raise ConfigError(f"actor_config.max_tokens_per_micro_batch={budget}: the {spec.name} train backend (worker "
-                              f"group '{g}') does not split micro-batches by tokens; backends that do: {able}; set it "
-                              "to null or use one of them")
         if check_files and engines:
             _check_train_model(spec, p, [m for m in p.mfcs if model_kinds[m.name] in ("policy", "value")],
                                model_paths)
@@ -305,21 +295,7 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
     engine_backends(cfg, check_files)  # a backend's package missing: said once the placement is known good
     if check_files:
         _check_rollout_model(cfg, rollout_spec, [p for p in groups.values() if any(_generates(m) for m in p.mfcs)])
-    notes = [f"engines: rollout {rollout_spec.name}, training {train_spec.name}"] + fold_notes
-    split = {g: f"{p.resources.dp}/{p.tp}/{p.pp}" for g, p in groups.items()
-             if p.model_parallel and any(_model_mfc(m) for m in p.mfcs)
-             and (p.mesh_rollout or not any(_generates(m) for m in p.mfcs))}
-    if split:
-        notes.append(f"model-parallel worker groups {split} (dp/tp/pp) run the mesh backends (TP, PP and FSDP "
-                     f"over dp; generation too when generate_config.backend is hf; docs/engines.md) whatever "
-                     f"actor_config.backend says; one dock reader and one writer per replica, and their MFCs take "
-                     f"turns on the group's ranks within a step")
-    engine_split = {g: p.devices for g, p in groups.items() if p.engine_rollout}
-    if engine_split:
-        tps = sorted({p.tp for p in groups.values() if p.engine_rollout})
-        notes.append(f"engine-split rollout groups {engine_split} (devices): one actor per DP replica, whose "
-                     f"{rollout_spec.name} engine starts tensor_parallel_size={'/'.join(map(str, tps))} ranks of "
-                     f"its own on the replica's devices (docs/engines.md); weights reach its ranks through /dev/shm")
+    notes = [f"engines: rollout {rollout_spec.name}, training {train_spec.name}"] + fold_notes + deploy_notes
     if rl.max_weight_staleness:
         late = train_time_mfcs(graph)
         notes.append(f"max_weight_staleness={rl.max_weight_staleness}: {[m.name for m in order if m.name not in late]} "
@@ -400,15 +376,6 @@ def _fold_own_process_group(cfg: Config, order: list[MFCDef], rollout_spec, assi
 def _dp_key(cfg: Config, group: str) -> str:
     """The key that sets a worker group's dp: its placement.groups entry, or (mode mesh) its MFCs' meshes."""
     return "placement.mfcs (dp)" if cfg.placement.mode == "mesh" else f"placement.groups.{group}.dp"
-
-
-def group_train_backend(train_spec, group: GroupPlan):
-    """The registry entry of the train backend a worker group's models run on: the mesh backend for a
-    model-parallel group (tp or pp > 1), else the configured one (`actor_config.backend`)."""
-    from ..engines import registry
-    if group.model_parallel and train_spec.name != registry.SIMULATE:
-        return registry.TRAIN_BACKENDS[registry.MESH]
-    return train_spec
 
 
 def _model_mfc(m: MFCDef) -> bool:
@@ -578,24 +545,100 @@ def _check_train_model(backend, group: GroupPlan, mfcs: list[MFCDef], model_path
 
 
 def _check_rollout_split(cfg: Config, rollout: dict) -> None:
-    """A rollout MFC with tp or pp > 1 runs only where its backend says how (`Backend.split`)."""
+    """A rollout MFC with tp or pp > 1 runs only where its backend's deployment splits that way."""
     from ..engines import registry
+    from ..engines.deployment import MESH
     name = registry.chosen_backends(cfg)[0]
     backend = registry.ROLLOUT_BACKENDS.get(name)
+    if backend is None:
+        return  # an unknown name is refused by engine_backends, naming the key
     for n, p in rollout.items():
-        if backend is None or not backend.split:
-            raise ConfigError(f"placement.mfcs.{n}: dp/tp/pp {p.strategy} splits the rollout model, which "
-                              f"generate_config.backend={name!r} cannot; use tp: 1, pp: 1 (dp = mesh size) or a "
-                              f"backend that splits ({[b for b, v in registry.ROLLOUT_BACKENDS.items() if v.split]})")
-        if backend.split == "mesh" and cfg.rl_config.max_weight_staleness:
+        try:
+            dep = backend.deploy(Slice(p.dp, p.tp, p.pp))
+        except DeployError as e:
+            what = f"pp={p.pp}" if p.tp == 1 or backend.shape != "data_parallel" else f"dp/tp/pp {p.strategy}"
+            raise ConfigError(f"placement.mfcs.{n}: {what} with generate_config.backend={name!r}: {e}") from None
+        if dep.shape == MESH and cfg.rl_config.max_weight_staleness:
             raise ConfigError(f"placement.mfcs.{n}: dp/tp/pp {p.strategy} generation on the mesh with "
                               f"rl_config.max_weight_staleness={cfg.rl_config.max_weight_staleness}: a weight sync "
                               f"would land on some ranks of a replica between two of their collective forwards and "
                               f"not on others; use max_weight_staleness: 0 with a split generation, or tp: 1, pp: 1")
-        if backend.split == "engine" and p.pp > 1:
-            raise ConfigError(f"placement.mfcs.{n}: pp={p.pp} with generate_config.backend={name!r}, which splits "
-                              f"by tensor parallelism only here; use pp: 1 (tp up to the mesh size), or "
-                              f"generate_config.backend=hf, which generates on a pipeline (the mesh backend)")
+
+
+def _deploy_groups(cfg: Config, groups: dict[str, GroupPlan], model_kinds: dict[str, str], rollout_spec, train_spec,
+                   check_files: bool) -> list[str]:
+    """Each worker group's deployment, as its backends declare it (engines/deployment.py): which backend's
+    engines run there, with which options, as how many actors, and which of them read the dock and write.
+    A dry run plans what a real run refuses (a split the backend cannot make) and says so in a note."""
+    from ..engines.registry import backend_options, deploy_group
+    notes: list[str] = []
+    options: dict[str, dict] = {}
+
+    def options_of(backend, key: str) -> dict:
+        if backend.name not in options:
+            try:
+                opts = backend_options(cfg, backend)
+                if key == "train" and cfg.actor_config.max_tokens_per_micro_batch:
+                    opts = _with_token_budget(cfg, backend, opts)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            options[backend.name] = opts
+        return options[backend.name]
+
+    for g, p in groups.items():
+        gens = any(_generates(m) for m in p.mfcs)
+        models = any(model_kinds[m.name] in ("policy", "value") for m in p.mfcs)
+        slice_ = Slice(p.resources.dp, p.tp, p.pp, tuple(p.devices))
+        try:
+            p.deployment = deploy_group(rollout_spec if gens else None, train_spec if models else None, slice_)
+            if gens:
+                p.rollout_backend = rollout_spec.deploy(slice_).backend
+            if models:
+                p.train_backend = train_spec.deploy(slice_).backend
+        except DeployError as e:
+            if check_files:
+                raise ConfigError(f"worker group '{g}' ({', '.join(m.name for m in p.mfcs)}): {e}") from None
+            notes.append(f"planned, not run: worker group '{g}': {e}")
+            p.deployment = Deployment(backend="-", shape="mesh" if p.tp * p.pp > 1 else "data_parallel",
+                                      dp=p.resources.dp, tp=p.tp, pp=p.pp, devices=tuple(p.devices))
+            continue
+        from ..engines.registry import rollout_backend as rollout_row, train_backend as train_row
+        if p.rollout_backend:
+            p.rollout_options = {**options_of(rollout_spec, "rollout"),
+                                 **rollout_row(p.rollout_backend).engine_options(p.deployment)}
+        if p.train_backend:
+            p.train_options = {**(options_of(train_spec, "train") if p.train_backend == train_spec.name else {}),
+                               **train_row(p.train_backend).engine_options(p.deployment)}
+        split = [b for b in (p.rollout_backend, p.train_backend)
+                 if b and b not in (rollout_spec.name, train_spec.name)]
+        if split:
+            notes.append(f"worker group '{g}' (dp/tp/pp {p.resources.dp}/{p.tp}/{p.pp}) runs on the {'/'.join(split)} "
+                         f"backend, which splits for {rollout_spec.name if p.rollout_backend in split else train_spec.name}"
+                         f" (docs/engines.md)")
+        dep = p.deployment
+        if dep.actors > 1 and (dep.tp > 1 or dep.pp > 1):
+            readers = [r.rank for r in dep.roles() if r.reads]
+            writers = [r.rank for r in dep.roles() if r.writes]
+            turns = "; its model MFCs take turns on the group's ranks within a step" if dep.shape == "mesh" else ""
+            notes.append(f"worker group '{g}': {dep.actors} actors ({dep.shape}, engine_tp {dep.engine_tp}); dock readers "
+                         f"{readers}, writers {writers}{turns}")
+    return notes
+
+
+def _with_token_budget(cfg: Config, backend, opts: dict) -> dict:
+    """actor_config.max_tokens_per_micro_batch is an option of the train backends whose options say so."""
+    import dataclasses as dc
+    from ..engines.registry import TRAIN_BACKENDS
+    budget = cfg.actor_config.max_tokens_per_micro_batch
+
+    def takes(b) -> bool:
+        cls = b.options_class()
+        return cls is not None and "max_tokens_per_micro_batch" in {f.name for f in dc.fields(cls)}
+    if not takes(backend):
+        able = [b.name for b in TRAIN_BACKENDS.values() if b.user and takes(b)]
+        raise ValueError(f"actor_config.max_tokens_per_micro_batch={budget}: the {backend.name} train backend does not "
+                         f"split micro-batches by tokens; backends that do: {able}; set it to null or use one of them")
+    return {**opts, "max_tokens_per_micro_batch": budget}
 
 
 def _floor4(x: float) -> float:
@@ -643,6 +686,30 @@ def check_cluster(plan: Plan, available: dict[str, float]) -> None:
                     f"add {res}s or nodes to the Ray cluster")
             raise ConfigError(f"placement needs {amount:g} {res} ({detail}) but the Ray cluster has {have:g}; "
                               f"lower placement.groups.<name>.num_{res.lower()}s (fractions are fine), or {more}")
+
+
+def plan_dict(plan: Plan) -> dict:
+    """What the plan decided, as plan.json holds it: per worker group its MFCs, backends, dp/tp/pp, devices,
+    actors and which ranks read the dock and write results; the stage order, columns and weight syncs."""
+    return {"groups": {g: p.as_dict() for g, p in plan.groups.items()},
+            "stage_order": [m.name for m in plan.order], "columns": list(plan.columns),
+            "consumers": list(plan.consumers), "rows_per_step": plan.rows_per_step,
+            "weight_sync": {model: {"trained_by": plan.trained[model], "readers": targets}
+                            for model, targets in plan.sync_targets.items()},
+            "model_paths": dict(plan.model_paths), "notes": list(plan.notes), "batch_sizes": list(plan.size_notes)}
+
+
+def write_plan_json(plan: Plan, directory: str) -> str:
+    """plan.json in `directory` (a dry run's and a real run's output_dir), written whole or not at all."""
+    import json
+    import os
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, "plan.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(plan_dict(plan), f, indent=1, default=str)
+    os.replace(tmp, path)
+    return path
 
 
 def format_plan(plan: Plan) -> str:

@@ -27,6 +27,7 @@ from ..engines.batching import unpad_rows
 class ComputeFn:
     """What a compute function reads and writes, for the plan's checks and the docs."""
     name: str
+    impl: Any                         # its implementation (workers/impls.py): an Impl class or "module:Class"
     interface: InterfaceType
     inputs: tuple[str, ...]           # names it must get
     outputs: tuple[str, ...]          # names it can write (an MFC writes a subset)
@@ -36,32 +37,43 @@ class ComputeFn:
 
 
 FUNCTIONS: dict[str, ComputeFn] = {f.name: f for f in (
-    ComputeFn("generate", InterfaceType.GENERATE, ("prompts",),
+    ComputeFn("generate", "mindspeed_rl.workers.impls:Generate", InterfaceType.GENERATE, ("prompts",),
               ("responses", "response_length", "weight_version", "rollout_log_prob"), engine="rollout",
               doc="sample one response per row with generate_config (and its tokens' log-probs)"),
-    ComputeFn("generate_greedy", InterfaceType.GENERATE, ("prompts",),
+    ComputeFn("generate_greedy", "mindspeed_rl.workers.impls:Generate", InterfaceType.GENERATE, ("prompts",),
               ("responses", "response_length", "weight_version", "rollout_log_prob"), engine="rollout",
               doc="the greedy (argmax) response per row: ReMax's baseline"),
-    ComputeFn("log_probs", InterfaceType.INFERENCE, ("prompts", "responses"), ("log_prob",), engine="policy",
+    ComputeFn("log_probs", "mindspeed_rl.workers.impls:LogProbs", InterfaceType.INFERENCE, ("prompts", "responses"), ("log_prob",), engine="policy",
               optional=("rollout_log_prob",),
               doc="per-token log-probs of the responses (and their distance to the rollout's, when given)"),
-    ComputeFn("values", InterfaceType.INFERENCE, ("prompts", "responses"), ("values",), engine="value",
+    ComputeFn("values", "mindspeed_rl.workers.impls:Values", InterfaceType.INFERENCE, ("prompts", "responses"), ("values",), engine="value",
               doc="a critic's per-token values of the responses"),
-    ComputeFn("rule_reward", InterfaceType.COMPUTE, ("prompts", "responses", "labels"), ("rm_scores",),
+    ComputeFn("rule_reward", "mindspeed_rl.workers.impls:RuleReward", InterfaceType.COMPUTE, ("prompts", "responses", "labels"), ("rm_scores",),
               doc="rl_config.reward_fn on the decoded response and answer"),
-    ComputeFn("grpo_advantage", InterfaceType.COMPUTE, ("rm_scores",), ("advantages",),
+    ComputeFn("grpo_advantage", "mindspeed_rl.workers.impls:GRPOAdvantage", InterfaceType.COMPUTE, ("rm_scores",), ("advantages",),
               doc="reward normalized within each prompt's group (needs get_n_samples)"),
-    ComputeFn("gae_advantage", InterfaceType.COMPUTE, ("rm_scores", "values"), ("advantages", "returns"),
+    ComputeFn("gae_advantage", "mindspeed_rl.workers.impls:GAEAdvantage", InterfaceType.COMPUTE, ("rm_scores", "values"), ("advantages", "returns"),
               doc="GAE over the outcome reward on the last token, whitened over the micro-batch"),
-    ComputeFn("remax_advantage", InterfaceType.COMPUTE, ("rm_scores", "reward_baselines", "response_length"),
+    ComputeFn("remax_advantage", "mindspeed_rl.workers.impls:ReMaxAdvantage", InterfaceType.COMPUTE, ("rm_scores", "reward_baselines", "response_length"),
               ("advantages", "returns"), doc="reward-to-go minus the greedy response's reward"),
-    ComputeFn("policy_train", InterfaceType.TRAIN_STEP, ("prompts", "responses", "old_log_prob", "advantages"), (),
+    ComputeFn("policy_train", "mindspeed_rl.workers.impls:PolicyTrain", InterfaceType.TRAIN_STEP, ("prompts", "responses", "old_log_prob", "advantages"), (),
               optional=("ref_log_prob", "rollout_log_prob"), engine="policy",
               doc="clipped policy loss (+ KL to the reference when the KL coefficient is > 0, + the off-policy "
                   "correction from rollout_log_prob)"),
-    ComputeFn("value_train", InterfaceType.TRAIN_STEP, ("prompts", "responses", "values", "returns"), (),
+    ComputeFn("value_train", "mindspeed_rl.workers.impls:ValueTrain", InterfaceType.TRAIN_STEP, ("prompts", "responses", "values", "returns"), (),
               engine="value", doc="clipped value loss"),
 )}
+
+
+
+def register_function(fn: ComputeFn) -> ComputeFn:
+    """Add (or replace) a compute function: an algorithm's MFC may then name it (`fn=...`). A plugin module
+    (`trainer.plugins`) calls it, so the driver and every worker know the function."""
+    if not isinstance(fn, ComputeFn):
+        raise TypeError(f"register_function: {fn!r} is not a ComputeFn")
+    FUNCTIONS[fn.name] = fn
+    return fn
+
 
 DEFAULT_FN = {InterfaceType.GENERATE: "generate", InterfaceType.INFERENCE: "log_probs",
               InterfaceType.TRAIN_STEP: "policy_train"}

@@ -9,9 +9,10 @@ dock's own message).
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from ..transfer_dock.errors import DockTimeoutError
 
@@ -113,6 +114,110 @@ def micro_batches(dock, *, stage: str, rank: int, step: int, input_keys, count: 
         yield batch, rows
         rep.rows += len(rows)
         rep.micro_batches += 1
+
+
+@dataclass
+class LoopRoles:
+    """What this rank does in one MFC's loop, from its engine's declared roles (engines/base.py ReplicaRoles)
+    and its group's layout: the only things the loop needs to know of how the model is spread."""
+    reads: bool = True                   # pulls micro-batches from the dock
+    writes: bool = True                  # pushes outputs (and, for training, reports the replica's metrics)
+    share_group: Any = None              # hand each micro-batch from `share_src` to this group before the call
+    share_src: int = 0
+    collective_stop: bool = False        # the readers say (MAX all-reduce over `stop_group`) whether any has more
+    stop_group: Any = None
+    fixed_units: bool = False            # train: every rank runs all the mini-batches (a split model's ranks step
+                                         # together); else a rank stops when the dock has nothing left for it
+    max_rows: int | None = None          # rows this rank takes (an equal share, for collective forwards)
+    device: Any = None                   # where the collectives' tensors live (None: the CPU)
+
+
+def run_stage(dock, impl, roles: LoopRoles, *, stage: str, rank: int, step: int, input_keys, get_n_samples: bool,
+              timeout_s: float, before_optimizer_step: Callable[[], None] | None = None) -> StageReport:
+    """The one loop every MFC runs, training included: read (if this rank reads), share within the replica,
+    the implementation's engine call, write (if this rank writes). A unit is a micro-batch for a forward
+    MFC and a mini-batch (the micro-batches of one optimizer step, read as the engine consumes them) for a
+    train MFC."""
+    rep = StageReport(stage=stage, rank=rank, step=step)
+    rep.t_start = time.time()
+    reading = dict(stage=stage, rank=rank, step=step, input_keys=input_keys, timeout_s=timeout_s, report=rep)
+    train = getattr(impl, "kind", "forward") == "train"
+    units = (_mini_batches(dock, impl, roles, reading, before_optimizer_step) if train else
+             _micro_batches(dock, impl, roles, reading, get_n_samples))
+    for unit, rows in units:
+        t1, get_before = time.perf_counter(), rep.get_s
+        if roles.share_group is not None and not train:
+            from ..parallel import broadcast_micro_batch
+            unit, rows = broadcast_micro_batch(unit if roles.reads else None, rows if roles.reads else None,
+                                               src=roles.share_src, group=roles.share_group, device=roles.device)
+        out = impl.run(unit, rows)
+        t2 = time.perf_counter()
+        rep.compute_s += t2 - t1 - (rep.get_s - get_before)   # a train unit reads while it computes
+        if roles.writes and out is not None:
+            if out.columns and rows:
+                dock.put_experience(out.columns, rows, producer=stage, wait=False)
+            add_metrics(rep.metrics, out.metrics)
+        t3 = time.perf_counter()
+        rep.put_s += t3 - t2
+        if not train:
+            rep.mb_put_s.append(t3 - t2)
+    t4 = time.perf_counter()
+    if roles.reads or roles.writes:
+        dock.flush()
+    rep.put_s += time.perf_counter() - t4
+    rep.t_end = time.time()
+    return rep
+
+
+def _micro_batches(dock, impl, roles: LoopRoles, reading: dict, get_n_samples: bool):
+    """A forward MFC's units: the micro-batches this rank reads; with a collective stop, every rank of the
+    stop group goes on while any reader has one (a rank without rows then calls with none)."""
+    batches = (micro_batches(dock, count=impl.count, get_n_samples=get_n_samples, max_rows=roles.max_rows, **reading)
+               if roles.reads else iter(()))
+    if not roles.collective_stop:
+        yield from batches
+        return
+    import torch
+    import torch.distributed as dist
+    more = torch.zeros(1, dtype=torch.long, device=roles.device)
+    while True:
+        item = next(batches, None) if roles.reads else None
+        more.fill_(int(item is not None))
+        dist.all_reduce(more, op=dist.ReduceOp.MAX, group=roles.stop_group)
+        if not int(more.item()):
+            return
+        yield item if item is not None else ({}, [])
+
+
+def _mini_batches(dock, impl, roles: LoopRoles, reading: dict, before_optimizer_step):
+    """A train MFC's units: per optimizer step, the iterator of its micro-batches as the dock hands them out
+    (None on a rank that does not read: its engine gets them from the reader). Before the step's first
+    optimizer step the step's other readers of these weights must be done (`before_optimizer_step`)."""
+    from ..engines import MicroBatch
+    per_rank, mini = impl.args["rows_per_device"], impl.args["mini_rows_per_device"]
+    waited = [False]
+
+    def mini_batch(end: int):
+        taken = 0
+        for batch, rows in micro_batches(dock, count=impl.count, get_n_samples=False, max_rows=end, **reading):
+            taken += len(rows)
+            yield MicroBatch(batch, len(rows) / mini, last=taken >= mini)
+        if taken and not waited[0] and before_optimizer_step is not None:
+            before_optimizer_step()
+            waited[0] = True
+
+    for start in range(0, per_rank, mini):
+        if not roles.reads:
+            yield None, []
+            continue
+        it = mini_batch(min(per_rank, start + mini))
+        if roles.fixed_units:
+            yield it, []
+            continue
+        first = next(it, None)
+        if first is None:  # the step's rows are all taken (by other DP ranks)
+            return
+        yield itertools.chain([first], it), []
 
 
 def run_stage_loop(dock, *, stage: str, rank: int, step: int, input_keys, count: int, get_n_samples: bool,

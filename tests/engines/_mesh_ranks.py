@@ -58,7 +58,7 @@ def run(rank: int, world: int, port: int, path: str, options: dict, replicas: li
                             timeout=datetime.timedelta(seconds=60))
     a = _engine(path, options, optim)
     prompts, responses, sizes = replicas[a.dp_rank]
-    reader = a.is_reader
+    reader = a.is_dock_reader
     coord = (a.pp_rank, a.dp_rank, a.tp_rank)
     shards = {n: (tuple(p.to_local().shape) if hasattr(p, "to_local") else tuple(p.shape))
               for n, p in a.stage.named_parameters()}
@@ -107,7 +107,7 @@ def run_bf16(rank: int, world: int, port: int, path: str, options: dict, rows: t
                             timeout=datetime.timedelta(seconds=60))
     prompts, responses = rows
     a = _engine(path, options, optim, dtype="bfloat16")
-    reader = a.is_reader
+    reader = a.is_dock_reader
     lp_before = a.log_probs(prompts if reader else None, responses if reader else None, micro_batch_size=2)
     grad_dtypes = set()
     a.optimizer.register_step_pre_hook(lambda opt, args, kw: grad_dtypes.update(

@@ -32,7 +32,7 @@ def run(rank: int, world: int, port: int, path: str, options: dict, calls: list,
         after = engine.generate(*mine[0])
     result = {"coord": m.coord, "outs": [(o.responses, o.log_probs) for o in outs],
               "after": (after.responses, after.log_probs) if after else None, "version": engine.weight_version,
-              "reader": engine.is_reader, "writer": engine.is_writer}
+              "reader": engine.is_dock_reader, "writer": engine.is_dock_writer}
     engine.close()
     dist.destroy_process_group()
     return result

@@ -487,8 +487,8 @@ def _engine_rank(rank: int, world: int, port: int, ckpt: str, options: dict, dev
         eng = MegatronTrainEngine.build(TrainSpec(model_path=ckpt, device=device, optim=OptimConfig(**ENGINE_OPTIM),
                                                   options=options))
         prompts, responses = _engine_data()
-        mine = (lambda x: x) if eng.is_reader else (lambda x: None)
-        mbs = lambda: iter(_micro_batches(prompts, responses)) if eng.is_reader else None  # noqa: E731
+        mine = (lambda x: x) if eng.is_dock_reader else (lambda x: None)
+        mbs = lambda: iter(_micro_batches(prompts, responses)) if eng.is_dock_reader else None  # noqa: E731
         out = {"coord": eng.coord, "last_stage": eng.last_stage}
         out["lp0"] = eng.log_probs(mine(prompts), mine(responses), 4)
         out["metrics"] = eng.train_step(mbs(), _nll)

@@ -105,26 +105,28 @@ def _require_vllm():
 
 
 def test_vllm_tp_rollout_is_one_actor_per_replica_on_its_tp_devices(tmp_path):
-    """Backend.split == "engine": dp actors (not dp * tp), actor k on replica k's devices (TP innermost);
-    the dry run still shows the MFC's tp. On GPUs the actor names its replica's bundles to vLLM's Ray
-    executor (that path runs only on a GPU machine; its environment is checked here)."""
-    from mindspeed_rl.trainer.driver import engine_rollout_env
+    """The vllm backend's deployment (shape "engine"): dp actors (not dp * tp), actor k on replica k's devices
+    (TP innermost); the dry run still shows the MFC's tp. On GPUs the actor names its replica's bundles to
+    vLLM's Ray executor (that path runs only on a GPU machine; its environment is checked here)."""
+    from mindspeed_rl.engines.registry import rollout_backend
     mfcs = {"actor_rollout": {"mesh": "4-7", "dp": 2, "tp": 2}}
     plan = make_plan(config_from_dict(config("grpo_tiny_tp2", tmp_path, placement={"mfcs": mfcs,
                                                                                    "n_devices_per_node": 8})),
                      check_files=False)
     g = plan.groups[plan.group_of("actor_rollout")]
-    assert g.engine_rollout and not g.model_parallel and (g.resources.dp, g.tp, g.world) == (2, 2, 2)
+    assert g.deployment.shape == "engine" and g.deployment.engine_tp == 2 and g.deployment.actor_tp == 1
+    assert (g.resources.dp, g.tp, g.world) == (2, 2, 2)
     assert [g.actor_devices(k) for k in range(g.world)] == [[4, 5], [6, 7]]
+    assert g.rollout_options["tensor_parallel_size"] == 2
     text = format_plan(plan)
     assert [g.name, "actor_rollout", "actor/generate", "2", "2", "1", "2"] in [line.split()[:7] for line in
                                                                                text.splitlines()]
-    assert "whose vllm engine starts tensor_parallel_size=2 ranks" in text
-    bundles = {d: (None, 10 + d) for d in range(8)}
-    assert engine_rollout_env(bundles, g.actor_devices(1), g.resources) == {}  # CPU: the engine binds threads
+    assert "2 actors (engine, engine_tp 2)" in text
+    vllm = rollout_backend("vllm")
+    bundles = [10 + d for d in g.actor_devices(1)]
+    assert vllm.actor_env(bundles, g.resources) == {}  # CPU: the engine binds threads
     gpu = dataclasses.replace(g.resources, num_gpus=0.5)
-    assert engine_rollout_env(bundles, g.actor_devices(1), gpu) == {"VLLM_RAY_BUNDLE_INDICES": "16,17",
-                                                                   "VLLM_RAY_PER_WORKER_GPUS": "0.5"}
+    assert vllm.actor_env(bundles, gpu) == {"VLLM_RAY_BUNDLE_INDICES": "16,17", "VLLM_RAY_PER_WORKER_GPUS": "0.5"}
 
 
 @pytest.fixture(scope="module")

@@ -56,7 +56,8 @@ def test_fsdp_log_probs_and_training_take_turns_on_every_rank(ray_session, tmp_p
     ray = ray_session
     from mindspeed_rl.trainer.plan import make_plan
     from mindspeed_rl.transfer_dock.client import create_transfer_dock
-    from mindspeed_rl.workers.worker import Worker, WorkerSpec
+    from mindspeed_rl.trainer.worker_specs import worker_specs
+    from mindspeed_rl.workers.worker import Worker
 
     cfg = _config(tmp_path)
     plan = make_plan(cfg)
@@ -64,10 +65,8 @@ def test_fsdp_log_probs_and_training_take_turns_on_every_rank(ray_session, tmp_p
     assert [m.name for m in group.mfcs] == list(STAGES) and group.resources.dp == DP
     dock = create_transfer_dock(plan.columns, plan.consumers, PROMPTS, N, guarantee_order=True, default_timeout=60)
     actor = ray.remote(Worker).options(num_cpus=0.25, max_concurrency=len(group.mfcs) + 4)
-    workers = [actor.remote(WorkerSpec(group="integrated", rank=k, dp=DP, mfcs=group.mfcs, config=cfg, docks=[dock],
-                                       model_paths=plan.model_paths, trained_models=plan.trained,
-                                       same_step_outputs=plan.same_step_outputs, rows_per_step=plan.rows_per_step))
-               for k in range(DP)]
+    workers = [actor.remote(spec) for spec in worker_specs(cfg, plan, group, [dock], lambda k: {})]
+    assert len(workers) == DP
     try:
         host = ray.get(workers[0].ping.remote(), timeout=WAIT_S)["host"]
         port = ray.get(workers[0].free_port.remote(), timeout=WAIT_S)

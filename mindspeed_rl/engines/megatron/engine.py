@@ -19,7 +19,7 @@ call is megatron-core's public API as of 0.16.
 Calling contract (the mesh backend's; every rank of the model calls every method, in the same order):
 
 * A replica is the tp*pp ranks of one DP index (megatron's model-parallel group). Its reader is
-  stage 0 / TP rank 0 (`is_reader`), its writer the last stage / TP rank 0 (`is_writer`); `coord` is
+  stage 0 / TP rank 0 (`is_dock_reader`), its writer the last stage / TP rank 0 (`is_dock_writer`); `coord` is
   (pp, dp, tp) as `parallel.topology` numbers ranks (megatron's default rank order tp-cp-ep-dp-pp is
   the same layout: global rank = pp * dp * tp + dp_idx * tp + tp_idx).
 * `train_step(micro_batches, loss_fn)`: only the reader iterates `micro_batches` (to the end: the
@@ -79,7 +79,7 @@ import json
 import os
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -87,9 +87,30 @@ import torch.distributed as dist
 from ..base import Bucket, LossFn, MicroBatch, ModelOutput, NamedTensors, TrainEngine, TrainSpec, bucketed
 from . import convert as C
 
-OPTIONS = {"tp": 1, "pp": 1, "layer_spec": C.LOCAL, "make_vocab_size_divisible_by": 128,
+OPTIONS = {"tp": 1, "pp": 1, "dp": None, "layer_spec": C.LOCAL, "make_vocab_size_divisible_by": 128,
            "use_distributed_optimizer": True, "num_layers_in_first_pipeline_stage": None,
            "num_layers_in_last_pipeline_stage": None, "npu_adaptor": None}
+
+
+@dataclass
+class MegatronOptions:
+    """The megatron backend's options (actor_config.backend_options); tp and pp come from the placement
+    (placement.mfcs.<mfc>.tp/pp in placement.mode: mesh)."""
+    layer_spec: str = C.LOCAL                         # local (megatron's own layers) or te (transformer-engine)
+    make_vocab_size_divisible_by: int = 128
+    use_distributed_optimizer: bool = True
+    num_layers_in_first_pipeline_stage: Optional[int] = None
+    num_layers_in_last_pipeline_stage: Optional[int] = None
+    npu_adaptor: Optional[str] = None                 # Ascend: the module that adapts megatron to torch_npu
+
+    def check(self) -> None:
+        if self.layer_spec not in C.LAYER_SPECS:
+            raise ValueError(f"layer_spec={self.layer_spec!r}: use one of {list(C.LAYER_SPECS)}")
+        if isinstance(self.make_vocab_size_divisible_by, bool) or not isinstance(
+                self.make_vocab_size_divisible_by, int) or self.make_vocab_size_divisible_by < 1:
+            raise ValueError(f"make_vocab_size_divisible_by={self.make_vocab_size_divisible_by!r}: an integer >= 1")
+
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 NPU_ADAPTORS = ("mindspeed.megatron_adaptor", "megatron_adaptor")
 INSTALL = ("pip install megatron-core (and transformer-engine for layer_spec: te) on a CUDA machine; on "
@@ -249,6 +270,7 @@ _PARALLEL_USERS = 0   # engines in this process sharing megatron's parallel_stat
 # ----------------------------------------------------------------------------------- the engine
 class MegatronTrainEngine(TrainEngine):
     """See the module doc. Built by `build(spec)`; requires CUDA (or NPU + MindSpeed) and megatron-core."""
+    collective_forward = True   # sharded weights: every forward gathers them across the DP ranks
 
     def __init__(self, *, model, runnable, optimizer, config, dims: C.Qwen2Dims, opts: dict, spec: TrainSpec,
                  device: torch.device, own_group: bool):
@@ -273,14 +295,15 @@ class MegatronTrainEngine(TrainEngine):
         self.first_stage = ps.is_pipeline_first_stage()
         self.last_stage = ps.is_pipeline_last_stage()
         self.dp_rank, self.dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.dp_size = self.dp
         # a replica: the tp*pp ranks of one DP index (megatron's model-parallel group); its global
         # ranks sorted are [stage 0: tp 0..tp-1, stage 1: ...] (megatron's rank order tp-cp-ep-dp-pp)
         self.replica_group = ps.get_model_parallel_group() if self.tp * self.pp > 1 else None
         replica = sorted(dist.get_process_group_ranks(self.replica_group)) if self.replica_group else [dist.get_rank()]
-        self.reader = replica[0]                         # stage 0, TP rank 0: reads the dock
-        self.writer = replica[(self.pp - 1) * self.tp]   # last stage, TP rank 0: writes results
-        self.is_reader = dist.get_rank() == self.reader
-        self.is_writer = dist.get_rank() == self.writer
+        self.reader_rank = replica[0]                         # stage 0, TP rank 0: reads the dock
+        self.writer_rank = replica[(self.pp - 1) * self.tp]   # last stage, TP rank 0: writes results
+        self.is_dock_reader = dist.get_rank() == self.reader_rank
+        self.is_dock_writer = dist.get_rank() == self.writer_rank
         self.padded_vocab = C.padded_vocab_size(dims.vocab_size, opts["make_vocab_size_divisible_by"], self.tp)
         self.layers = C.pp_layer_range(dims.num_layers, self.pp, self.pp_rank,
                                        opts["num_layers_in_first_pipeline_stage"],
@@ -415,18 +438,18 @@ class MegatronTrainEngine(TrainEngine):
         from ...parallel.broadcast import broadcast_micro_batch
         if self.replica_group is None:
             return data
-        n = len(next(iter(data.values()))) if self.is_reader and data else 0
-        out, _ = broadcast_micro_batch(data if self.is_reader else None, list(range(n)) if self.is_reader else None,
-                                       src=self.reader, group=self.replica_group, device=self._wire_device())
+        n = len(next(iter(data.values()))) if self.is_dock_reader and data else 0
+        out, _ = broadcast_micro_batch(data if self.is_dock_reader else None, list(range(n)) if self.is_dock_reader else None,
+                                       src=self.reader_rank, group=self.replica_group, device=self._wire_device())
         return out
 
     def _micro_batches(self, micro_batches: Iterable[MicroBatch] | None) -> list[MicroBatch]:
         """The reader's micro-batches (its iterator consumed to the end) on every rank of the replica."""
-        mbs = list(micro_batches) if self.is_reader else []
-        head = self._bcast_obj([(float(mb.loss_scale), bool(mb.last)) for mb in mbs], self.reader)
+        mbs = list(micro_batches) if self.is_dock_reader else []
+        head = self._bcast_obj([(float(mb.loss_scale), bool(mb.last)) for mb in mbs], self.reader_rank)
         if self.replica_group is None:
             return mbs
-        if self.is_reader:
+        if self.is_dock_reader:
             for mb in mbs:
                 self._bcast_rows({k: mb.data[k] for k in mb.data})
             return mbs
@@ -472,7 +495,7 @@ class MegatronTrainEngine(TrainEngine):
         every rank of the last stage (the writer is its TP rank 0); other stages return None."""
         if micro_batch_size <= 0:
             raise ValueError(f"micro_batch_size={micro_batch_size}: must be > 0")
-        data = self._bcast_rows({"prompts": list(prompts), "responses": list(responses)} if self.is_reader else None)
+        data = self._bcast_rows({"prompts": list(prompts), "responses": list(responses)} if self.is_dock_reader else None)
         prompts, responses = data["prompts"], data["responses"]
         if not prompts:
             return [] if self.last_stage else None
@@ -531,7 +554,7 @@ class MegatronTrainEngine(TrainEngine):
         return metrics
 
     def _metrics_from_last_stage(self, sums: dict[str, float]) -> dict[str, float]:
-        return dict(self._bcast_obj(sums, self.writer) if self.pp > 1 else sums)
+        return dict(self._bcast_obj(sums, self.writer_rank) if self.pp > 1 else sums)
 
     def optimizer_step(self) -> dict[str, float]:
         """Skip the update on a non-finite gradient norm (counted as a step), else clip and step.

@@ -1,0 +1,211 @@
+"""The engines one worker hosts: built from the declarations the driver resolved, looked up by model.
+
+The driver decides, from the plan, which backend runs each model of a worker group, with which options
+and dtype (`EngineDecl`); this class builds them through the registry and hands them out. It knows no
+backend by name.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+ROLLOUT, TRAIN, INFER = "rollout", "train", "infer"
+
+
+@dataclass(frozen=True)
+class EngineDecl:
+    """One engine of a worker: which model, in which role (generating, trained, inferring), on which backend."""
+    model: str
+    role: str                            # ROLLOUT, TRAIN (with an optimizer) or INFER (forward only)
+    backend: str
+    model_path: str = ""                 # "" under simulation (no model)
+    model_kind: str = "causal_lm"        # causal_lm or value
+    dtype: str = "float32"
+    options: dict = field(default_factory=dict)
+    optim: Any = None                    # OptimConfig of a trained model
+    temperature: float = 1.0             # log-probs of the sampling distribution
+    max_seq_len: int = 0                 # the longest prompt + response of the run (RolloutSpec.max_seq_len)
+
+
+class EngineSet:
+    def __init__(self, decls: list[EngineDecl], *, seed: int, device: str, process_group, tokenizer_path: str,
+                 stop_tokens: list[str], simulated: bool):
+        self.decls, self.seed, self.device_name = decls, seed, device
+        self.process_group, self.tokenizer_path, self.simulated = process_group, tokenizer_path, simulated
+        self.stop_tokens = list(stop_tokens)
+        self.train: dict[str, Any] = {}     # model -> TrainEngine (with optimizer)
+        self.infer: dict[str, Any] = {}     # model -> TrainEngine (no optimizer): a reader of another's model
+        self.rollout: dict[str, Any] = {}   # model -> RolloutEngine
+        self.tokenizer = None
+        self.stop_ids: tuple[int, ...] = ()
+        self._rewards: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._awake: dict[str, int] = {}
+        self._weights: dict[str, Any] = {}
+
+    def build(self) -> None:
+        from ..device import resolve_device
+        from ..engines import OptimConfig, RolloutSpec, TrainSpec, make_rollout_engine, make_train_engine
+        torch.manual_seed(self.seed)
+        device = str(resolve_device(self.device_name))
+        pad = 0
+        if not self.simulated:
+            from ..models import load_tokenizer
+            self.tokenizer = load_tokenizer(self.tokenizer_path)
+            pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        for d in sorted(self.decls, key=lambda d: (d.role != TRAIN,)):   # trained models first, as before
+            path = d.model_path
+            if path and not self.simulated:
+                from ..models import resolve_model_path
+                path = str(resolve_model_path(path))
+            if d.role == ROLLOUT:
+                self.rollout[d.model] = make_rollout_engine(d.backend, RolloutSpec(
+                    model_path=path, dtype=d.dtype, device=device, pad_token_id=pad, seed=self.seed, options=d.options,
+                    max_seq_len=d.max_seq_len))
+                continue
+            optim = OptimConfig(**d.optim) if isinstance(d.optim, dict) else d.optim
+            engine = make_train_engine(d.backend, TrainSpec(
+                model_path=path, model_kind=d.model_kind, dtype=d.dtype, device=device, pad_token_id=pad,
+                temperature=d.temperature, optim=optim if d.role == TRAIN else None,
+                process_group=self.process_group if d.role == TRAIN else None, seed=self.seed, options=d.options))
+            (self.train if d.role == TRAIN else self.infer)[d.model] = engine
+        self.stop_ids = tuple(self._stop_token_ids()) if not self.simulated else ()
+
+    def _stop_token_ids(self) -> list[int]:
+        from .stage import StageError
+        ids = []
+        for tok in self.stop_tokens:
+            tid = self.tokenizer.convert_tokens_to_ids(tok)
+            if tid is None or (tid == self.tokenizer.unk_token_id and tok != self.tokenizer.unk_token):
+                raise StageError(f"generate_config.stop_tokens: {tok!r} is not a token of the tokenizer")
+            ids.append(int(tid))
+        return ids
+
+    # ------------------------------------------------------------------ lookups
+    def engine_for(self, model: str, kind: str):
+        """The engine an MFC of `model` calls: its rollout engine for kind "rollout", else the trained engine
+        (its own log-probs, values) or an inference copy (a frozen reference, a reader of a remote trainer)."""
+        if kind == ROLLOUT:
+            return self.rollout[model]
+        return self.train.get(model) or self.infer[model]
+
+    def trains(self, model: str) -> bool:
+        return model in self.train
+
+    def readers(self, model: str) -> list[Any]:
+        """The engines here that read `model` without training it: its rollout, an inference copy."""
+        out = [self.rollout[model]] if model in self.rollout else []
+        if model in self.infer and model not in self.train:
+            out.append(self.infer[model])
+        return out
+
+    def reward_fn(self, name: str):
+        with self._lock:
+            if name not in self._rewards:
+                from ..rewards import get_reward_fn
+                self._rewards[name] = get_reward_fn(name)
+            return self._rewards[name]
+
+    def weights_lock(self, model: str) -> "ReadWriteLock":
+        with self._lock:
+            return self._weights.setdefault(model, ReadWriteLock())
+
+    @contextlib.contextmanager
+    def awake(self, model: str):
+        """The rollout engine holds its device memory while a generate stage runs and gives it back when
+        the last one ends (vLLM's sleep mode, `generate_config.vllm.enable_sleep_mode`; a no-op otherwise),
+        so a trainer sharing the device gets the memory between rollouts. Counted: ReMax runs two
+        generate stages on one engine at once."""
+        engine = self.rollout[model]
+        with self._lock:
+            self._awake[model] = self._awake.get(model, 0) + 1
+            if self._awake[model] == 1:
+                engine.wake_up()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._awake[model] -= 1
+                if self._awake[model] == 0:
+                    engine.sleep()
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, directory: str, rank: int) -> list[str]:
+        """Each trained model's engine writes its state under `directory/<model>/` (every rank calls it: a
+        sharded engine writes its shards); rank 0 adds this process's RNG states."""
+        from ..models.files import save_file
+        written = []
+        for model, engine in self.train.items():
+            where = os.path.join(directory, model)
+            written += engine.save_checkpoint(where)
+            if rank == 0:
+                written.append(save_file({"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+                                          "python": random.getstate()}, os.path.join(where, "rng.pt")))
+        return written
+
+    def load_checkpoint(self, directory: str) -> list[str]:
+        from ..models.files import load_file
+        loaded = []
+        for model, engine in self.train.items():
+            where = os.path.join(directory, model)
+            engine.load_checkpoint(where)
+            rng = load_file(os.path.join(where, "rng.pt"), what="RNG state")
+            torch.set_rng_state(rng["torch"])
+            np.random.set_state(rng["numpy"])
+            random.setstate(rng["python"])
+            loaded.append(where)
+        return loaded
+
+    def close_rollout(self) -> None:
+        for engine in self.rollout.values():
+            with contextlib.suppress(Exception):
+                engine.close()
+        self.rollout = {}
+
+
+class ReadWriteLock:
+    """Generate calls read a rollout engine's weights (several at once where the engine allows it), a
+    weight update writes them: it waits for the micro-batches in progress and holds new ones back, so
+    no micro-batch is generated by half-old, half-new weights (writers first: an update is never
+    starved by a stream of micro-batches)."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+        self._writers_waiting = 0
+
+    @contextlib.contextmanager
+    def reading(self):
+        with self._cond:
+            while self._writer or self._writers_waiting:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def writing(self):
+        with self._cond:
+            self._writers_waiting += 1
+            while self._writer or self._readers:
+                self._cond.wait()
+            self._writers_waiting -= 1
+            self._writer = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()
