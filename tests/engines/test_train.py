@@ -318,3 +318,25 @@ def test_token_budget_under_ddp_equals_one_process_on_the_union(tmp_path):
     ref.train_step([MicroBatch({"prompts": prompts, "responses": responses}, 1.0, last=True)], nll_loss)
     assert torch.equal(results[0]["params"], results[1]["params"])
     torch.testing.assert_close(results[0]["params"], flat_params(ref.module), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["torch", "fsdp"])
+def test_train_step_combines_metrics_by_their_names(backend):
+    """Over micro-batches an engine sums a metric, but takes the max of a `_max` and the min of a `_min`
+    (algorithms/metrics.py): `is_weight_max` of two micro-batches is the larger one, not their sum."""
+    from mindspeed_rl.engines import MicroBatch
+    from mindspeed_rl.engines.fsdp_train import FSDPTrainEngine
+    from mindspeed_rl.engines.base import TrainSpec
+    seen = iter([{"is_weight_max": 1.5, "weight_version_min": 3.0, "n": 1.0},
+                 {"is_weight_max": 1.25, "weight_version_min": 2.0, "n": 1.0}])
+
+    def loss_fn(out, mb):
+        loss, _ = nll_loss(out, mb)
+        return loss, next(seen)
+    model, optim = tiny_qwen2(seed=0), OptimConfig(lr=1e-2)
+    engine = (TorchTrainEngine(model, PAD, optim) if backend == "torch" else
+              FSDPTrainEngine(model, TrainSpec(model_path="", pad_token_id=PAD, optim=optim)))
+    prompts, responses = random_rows(4, 3, seed=1), random_rows(4, 2, seed=2)
+    m = engine.train_step((MicroBatch({"prompts": prompts[s:s + 2], "responses": responses[s:s + 2]}, 0.5,
+                                      last=s == 2) for s in (0, 2)), loss_fn)
+    assert (m["is_weight_max"], m["weight_version_min"], m["n"], m["micro_batches"]) == (1.5, 2.0, 2.0, 2.0)
