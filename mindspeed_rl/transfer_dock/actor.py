@@ -324,6 +324,25 @@ class TransferDockActor:
         self._clear_now()
         await self._notify()
 
+    async def retire(self, indexes) -> None:
+        self._retire_now(indexes)
+        await self._notify()
+
+    def _retire_now(self, indexes) -> None:
+        """Retire rows (dropped groups) and wake the waiting gets: their step's tail may have come."""
+        with self._lock:
+            self._dock.retire(indexes)
+            self._changed_now()
+
+    async def set_extent(self, rows: int) -> None:
+        self._set_extent_now(rows)
+        await self._notify()
+
+    def _set_extent_now(self, rows: int) -> None:
+        with self._lock:
+            self._dock.set_extent(rows)
+            self._changed_now()
+
     def _clear_now(self) -> None:
         with self._lock:
             self._dock.clear()
@@ -361,8 +380,8 @@ class TransferDockActor:
         """The methods the local channel serves: the same as by Ray, with puts and gets taking
         their payload unpickled (the channel pickled the frame already)."""
         handlers = {name: getattr(self, name) for name in (
-            "noop", "all_consumed", "clear", "get_consumer_status", "get_column_status", "get_metrics",
-            "get_event_log", "metrics_export_status", "state_dict", "load_state_dict", "layout")}
+            "noop", "all_consumed", "clear", "retire", "set_extent", "get_consumer_status", "get_column_status",
+            "get_metrics", "get_event_log", "metrics_export_status", "state_dict", "load_state_dict", "layout")}
         handlers.update(put=self._put, get=self._channel_get)
         return handlers
 
@@ -372,6 +391,7 @@ class TransferDockActor:
         must wait, state_dict, load_state_dict, layout, metrics_export_status) runs on the loop."""
         dock = self._dock
         return {"noop": _noop, "all_consumed": dock.all_consumed, "clear": self._clear_now,
+                "retire": self._retire_now, "set_extent": self._set_extent_now,
                 "get_consumer_status": dock.get_consumer_status, "get_column_status": dock.get_column_status,
                 "get_metrics": dock.get_metrics, "get_event_log": dock.get_event_log,
                 "put": self._put_direct, "get": self._get_direct}

@@ -503,6 +503,17 @@ class SharedDock(TransferDock):
             super().clear()
             board.reset(self.step)
 
+    def retire(self, indexes) -> None:
+        board = self.board
+        if board is None:
+            return super().retire(indexes)
+        # every claim log read first, so rows claimed locally stay taken by their consumer; retired
+        # rows' taken bits are set under each consumer's lock (`_take`), so no claim picks them after
+        with self._cond, board.lock_all():
+            for i in range(len(self.consumers)):
+                self._sync(i)
+            super().retire(indexes)
+
     def restore_state(self, state, kinds) -> None:
         board = self.board
         if board is None:

@@ -279,6 +279,14 @@ class TransferDockClient:
     def clear(self) -> None:
         self._call("clear")
 
+    def retire(self, indexes: Sequence[int]) -> None:
+        """As `TransferDock.retire`: whole prompt groups out of the step for every consumer."""
+        self._call("retire", checked_index_list("retire", indexes))  # the caller's own object: a set is refused
+
+    def set_extent(self, rows: int) -> None:
+        """As `TransferDock.set_extent`: rows 0 .. rows-1 are in the (growing) step so far."""
+        self._call("set_extent", rows)
+
     def get_consumer_status(self) -> dict:
         return self._call("get_consumer_status")
 

@@ -57,17 +57,22 @@ class _ConsumerState:
     reserved: set[int] = field(default_factory=set)
     cursor: int = 0  # every row below it is taken
     views: dict[frozenset, ReadyRows] = field(default_factory=dict)
+    retired: np.ndarray = field(init=False)  # rows retired before this consumer took them (counted in taken)
+    retired_count: int = 0
 
     def __post_init__(self) -> None:
         self.taken = np.zeros(self.capacity, dtype=bool)
         self.blocked = np.zeros(self.capacity, dtype=bool)
+        self.retired = np.zeros(self.capacity, dtype=bool)
         self.group_taken = np.zeros(self.capacity // self.n_samples_per_prompt, dtype=np.int32)
         self.untouched_groups = len(self.group_taken)
 
     def reset(self, n_samples_per_prompt: int) -> None:
         self.taken[:] = False
         self.blocked[:] = False
+        self.retired[:] = False
         self.taken_count = 0
+        self.retired_count = 0
         self.group_taken[:] = 0
         self.untouched_groups = len(self.group_taken)
         self.reserved.clear()
@@ -130,6 +135,8 @@ class TransferDock:
         self._written_count = {c: 0 for c in self.columns}
         self._numel = {c: np.zeros(self.capacity, dtype=np.int32) for c in self.columns}
         self._kind: dict[str, str] = {}  # column -> row type and dtype written this step
+        self._retired = np.zeros(self.capacity, dtype=bool)  # rows no consumer is handed this step
+        self._extent = self.capacity  # rows 0 .. extent-1 are in the step (set_extent: a growing step)
         default = OrderedSampler if guarantee_order else AnyReadySampler
         self._state = {c: _ConsumerState(samplers.get(c) or default(), self.capacity, self.n_samples_per_prompt)
                        for c in self.consumers}
@@ -176,6 +183,11 @@ class TransferDock:
                     "give one value per index")
         t = time.time()
         with self._cond:
+            beyond = idx[idx >= self._extent]
+            if len(beyond):
+                raise DockIndexError(
+                    f"put_experience: rows {preview(beyond.tolist())} are beyond the step's extent: rows 0 .. "
+                    f"{self._extent - 1} are in the step so far; call set_extent() to take more rows in first")
             for column, kind in (kinds or {}).items():
                 if self._kind.get(column, kind) != kind:
                     raise DockValueError(
@@ -274,6 +286,11 @@ class TransferDock:
         for this consumer this step"."""
         state = self._state[consumer]
         if idx is not None:
+            gone = idx[self._retired[idx]]
+            if len(gone):
+                raise DockValueError(
+                    f"get_experience: consumer '{consumer}' asked by index for rows {preview(gone.tolist())}, which "
+                    "were retired this step (dropped groups: no consumer is handed them); ask for other rows")
             # Checked under the lock, and before the missing cells: waiting cannot un-take a row.
             again = idx[state.taken[idx]]
             if len(again):
@@ -296,9 +313,19 @@ class TransferDock:
             left = self.capacity - state.taken_count
             if left == 0:
                 return {}, []
+            growing = self._extent < self.capacity
+            if growing:  # rows above the extent may still come: the tail is what is left below it
+                left = self._extent - int(np.count_nonzero(state.taken[:self._extent]))
+                if left == 0:
+                    return None
             want = min(count, left)
             if get_n_samples:  # only groups none of whose rows were taken (by index) can go whole
-                want = min(count, state.untouched_groups * self.n_samples_per_prompt)
+                untouched = state.untouched_groups
+                if growing:
+                    untouched = int(np.count_nonzero(state.group_taken[:self._extent // self.n_samples_per_prompt] == 0))
+                    if untouched == 0 and state.untouched_groups:
+                        return None
+                want = min(count, untouched * self.n_samples_per_prompt)
                 if want == 0:
                     return {}, []
             req = SampleRequest(
@@ -324,9 +351,75 @@ class TransferDock:
         with self._cond:
             return self._state[consumer].taken_count == self.capacity
 
+    def retire(self, indexes: Sequence[int]) -> None:
+        """Take whole prompt groups out of this step for every consumer: no consumer is handed any of
+        their rows from now on, and they count as consumed (`all_consumed`). Rows a consumer took
+        before stay taken by it. Dynamic sampling retires the groups whose rewards are all equal, and
+        a growing step its rows that were never drawn (`set_extent`).
+
+        All or nothing, and bad input changes nothing: rows out of range (`DockIndexError`), part of
+        a group, a row given twice or a row already retired (`DockValueError`) refuse the whole call.
+        """
+        idx = self._checked_indexes("retire", indexes)
+        n = self.n_samples_per_prompt
+        groups = np.unique(idx // n)
+        if len(groups) * n != len(idx):
+            counts = np.bincount(idx // n)
+            part = np.flatnonzero((counts > 0) & (counts < n)).tolist()
+            raise DockValueError(
+                f"retire: rows {preview(sorted(idx.tolist()))} hold only part of prompt groups {preview(part)}; retire "
+                f"whole groups (prompt p owns rows p*{n} .. p*{n}+{n - 1}), a group goes on or is dropped as a whole")
+        with self._cond:
+            again = idx[self._retired[idx]]
+            if len(again):
+                raise DockValueError(f"retire: rows {preview(again.tolist())} are already retired this step; "
+                                     "retire each group once")
+            rows = np.sort(idx)
+            self._retired[rows] = True
+            for state in self._state.values():
+                if state.reserved.intersection(rows.tolist()):  # a sampler's held-back rows: hand them all back
+                    self._release(state, list(state.reserved))
+                    state.sampler.reset()
+                fresh = rows[~state.taken[rows]]
+                if len(fresh):
+                    state.retired[fresh] = True
+                    state.retired_count += len(fresh)
+                    self._take(state, fresh.tolist())
+            self.metrics.rows_retired += len(rows)
+            self._cond.notify_all()
+
+    def set_extent(self, rows: int) -> None:
+        """A growing step (dynamic sampling): only rows `0 .. rows-1` are in the step so far.
+
+        A get then counts its tail in those rows: it hands out fewer than `count` rows once fewer
+        are left below the extent, and a consumer that has taken them all waits for the step to
+        grow, as for unwritten rows. A put above the extent is refused. The step ends when every
+        row is taken or retired: retire the rows above the extent that will not be drawn.
+        `rows` is a whole number of prompt groups; lowering the extent is refused when a row at or
+        above the new one is written or taken. `clear()` puts the extent back to every row.
+        """
+        n = self.n_samples_per_prompt
+        if not isinstance(rows, (int, np.integer)) or isinstance(rows, bool) or not 0 <= rows <= self.capacity \
+                or rows % n:
+            raise DockValueError(f"set_extent: rows={rows!r}; give a whole number of prompt groups, a multiple of "
+                                 f"n_samples_per_prompt={n} in [0, {self.capacity}]")
+        rows = int(rows)
+        with self._cond:
+            if rows < self._extent:
+                used = [c for c in self.columns if self._written[c][rows:].any()]
+                took = [c for c, s in self._state.items() if (s.taken[rows:] & ~s.retired[rows:]).any()]
+                if used or took:
+                    raise DockValueError(f"set_extent: rows={rows} would leave out rows already written (columns "
+                                         f"{used}) or taken (consumers {took}) this step; the extent only grows "
+                                         "within a step")
+            self._extent = rows
+            self._cond.notify_all()
+
     def clear(self) -> None:
         """Empty the dock for the next step; memory goes back to its baseline."""
         with self._cond:
+            self._retired[:] = False
+            self._extent = self.capacity
             for c in self.columns:
                 self._cells[c] = [None] * self.capacity
                 self._written[c][:] = False
@@ -342,7 +435,8 @@ class TransferDock:
     def get_consumer_status(self) -> dict[str, dict[str, Any]]:
         """Per consumer: rows taken / rows total this step."""
         with self._cond:
-            return {c: {"taken": s.taken_count, "total": self.capacity, "all_consumed": s.taken_count == self.capacity}
+            return {c: {"taken": s.taken_count - s.retired_count, "retired": s.retired_count, "total": self.capacity,
+                        "all_consumed": s.taken_count == self.capacity}
                     for c, s in self._state.items()}
 
     def get_column_status(self) -> dict[str, dict[str, int]]:
@@ -355,8 +449,9 @@ class TransferDock:
         with self._cond:
             out = self.metrics.as_dict()
             out["step"] = float(self.step)
+            out["step_rows_retired"] = float(np.count_nonzero(self._retired))
             for c, s in self._state.items():
-                out[f"consumer/{c}/step_rows_taken"] = float(s.taken_count)
+                out[f"consumer/{c}/step_rows_taken"] = float(s.taken_count - s.retired_count)
             for c in self.columns:
                 out[f"column/{c}/step_rows_written"] = float(self._written_count[c])
             return out
@@ -376,8 +471,11 @@ class TransferDock:
         missing = self._missing(list(columns), np.arange(self.capacity) if idx is None else idx)
         miss = "; ".join(f"'{c}' missing at rows {preview(r)}" for c, r in missing.items()) or "none"
         asked = f"rows {preview(idx.tolist())}" if idx is not None else f"{count} rows"
+        grow = (f"; the step holds rows 0 .. {self._extent - 1} so far (set_extent)" if self._extent < self.capacity
+                else "")
         return (f"TransferDock step {self.step}: consumer '{consumer}' waited {waited_s:.1f} s for {asked} of "
-                f"columns {list(columns)} and timed out. Ready now: {ready}; taken: {state.taken_count}/{self.capacity}; "
+                f"columns {list(columns)} and timed out. Ready now: {ready}; taken: {state.taken_count}/{self.capacity} "
+                f"({state.retired_count} of them retired{grow}); "
                 f"{per_column}; missing cells: {miss}. A producer of the missing columns is slow, stalled or crashed.")
 
     # ------------------------------------------------------------------ checkpoint
@@ -397,7 +495,9 @@ class TransferDock:
                 "step": self.step,
                 "cells": {c: {int(r): self._cells[c][r] for r in np.flatnonzero(self._written[c]).tolist()}
                           for c in self.columns},
-                "taken": {c: np.flatnonzero(s.taken).tolist() for c, s in self._state.items()},
+                "taken": {c: np.flatnonzero(s.taken & ~s.retired).tolist() for c, s in self._state.items()},
+                "retired": np.flatnonzero(self._retired).tolist(),
+                "extent": self._extent,
             }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -444,6 +544,17 @@ class TransferDock:
         for consumer in self.consumers:
             self._checked_indexes(f"load_state_dict: rows taken by consumer '{consumer}'",
                                   _taken_rows(taken[consumer]), allow_empty=True)
+        retired = self._checked_indexes("load_state_dict: retired rows", _taken_rows(state.get("retired", [])),
+                                        allow_empty=True)
+        n = self.n_samples_per_prompt
+        if len(retired) and np.any(np.bincount(retired // n) % n):
+            raise DockValueError("load_state_dict: the state's 'retired' rows hold part of a prompt group; "
+                                 "pass what state_dict() returned")
+        extent = state.get("extent", self.capacity)
+        if not isinstance(extent, (int, np.integer)) or isinstance(extent, bool) or not 0 <= extent <= self.capacity \
+                or extent % n:
+            raise DockValueError(f"load_state_dict: saved extent={extent!r}; it must be a multiple of "
+                                 f"n_samples_per_prompt={n} in [0, {self.capacity}]")
         return kinds
 
     def restore_state(self, state: Mapping[str, Any], kinds: Mapping[str, str]) -> None:
@@ -460,11 +571,19 @@ class TransferDock:
                     self._written[c][int(r)] = True
                 self._written_count[c] = len(state["cells"][c])
             self._kind = dict(kinds)
+            retired = np.asarray(sorted(int(r) for r in state.get("retired", [])), dtype=np.int64)
+            self._retired[:] = False
+            self._retired[retired] = True
+            self._extent = int(state.get("extent", self.capacity))
             for c, s in self._state.items():
                 s.reset(self.n_samples_per_prompt)
                 s.views = {}
                 taken = self._checked_indexes("load_state_dict", _taken_rows(state["taken"][c]), allow_empty=True)
                 self._take(s, taken.tolist())
+                fresh = retired[~s.taken[retired]]
+                s.retired[fresh] = True
+                s.retired_count = len(fresh)
+                self._take(s, fresh.tolist())
             self.step = int(state.get("step", self.step))
             self._cond.notify_all()
 

@@ -30,6 +30,7 @@ class DockMetrics:
     bytes_in: int = 0
     bytes_out: int = 0
     rows_examined: int = 0  # rows samplers looked at: stays ~ rows handed out (contract 12)
+    rows_retired: int = 0  # rows taken out of their step by retire() (dynamic sampling's dropped groups)
     puts: int = 0
     events: deque = field(init=False)
     _seq: int = 0
@@ -79,6 +80,7 @@ class DockMetrics:
             "bytes_out": float(self.bytes_out),
             "puts": float(self.puts),
             "rows_examined": float(self.rows_examined),
+            "rows_retired": float(self.rows_retired),
             "uptime_s": time.time() - self.t0,
         }
         for name, c in sorted(self.consumers.items()):
@@ -107,6 +109,8 @@ RAY_METRICS = {
     "bytes_out": ("transfer_dock_bytes_out", "counter", None, "bytes handed out by the dock"),
     "puts": ("transfer_dock_puts", "counter", None, "put calls"),
     "rows_examined": ("transfer_dock_rows_examined", "counter", None, "rows the samplers looked at"),
+    "rows_retired": ("transfer_dock_rows_retired", "counter", None, "rows retired (dropped groups)"),
+    "step_rows_retired": ("transfer_dock_step_rows_retired", "gauge", None, "rows retired this step"),
     "step": ("transfer_dock_step", "gauge", None, "steps cleared since the dock was made"),
 }
 

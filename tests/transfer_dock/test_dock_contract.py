@@ -659,7 +659,7 @@ def test_c08_clear_resets_progress_and_wakes_nothing_stale():
     dock.get_experience("c1", ["a"], 3)
     dock.get_experience("c2", ["a"], 1)  # leaves rows reserved in the balanced sampler
     dock.clear()
-    assert dock.get_consumer_status() == {c: {"taken": 0, "total": 4, "all_consumed": False} for c in ("c1", "c2")}
+    assert dock.get_consumer_status() == {c: {"taken": 0, "retired": 0, "total": 4, "all_consumed": False} for c in ("c1", "c2")}
     assert dock.get_experience("c1", ["a"], 1) == ({}, [])
     assert dock.get_experience("c2", ["a"], 1) == ({}, [])
     put_rows(dock, ["a", "b"], range(4))  # the same cells can be written again in the new step
@@ -1065,8 +1065,8 @@ def test_consumer_and_column_status():
     dock.get_experience("c2", ["a"], 1, indexes=[4])
     assert dock.get_column_status() == {"a": {"written": 6, "total": 6}, "b": {"written": 1, "total": 6}}
     assert dock.get_consumer_status() == {
-        "c1": {"taken": 6, "total": 6, "all_consumed": True},
-        "c2": {"taken": 1, "total": 6, "all_consumed": False},
+        "c1": {"taken": 6, "retired": 0, "total": 6, "all_consumed": True},
+        "c2": {"taken": 1, "retired": 0, "total": 6, "all_consumed": False},
     }
 
 

@@ -182,7 +182,7 @@ def test_eight_clients_of_one_consumer_get_every_row_exactly_once(ray_session, m
     # capacity is a multiple of count: every get handed out exactly `count` rows.
     assert {s for _, _, sizes in results for s in sizes} == {count}
     assert dock.all_consumed("train")
-    assert dock.get_consumer_status()["train"] == {"taken": capacity, "total": capacity, "all_consumed": True}
+    assert dock.get_consumer_status()["train"] == {"taken": capacity, "retired": 0, "total": capacity, "all_consumed": True}
 
 
 # ---------------------------------------------------------------------- blocking
