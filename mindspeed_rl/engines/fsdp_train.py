@@ -43,6 +43,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..algorithms.metrics import merge_metrics
 from .base import Bucket, LossFn, MicroBatch, ModelOutput, NamedTensors, TrainEngine, TrainSpec, bucketed
 from .batching import SequenceBatch, collate, unpad_rows
 from .torch_train import response_log_probs, response_values
@@ -271,8 +272,7 @@ class FSDPTrainEngine(TrainEngine):
             loss, metrics = loss_fn(self.forward(b), mb)
             (loss * mb.loss_scale).backward()
             unsynced = not mb.last
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
+            merge_metrics(sums, metrics)  # _max maxed, _min minned, the rest summed
             n += 1
         if n == 0:
             raise ValueError("train_step got no micro-batches")

@@ -87,6 +87,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..algorithms.metrics import merge_metrics
 from .base import Bucket, LossFn, MicroBatch, ModelOutput, NamedTensors, TrainEngine, TrainSpec, bucketed
 from .batching import SequenceBatch, collate, positions, unpad_rows
 
@@ -566,8 +567,7 @@ class MeshTrainEngine(TrainEngine):
                 break
             metrics = self._train_round(rnd, loss_fn)
             for m in metrics:
-                for k, v in m.items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
+                merge_metrics(sums, m)  # _max maxed, _min minned, the rest summed
             n += len(rnd)
             last_seen = rnd[-1].last
         if n == 0:

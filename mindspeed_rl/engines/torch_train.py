@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..algorithms import entropy_from_logits, log_probs_from_logits
+from ..algorithms.metrics import merge_metrics
 from .base import (Bucket, LossFn, MicroBatch, ModelOutput, NamedTensors, OptimConfig, TrainEngine, TrainSpec,
                    cast_buckets, flatten_parameters, hf_named_weights, load_named)
 from .batching import SequenceBatch, collate, right_pad, token_budget_groups, unpad_rows
@@ -415,8 +416,7 @@ class TorchTrainEngine(TrainEngine):
                     out = self.split_output(mb.data["prompts"], mb.data["responses"])
                 loss, m = loss_fn(out, mb)
                 (loss * mb.loss_scale).backward()
-            for k, v in m.items():
-                metrics[k] = metrics.get(k, 0.0) + float(v)
+            merge_metrics(metrics, m)  # _max maxed, _min minned, the rest summed
             count += 1
         metrics["micro_batches"] = float(count)
         metrics.update(self.optimizer_step())

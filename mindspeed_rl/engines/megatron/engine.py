@@ -84,6 +84,7 @@ from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ...algorithms.metrics import merge_metrics
 from ..base import Bucket, LossFn, MicroBatch, ModelOutput, NamedTensors, TrainEngine, TrainSpec, bucketed
 from . import convert as C
 
@@ -540,8 +541,7 @@ class MegatronTrainEngine(TrainEngine):
         def on_output(rows: RightPadded, mb: MicroBatch, output: torch.Tensor):
             logp, ent = self._token_log_probs(output, rows, with_entropy=True)
             loss, m = loss_fn(ModelOutput(response_mask=rows.response_mask, log_probs=logp, entropy=ent), mb)
-            for k, v in m.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
+            merge_metrics(sums, m)  # _max maxed, _min minned, the rest summed
             return loss * (mb.loss_scale * n), {}   # the schedule divides by n
 
         self.model.zero_grad_buffer()
