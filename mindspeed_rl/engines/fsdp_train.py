@@ -38,7 +38,7 @@ import os
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist

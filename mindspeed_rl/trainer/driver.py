@@ -40,6 +40,8 @@ from .dock_calls import DockCalls, DockSilent
 from .resume import check_resume
 from .run_dir import RunDirectory, refuse_or_clear_previous
 from .plan import Plan, check_cluster, format_plan, make_plan, write_plan_json
+from .launch import LaunchError, launch_workers
+from .step_metrics import step_record
 from .run_log import MetricsFileError, RunLog, plot_curve
 
 STARTUP_TIMEOUT_S = 300.0
@@ -512,71 +514,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ metrics
     def _metrics(self, step: int, reports: list[dict], step_s: float, stages_s: float, sync: dict) -> dict:
-        """One record per step. Metric sums are kept per stage, because several stages run the same
-        function (ReMax scores greedy and sampled responses with one reward function)."""
-        plan = self.plan
-        by_stage: dict[str, list[dict]] = {}
-        for r in reports:
-            by_stage.setdefault(r["stage"], []).append(r)
-
-        def sums(stage: str | None) -> dict[str, float]:
-            from ..workers.stage import add_metrics
-            out: dict[str, float] = {}
-            for r in by_stage.get(stage, []):
-                add_metrics(out, r["metrics"])
-            return out
-
-        producer = {c: m.name for m in plan.order for c in m.output_keys}
-        rec: dict[str, Any] = {"step": step}
-        reward = sums(producer.get("rm_scores"))
-        rows = max(reward.get("reward_rows", 0.0), 1.0)
-        rec["reward/mean"] = reward.get("reward_sum", 0.0) / rows
-        rec["reward/max_fraction"] = reward.get("reward_max_count", 0.0) / rows
-        for m in plan.order:  # other reward columns (ReMax's greedy baseline): reward/<column>_mean
-            if m.name != producer.get("rm_scores") and "reward_sum" in sums(m.name):
-                s_ = sums(m.name)
-                rec[f"reward/{m.output_keys[0]}_mean"] = s_["reward_sum"] / max(s_.get("reward_rows", 0.0), 1.0)
-        gen = sums(producer.get("responses"))
-        gen_rows = max(gen.get("rows", 0.0), 1.0)
-        rec["response_length/mean"] = gen.get("response_length_sum", 0.0) / gen_rows
-        rec["response_length/max"] = gen.get("response_length_max", 0.0)
-        if "weight_version_min" in gen:  # how many versions behind the weights that generated the rows were
-            rec["async/staleness_max"] = step - gen["weight_version_min"]
-            rec["async/staleness_mean"] = step - gen["weight_version_sum"] / gen_rows
-        old = sums(producer.get("old_log_prob"))  # the rollout's log-probs against the trainer's (verl's
-        if old.get("logprob_diff_tokens"):       # rollout_probs_diff): ~1e-6 on-policy proves the sync arrived
-            rec["rollout/logprob_diff_max"] = old["logprob_diff_max"]
-            rec["rollout/logprob_diff_mean"] = old["logprob_diff_sum"] / old["logprob_diff_tokens"]
-        for stage in ("values", "returns"):
-            s_ = sums(producer.get(stage))
-            if s_.get(f"{stage}_tokens"):
-                rec[f"critic/{stage}_mean"] = s_[f"{stage}_sum"] / s_[f"{stage}_tokens"]
-        for model, train_mfc in plan.trained.items():  # actor/pg_loss, critic/vf_loss, ...
-            s_ = sums(train_mfc)
-            mb = max(s_.get("micro_batches", 0.0), 1.0)
-            for k, v in s_.items():
-                if k not in ("micro_batches", "updates", "grad_norm", "version"):
-                    rec[f"{model}/{k}"] = v if k.endswith(("_max", "_min")) else v / mb
-            if "updates" in s_:
-                rec[f"{model}/grad_norm"] = s_.get("grad_norm", 0.0) / s_["updates"]
-                rec[f"{model}/updates"] = s_["updates"]
-        rec["actor/kl_coef"] = float(self.kl_ctrl.value)
-        rec["weight_version"] = self.policy_version
-        rec["timing/step"] = step_s
-        rec["timing/stages"] = stages_s
-        for stage, rs in by_stage.items():
-            rec[f"timing/{stage}"] = max(r["t_end"] for r in rs) - min(r["t_start"] for r in rs)
-            rec[f"busy/{stage}"] = sum(r["compute_s"] for r in rs)
-        rec["timing/weight_sync"] = sum(s["seconds"] for s in sync.values())
-        for model, s in sync.items():
-            if s["checksum"] is not None:
-                rec[f"weight_sync/{model}_checksum"] = s["checksum"]
-            rec[f"weight_sync/{model}_readers"] = s["readers"]
-            if s["bytes"]:
-                rec[f"weight_sync/{model}_mb"] = s["bytes"] / 2**20
-        tokens = gen.get("prompt_length_sum", 0.0) + gen.get("response_length_sum", 0.0)
-        rec["throughput/tokens_per_s"] = tokens / step_s if step_s > 0 else 0.0
-        return rec
+        return step_record(self.plan, step, reports, step_s=step_s, stages_s=stages_s, sync=sync,
+                           kl_coef=float(self.kl_ctrl.value), policy_version=self.policy_version)
 
     # ------------------------------------------------------------------ dashboard and report
     def _start_dashboard(self) -> None:
@@ -666,15 +605,11 @@ class Trainer:
                 raise ConfigError(f"placement.mfcs: {e}") from None
 
     def _start(self) -> None:
-        import ray
-
         from ..algorithms import make_kl_controller
         from ..data.loader import PromptLoader
         from ..data.prompts import load_prompt_dataset
         from ..models import load_tokenizer
         from ..transfer_dock.client import create_transfer_dock
-        from ..workers.worker import Worker
-        from .worker_specs import worker_specs
 
         cfg, plan = self.cfg, self.plan
         t = cfg.trainer
@@ -696,84 +631,12 @@ class Trainer:
                 self.device_nodes = placement_group_nodes(self.placement_groups)
             except (ValueError, TimeoutError) as e:
                 raise TrainingError(f"placement.mfcs: {e}") from None
-        for name, gp in plan.groups.items():
-            r = gp.resources
-            # threaded: colocated stages run at once; +4 for sync, checkpoint and ping calls beside them
-            # (x the steps in flight: with max_weight_staleness k, stages of k + 1 steps may run at once);
-            # +3 for an IPC weight sync's deliveries (ipc_deliver) waiting beside its sync_weights call
-            opts: dict[str, Any] = {"num_cpus": r.num_cpus,
-                                    "max_concurrency": len(gp.mfcs) * (cfg.rl_config.max_weight_staleness + 1) + 4 + 3}
-            if r.num_gpus:
-                opts["num_gpus"] = r.num_gpus
-            if r.num_npus:
-                opts["resources"] = {"NPU": r.num_npus}
-            # mode mesh: the deployment's actors, actor k on its devices (one, or a replica's for an engine that
-            # starts its own ranks there)
-            def pinned(k: int, gp=gp, opts=opts):
-                devices = gp.actor_devices(k)
-                if not devices:
-                    return ray.remote(Worker).options(**opts)
-                if len(devices) > 1:
-                    return ray.remote(Worker).options(**multi_device_actor_options(self.placement_groups, devices, opts))
-                from ..parallel import scheduling_strategy
-                return ray.remote(Worker).options(
-                    **opts, scheduling_strategy=scheduling_strategy(self.placement_groups, devices[0]))
-
-            def env_of(k: int, gp=gp) -> dict:
-                devices = gp.actor_devices(k)
-                if len(devices) > 1 and gp.rollout_backend:
-                    from ..engines.registry import rollout_backend
-                    return {**env, **rollout_backend(gp.rollout_backend).actor_env(
-                        [self.placement_groups[d][1] for d in devices], gp.resources)}
-                return env
-            self.workers[name] = [pinned(k).remote(spec)
-                                  for k, spec in enumerate(worker_specs(cfg, plan, gp, self.docks, env_of))]
-        all_workers = [w for ws in self.workers.values() for w in ws]
-        infos = self._get([w.ping.remote() for w in all_workers], "starting workers")
-        for name, ws in self.workers.items():
-            self.worker_nodes[name] = [infos[all_workers.index(w)]["node_id"] for w in ws]
-            for rank, w in enumerate(ws):  # named in the message if it dies
-                self.worker_info[(name, rank)] = {**infos[all_workers.index(w)], "actor_id": _actor_id(w)}
-        for name, ws in self.workers.items():
-            if plan.groups[name].deployment.default_group:
-                # the default group over a model's ranks, where its deployment says so (DDP, FSDP; all dp*tp*pp of
-                # a model-parallel group, generating ones too); never in a rollout-only data-parallel group, whose
-                # engine (vLLM) may take torch's default group for itself.
-                # Its collectives may wait for a reader waiting on the dock: a timeout beyond the stage's
-                host = infos[all_workers.index(ws[0])]["host"]
-                port = self._get([ws[0].free_port.remote()], "DDP port")[0]
-                timeout = max(60.0, 2 * t.stage_timeout_s + 60.0)
-                self._get([w.init_ddp.remote(host, port, timeout) for w in ws], f"DDP group of '{name}'")
-        self._get([w.setup.remote() for w in all_workers], "loading models")
-        # weight sync groups: the trainer's rank 0 + every worker hosting a reader without the trainer
-        self._sync_members: dict[str, list[Any]] = {}
-        for model, train_mfc in plan.trained.items():
-            train_group = plan.group_of(train_mfc)
-            reader_groups = {plan.group_of(r) for r in plan.sync_targets.get(model, [])}
-            members = list(self.workers[train_group])
-            remote = [w for g in reader_groups if g != train_group for w in self.workers[g]]
-            self._sync_members[model] = members + remote
-            if remote:
-                src = self.workers[train_group][0]
-                # IPC (engines/ipc_sync.py, shared memory, no group): weight_sync.backend ipc, or auto when
-                # rank 0 and every remote reader compute on one GPU (same CUDA uuid; NCCL refuses that)
-                keys = (self._get([w.device_key.remote() for w in [src] + remote], f"devices of '{model}'")
-                        if cfg.weight_sync.backend in ("ipc", "auto") else [])
-                same = len(set(keys)) == 1
-                if cfg.weight_sync.backend == "ipc" and not (same and keys[0].startswith(("cuda:", "cpu:"))):
-                    raise TrainingError(
-                        f"weight_sync.backend=ipc: the trainer of '{model}' and its readers are not on one device "
-                        f"({sorted(set(keys))}); IPC weight sync needs them all on one GPU (or all on the CPU of one "
-                        "host): place them together, or set weight_sync.backend=auto (NCCL/HCCL) or gloo")
-                if cfg.weight_sync.backend == "ipc" or (same and keys[0].startswith("cuda:")):
-                    self._get([src.init_ipc_sync.remote(model, "send", remote)]
-                              + [w.init_ipc_sync.remote(model, "read") for w in remote], f"IPC weight sync of '{model}'")
-                    continue
-                host = infos[all_workers.index(src)]["host"]
-                port = self._get([src.free_port.remote()], "sync port")[0]
-                world = 1 + len(remote)
-                self._get([w.init_sync_group.remote(model, host, port, i, world)
-                           for i, w in enumerate([src] + remote)], f"weight-sync group of '{model}'")
+        try:
+            launched = launch_workers(cfg, plan, self.docks, self.placement_groups, env, self._get)
+        except LaunchError as e:
+            raise TrainingError(str(e)) from None
+        self.workers, self.worker_nodes = launched.workers, launched.worker_nodes
+        self.worker_info, self._sync_members = launched.worker_info, launched.sync_members
         self._versions = {m: 0 for m in plan.trained}
         a = cfg.actor_config
         self.kl_ctrl = make_kl_controller(a.kl_ctrl, kl_coef=a.kl_loss_coef, target_kl=a.kl_target,
@@ -934,32 +797,6 @@ def check_ray_address(address: str) -> None:
                           "start a local Ray") from None
 
 
-def multi_device_actor_options(placement_groups: Mapping, devices: list[int], opts: dict) -> dict:
-    """Ray options of an actor that holds several devices (an engine that starts its own ranks there, as vLLM's
-    tensor parallelism does: one actor per DP replica; engines/deployment.py).
-
-    An actor can take resources from one placement-group bundle (one device) only, so it is pinned to
-    its replica's first device; the replica's other devices stay reserved for it (the plan pins no
-    other rank of its group there). On CPU the actor keeps that bundle's CPU share and vLLM's worker
-    processes, children of the actor, run on the replica's CPU slots outside Ray's accounting. With
-    accelerators the actor takes no GPU/NPU: vLLM's Ray executor starts one worker per device on the
-    replica's bundles (the backend's `actor_env` names them; child tasks are captured by the placement
-    group). That path is written against Ray's and vLLM's public API and has not been run (no GPU here).
-    """
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    groups = {placement_groups[d][0].id for d in devices}
-    if len(groups) > 1:
-        raise TrainingError(f"placement.mfcs: an engine-split rollout replica spans devices {devices} on more than "
-                            "one node; vLLM's tensor parallelism runs within a node: give the rollout MFC a mesh whose "
-                            "tp devices share a node")
-    pg, index = placement_groups[devices[0]]
-    accelerated = bool(opts.get("num_gpus") or opts.get("resources"))
-    out = {k: v for k, v in opts.items() if k not in ("num_gpus", "resources")}
-    return {**out, "scheduling_strategy": PlacementGroupSchedulingStrategy(
-        placement_group=pg, placement_group_bundle_index=index, placement_group_capture_child_tasks=accelerated)}
-
-
 def _cache_env() -> str:
     from ..models import cache_dir
     return str(cache_dir())
@@ -1010,12 +847,6 @@ def describe_stall(order: Sequence[MFCDef], waiting: Iterable[str], columns: Map
 
 def _ranks(dp: int) -> str:
     return "0" if dp == 1 else f"0-{dp - 1}"
-
-
-def _actor_id(handle) -> str | None:
-    """A Ray actor handle's id, for messages (Ray keeps it on a private attribute)."""
-    actor_id = getattr(handle, "_actor_id", None)
-    return actor_id.hex() if actor_id is not None else None
 
 
 def _cause(e: Exception) -> str:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..dataflow.mfc import InterfaceType, MFCDef
+from ..dataflow.mfc import MFCDef
 from . import compute as C
 
 FORWARD, TRAIN = "forward", "train"

@@ -28,7 +28,7 @@ import torch
 from ..dataflow import MFCDef
 from ..dataflow.mfc import InterfaceType
 from . import compute as C
-from .engine_set import EngineDecl, EngineSet, ReadWriteLock  # noqa: F401 - ReadWriteLock: its old home
+from .engine_set import EngineDecl, EngineSet
 from .impls import TRAIN, StageContext, build_impl
 from .stage import LoopRoles, StageError, run_stage
 from .turns import CollectiveTurns

@@ -1,0 +1,152 @@
+"""Starting a plan's worker groups: each deployment's actors, their process groups and weight-sync groups.
+
+The plan says per worker group what its backends' deployment is (engines/deployment.py): how many
+actors, on which devices, whether they share torch's default group; `worker_specs.py` says what each
+actor runs. This module turns that into Ray actors, then connects them: the default group where the
+deployment asks for one, and per trained model a weight-sync group (or IPC) from the trainer's rank 0
+to every worker that reads the model elsewhere.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from ..config import Config
+from ..workers.worker import Worker
+from .plan import Plan
+from .worker_specs import worker_specs
+
+
+class LaunchError(RuntimeError):
+    """The workers cannot be started as planned (the message names the key and the fix)."""
+
+
+@dataclass
+class Launched:
+    workers: dict[str, list[Any]] = field(default_factory=dict)        # group -> its actors, rank order
+    worker_nodes: dict[str, list[str]] = field(default_factory=dict)   # group -> each rank's Ray node id
+    worker_info: dict[tuple[str, int], dict] = field(default_factory=dict)  # (group, rank) -> pid, host, actor id
+    sync_members: dict[str, list[Any]] = field(default_factory=dict)   # model -> the actors of its weight sync
+
+
+def launch_workers(cfg: Config, plan: Plan, docks: list, placement_groups: Mapping, env: dict,
+                   get: Callable) -> Launched:
+    """Start every group's actors, build their engines and connect them; `get` is the driver's bounded,
+    interruptible ray.get."""
+    import ray
+    workers: dict[str, list[Any]] = {}
+    worker_nodes: dict[str, list[str]] = {}
+    worker_info: dict[tuple[str, int], dict] = {}
+    for name, gp in plan.groups.items():
+        r = gp.resources
+        # threaded: colocated stages run at once; +4 for sync, checkpoint and ping calls beside them
+        # (x the steps in flight: with max_weight_staleness k, stages of k + 1 steps may run at once);
+        # +3 for an IPC weight sync's deliveries (ipc_deliver) waiting beside its sync_weights call
+        opts: dict[str, Any] = {"num_cpus": r.num_cpus,
+                                "max_concurrency": len(gp.mfcs) * (cfg.rl_config.max_weight_staleness + 1) + 4 + 3}
+        if r.num_gpus:
+            opts["num_gpus"] = r.num_gpus
+        if r.num_npus:
+            opts["resources"] = {"NPU": r.num_npus}
+        # mode mesh: the deployment's actors, actor k on its devices (one, or a replica's for an engine that
+        # starts its own ranks there)
+        def pinned(k: int, gp=gp, opts=opts):
+            devices = gp.actor_devices(k)
+            if not devices:
+                return ray.remote(Worker).options(**opts)
+            if len(devices) > 1:
+                return ray.remote(Worker).options(**multi_device_actor_options(placement_groups, devices, opts))
+            from ..parallel import scheduling_strategy
+            return ray.remote(Worker).options(
+                **opts, scheduling_strategy=scheduling_strategy(placement_groups, devices[0]))
+
+        def env_of(k: int, gp=gp) -> dict:
+            devices = gp.actor_devices(k)
+            if len(devices) > 1 and gp.rollout_backend:
+                from ..engines.registry import rollout_backend
+                return {**env, **rollout_backend(gp.rollout_backend).actor_env(
+                    [placement_groups[d][1] for d in devices], gp.resources)}
+            return env
+        workers[name] = [pinned(k).remote(spec)
+                              for k, spec in enumerate(worker_specs(cfg, plan, gp, docks, env_of))]
+    all_workers = [w for ws in workers.values() for w in ws]
+    infos = get([w.ping.remote() for w in all_workers], "starting workers")
+    for name, ws in workers.items():
+        worker_nodes[name] = [infos[all_workers.index(w)]["node_id"] for w in ws]
+        for rank, w in enumerate(ws):  # named in the message if it dies
+            worker_info[(name, rank)] = {**infos[all_workers.index(w)], "actor_id": _actor_id(w)}
+    for name, ws in workers.items():
+        if plan.groups[name].deployment.default_group:
+            # the default group over a model's ranks, where its deployment says so (DDP, FSDP; all dp*tp*pp of
+            # a model-parallel group, generating ones too); never in a rollout-only data-parallel group, whose
+            # engine (vLLM) may take torch's default group for itself.
+            # Its collectives may wait for a reader waiting on the dock: a timeout beyond the stage's
+            host = infos[all_workers.index(ws[0])]["host"]
+            port = get([ws[0].free_port.remote()], "DDP port")[0]
+            timeout = max(60.0, 2 * cfg.trainer.stage_timeout_s + 60.0)
+            get([w.init_ddp.remote(host, port, timeout) for w in ws], f"DDP group of '{name}'")
+    get([w.setup.remote() for w in all_workers], "loading models")
+    # weight sync groups: the trainer's rank 0 + every worker hosting a reader without the trainer
+    sync_members: dict[str, list[Any]] = {}
+    for model, train_mfc in plan.trained.items():
+        train_group = plan.group_of(train_mfc)
+        reader_groups = {plan.group_of(r) for r in plan.sync_targets.get(model, [])}
+        members = list(workers[train_group])
+        remote = [w for g in reader_groups if g != train_group for w in workers[g]]
+        sync_members[model] = members + remote
+        if remote:
+            src = workers[train_group][0]
+            # IPC (engines/ipc_sync.py, shared memory, no group): weight_sync.backend ipc, or auto when
+            # rank 0 and every remote reader compute on one GPU (same CUDA uuid; NCCL refuses that)
+            keys = (get([w.device_key.remote() for w in [src] + remote], f"devices of '{model}'")
+                    if cfg.weight_sync.backend in ("ipc", "auto") else [])
+            same = len(set(keys)) == 1
+            if cfg.weight_sync.backend == "ipc" and not (same and keys[0].startswith(("cuda:", "cpu:"))):
+                raise LaunchError(
+                    f"weight_sync.backend=ipc: the trainer of '{model}' and its readers are not on one device "
+                    f"({sorted(set(keys))}); IPC weight sync needs them all on one GPU (or all on the CPU of one "
+                    "host): place them together, or set weight_sync.backend=auto (NCCL/HCCL) or gloo")
+            if cfg.weight_sync.backend == "ipc" or (same and keys[0].startswith("cuda:")):
+                get([src.init_ipc_sync.remote(model, "send", remote)]
+                          + [w.init_ipc_sync.remote(model, "read") for w in remote], f"IPC weight sync of '{model}'")
+                continue
+            host = infos[all_workers.index(src)]["host"]
+            port = get([src.free_port.remote()], "sync port")[0]
+            world = 1 + len(remote)
+            get([w.init_sync_group.remote(model, host, port, i, world)
+                       for i, w in enumerate([src] + remote)], f"weight-sync group of '{model}'")
+    return Launched(workers, worker_nodes, worker_info, sync_members)
+
+
+def multi_device_actor_options(placement_groups: Mapping, devices: list[int], opts: dict) -> dict:
+    """Ray options of an actor that holds several devices (an engine that starts its own ranks there, as vLLM's
+    tensor parallelism does: one actor per DP replica; engines/deployment.py).
+
+    An actor can take resources from one placement-group bundle (one device) only, so it is pinned to
+    its replica's first device; the replica's other devices stay reserved for it (the plan pins no
+    other rank of its group there). On CPU the actor keeps that bundle's CPU share and vLLM's worker
+    processes, children of the actor, run on the replica's CPU slots outside Ray's accounting. With
+    accelerators the actor takes no GPU/NPU: vLLM's Ray executor starts one worker per device on the
+    replica's bundles (the backend's `actor_env` names them; child tasks are captured by the placement
+    group). That path is written against Ray's and vLLM's public API and has not been run (no GPU here).
+    """
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    groups = {placement_groups[d][0].id for d in devices}
+    if len(groups) > 1:
+        raise LaunchError(f"placement.mfcs: an engine-split rollout replica spans devices {devices} on more than "
+                            "one node; vLLM's tensor parallelism runs within a node: give the rollout MFC a mesh whose "
+                            "tp devices share a node")
+    pg, index = placement_groups[devices[0]]
+    accelerated = bool(opts.get("num_gpus") or opts.get("resources"))
+    out = {k: v for k, v in opts.items() if k not in ("num_gpus", "resources")}
+    return {**out, "scheduling_strategy": PlacementGroupSchedulingStrategy(
+        placement_group=pg, placement_group_bundle_index=index, placement_group_capture_child_tasks=accelerated)}
+
+
+def _actor_id(handle) -> str | None:
+    """A Ray actor handle's id, for messages (Ray keeps it on a private attribute)."""
+    actor_id = getattr(handle, "_actor_id", None)
+    return actor_id.hex() if actor_id is not None else None
+
+
