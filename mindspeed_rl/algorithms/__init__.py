@@ -12,6 +12,7 @@ Per-token tensors are ``[batch, response_len]`` with a response mask (1 = real t
 * ``off_policy``: behaviour importance weights (none / TIS / decoupled) for training on stale rollouts.
 * ``metrics``: the metric naming rule (``_max`` maxed, ``_min`` minned, the rest summed) every layer
   combines reports with.
+* ``dapo``: DAPO's overlong reward shaping, the dynamic-sampling group filter, truncated responses.
 * ``preference``: reward models: the Bradley-Terry pairwise loss, accuracy and margin, the score at a
   sequence's last token, and model + rule rewards combined by weight.
 """
@@ -24,6 +25,7 @@ from .functional import (
     masked_whiten,
     outcome_token_rewards,
 )
+from .dapo import constant_groups, overlong_penalty, truncated
 from .grpo import broadcast_to_tokens, grpo_advantages
 from .kl import (
     KL_CONTROLLER_KINDS,
@@ -53,6 +55,7 @@ __all__ = [
     "bradley_terry_loss",
     "broadcast_to_tokens",
     "combine_rewards",
+    "constant_groups",
     "corrected_policy_loss",
     "entropy_from_logits",
     "gae_advantages",
@@ -66,9 +69,11 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "outcome_token_rewards",
+    "overlong_penalty",
     "policy_loss",
     "preference_accuracy",
     "preference_margin",
     "remax_advantages",
+    "truncated",
     "value_loss",
 ]

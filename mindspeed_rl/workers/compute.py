@@ -32,7 +32,7 @@ class ComputeFn:
     inputs: tuple[str, ...]           # names it must get
     outputs: tuple[str, ...]          # names it can write (an MFC writes a subset)
     optional: tuple[str, ...] = ()    # names it uses when present
-    engine: str = ""                  # "rollout", "policy", "value" or "" (none)
+    engine: str = ""                  # "rollout", "policy", "value", "reward" or "" (none)
     doc: str = ""
 
 
@@ -62,6 +62,16 @@ FUNCTIONS: dict[str, ComputeFn] = {f.name: f for f in (
                   "correction from rollout_log_prob)"),
     ComputeFn("value_train", "mindspeed_rl.workers.impls:ValueTrain", InterfaceType.TRAIN_STEP, ("prompts", "responses", "values", "returns"), (),
               engine="value", doc="clipped value loss"),
+    # a learned reward (workers/reward_impls.py): the reward model's scores, their sum with the rule's, its training
+    ComputeFn("reward_model_score", "mindspeed_rl.workers.reward_impls:RewardModelScore", InterfaceType.INFERENCE,
+              ("prompts", "responses"), ("model_scores",), engine="reward",
+              doc="the reward model's score of each response, at its last token (re-tokenized for its own tokenizer)"),
+    ComputeFn("combine_reward", "mindspeed_rl.workers.reward_impls:CombineReward", InterfaceType.COMPUTE,
+              ("model_scores",), ("rm_scores",), optional=("rule_scores",),
+              doc="rl_config.reward_weights' sum of the reward model's and the rule reward's scores"),
+    ComputeFn("reward_train", "mindspeed_rl.workers.reward_impls:RewardTrain", InterfaceType.TRAIN_STEP,
+              ("prompts", "chosen", "rejected"), (), engine="reward",
+              doc="Bradley-Terry loss of the reward model on preference pairs (reward modeling)"),
 )}
 
 
@@ -157,14 +167,18 @@ def log_probs(batch: dict, rows: list[int], *, engine, micro_batch_size: int) ->
     lp = engine.log_probs(batch["prompts"], batch["responses"], micro_batch_size)
     metrics = {}
     if "rollout_log_prob" in batch:
-        metrics = logprob_diff(lp, batch["rollout_log_prob"])
+        metrics = logprob_diff(lp, batch["rollout_log_prob"], batch.get("loss_mask"))
     return Output({"log_prob": lp}, metrics)
 
 
-def logprob_diff(log_prob: Sequence[torch.Tensor], rollout_log_prob: Sequence[torch.Tensor]) -> dict[str, float]:
-    """|log_prob - rollout_log_prob| over response tokens: its max, and sum and count for the mean."""
+def logprob_diff(log_prob: Sequence[torch.Tensor], rollout_log_prob: Sequence[torch.Tensor],
+                 loss_mask: Sequence[torch.Tensor] | None = None) -> dict[str, float]:
+    """|log_prob - rollout_log_prob| over response tokens: its max, and sum and count for the mean.
+    With `loss_mask`, over the model's own tokens only (a tool's output has no rollout log-prob)."""
     diffs = [(torch.as_tensor(a).float() - torch.as_tensor(b).float()).abs()
              for a, b in zip(log_prob, rollout_log_prob)]
+    if loss_mask is not None:
+        diffs = [d[torch.as_tensor(m).reshape(-1)[:d.numel()] > 0] for d, m in zip(diffs, loss_mask)]
     tokens = sum(int(d.numel()) for d in diffs)
     return {"logprob_diff_max": float(max((float(d.max()) for d in diffs if d.numel()), default=0.0)),
             "logprob_diff_sum": float(sum(float(d.sum()) for d in diffs)), "logprob_diff_tokens": float(tokens)}
@@ -247,7 +261,8 @@ def policy_loss_fn(loss_cfg: PolicyLossConfig, kl_coef: float) -> Callable:
     (loss, metrics). Clipped policy loss (+ entropy bonus, + KL to the reference when the KL
     coefficient is > 0)."""
     def loss_fn(out, mb) -> tuple[torch.Tensor, dict[str, float]]:
-        batch, mask, logp = mb.data, out.response_mask, out.log_probs
+        batch, logp = mb.data, out.log_probs
+        mask = token_mask(out.response_mask, batch)
         width = mask.shape[1]
         old = (_rows_to_matrix(batch["old_log_prob"], width) * mask.cpu()).to(logp.device)
         adv = advantage_matrix(batch["advantages"], mask)
@@ -281,6 +296,20 @@ def policy_loss_fn(loss_cfg: PolicyLossConfig, kl_coef: float) -> Callable:
     return loss_fn
 
 
+def token_mask(response_mask: torch.Tensor, batch: dict) -> torch.Tensor:
+    """The [B, R] mask every per-token term of a loss is taken over: the engine's response mask (1 on
+    real response tokens), times the rows' `loss_mask` column when the batch has one (verl's
+    `response_mask` of multi-turn rollouts: 1 on the model's own tokens, 0 on a tool's output, and
+    all 0 on a row dropped from the loss). So the policy loss, its clip fractions, the entropy, the
+    KL term and the advantages all leave tool tokens out, and a trajectory's loss equals the loss
+    over its model tokens alone."""
+    rows = batch.get("loss_mask")
+    if rows is None:
+        return response_mask
+    return response_mask * _rows_to_matrix(rows, response_mask.shape[1]).to(response_mask.device,
+                                                                             response_mask.dtype)
+
+
 def needs_reference(loss_cfg: PolicyLossConfig, kl_coef: float) -> bool:
     """Does this micro-batch's loss have a KL term? Not when the coefficient is 0: then nothing reads
     ref_log_prob, and the graph has no reference stage to write it (dataflow/options.py)."""
@@ -304,7 +333,7 @@ class ValueLossConfig:
 def value_loss_fn(loss_cfg: ValueLossConfig) -> Callable:
     """The critic's clipped value loss on one micro-batch: (model output, micro-batch) -> (loss, metrics)."""
     def loss_fn(out, mb) -> tuple[torch.Tensor, dict[str, float]]:
-        mask = out.response_mask
+        mask = token_mask(out.response_mask, mb.data)
         width = mask.shape[1]
         old = _rows_to_matrix(mb.data["values"], width).to(mask.device)
         returns = _rows_to_matrix(mb.data["returns"], width).to(mask.device)
