@@ -119,6 +119,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..device import accelerator_share
 from .base import NamedTensors, Rollout, RolloutEngine, RolloutSpec, SamplingParams
 from .shm_cleanup import ShmRecorder
 
@@ -148,7 +149,7 @@ def actor_env(bundle_indices: list[int], resources) -> dict[str, str]:
     bundles of its replica's devices and each worker's device share, which vLLM's Ray executor reads
     (VLLM_RAY_BUNDLE_INDICES, VLLM_RAY_PER_WORKER_GPUS); nothing on CPU (the engine binds its ranks' threads
     itself). Unrun (no GPU here)."""
-    share = resources.num_gpus or resources.num_npus
+    share = accelerator_share(resources)
     if not share:
         return {}
     return {"VLLM_RAY_BUNDLE_INDICES": ",".join(str(i) for i in bundle_indices),

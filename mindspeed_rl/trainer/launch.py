@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from ..config import Config
+from ..device import ACCELERATOR_OPTION_KEYS, group_actor_options
 from ..workers.worker import Worker
 from .plan import Plan
 from .worker_specs import worker_specs
@@ -42,12 +43,8 @@ def launch_workers(cfg: Config, plan: Plan, docks: list, placement_groups: Mappi
         # threaded: colocated stages run at once; +4 for sync, checkpoint and ping calls beside them
         # (x the steps in flight: with max_weight_staleness k, stages of k + 1 steps may run at once);
         # +3 for an IPC weight sync's deliveries (ipc_deliver) waiting beside its sync_weights call
-        opts: dict[str, Any] = {"num_cpus": r.num_cpus,
+        opts: dict[str, Any] = {**group_actor_options(r),  # num_cpus, num_gpus, resources={NPU: ...}
                                 "max_concurrency": len(gp.mfcs) * (cfg.rl_config.max_weight_staleness + 1) + 4 + 3}
-        if r.num_gpus:
-            opts["num_gpus"] = r.num_gpus
-        if r.num_npus:
-            opts["resources"] = {"NPU": r.num_npus}
         # mode mesh: the deployment's actors, actor k on its devices (one, or a replica's for an engine that
         # starts its own ranks there)
         def pinned(k: int, gp=gp, opts=opts):
@@ -138,8 +135,8 @@ def multi_device_actor_options(placement_groups: Mapping, devices: list[int], op
                             "one node; vLLM's tensor parallelism runs within a node: give the rollout MFC a mesh whose "
                             "tp devices share a node")
     pg, index = placement_groups[devices[0]]
-    accelerated = bool(opts.get("num_gpus") or opts.get("resources"))
-    out = {k: v for k, v in opts.items() if k not in ("num_gpus", "resources")}
+    accelerated = any(opts.get(k) for k in ACCELERATOR_OPTION_KEYS)
+    out = {k: v for k, v in opts.items() if k not in ACCELERATOR_OPTION_KEYS}
     return {**out, "scheduling_strategy": PlacementGroupSchedulingStrategy(
         placement_group=pg, placement_group_bundle_index=index, placement_group_capture_child_tasks=accelerated)}
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..algorithms.metrics import merge_metrics, metric_mean
+
 
 def step_record(plan, step: int, reports: list[dict], *, step_s: float, stages_s: float, sync: dict, kl_coef: float,
                 policy_version: int) -> dict:
@@ -18,10 +20,9 @@ def step_record(plan, step: int, reports: list[dict], *, step_s: float, stages_s
         by_stage.setdefault(r["stage"], []).append(r)
 
     def sums(stage: str | None) -> dict[str, float]:
-        from ..workers.stage import add_metrics
         out: dict[str, float] = {}
-        for r in by_stage.get(stage, []):
-            add_metrics(out, r["metrics"])
+        for r in by_stage.get(stage, []):  # over ranks and updates: _max maxed, _min minned, the rest summed
+            merge_metrics(out, r["metrics"])
         return out
 
     producer = {c: m.name for m in plan.order for c in m.output_keys}
@@ -54,7 +55,7 @@ def step_record(plan, step: int, reports: list[dict], *, step_s: float, stages_s
         mb = max(s_.get("micro_batches", 0.0), 1.0)
         for k, v in s_.items():
             if k not in ("micro_batches", "updates", "grad_norm", "version"):
-                rec[f"{model}/{k}"] = v if k.endswith(("_max", "_min")) else v / mb
+                rec[f"{model}/{k}"] = metric_mean(k, v, mb)
         if "updates" in s_:
             rec[f"{model}/grad_norm"] = s_.get("grad_norm", 0.0) / s_["updates"]
             rec[f"{model}/updates"] = s_["updates"]
