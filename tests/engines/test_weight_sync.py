@@ -276,16 +276,18 @@ def test_receiver_fails_within_timeout_when_nothing_is_sent(tmp_path):
 # ---------------------------------------------------------------------------- a reader worker's side
 
 def _reader_worker(group, rollout, infer):
-    """A rollout worker process's `Worker` (its real `__init__` and `sync_weights`) holding an HF
-    rollout engine and an inference copy of 'actor', both fed by `group` with verify on."""
+    """A rollout worker's weight host (workers/weights.py, its real `sync_weights`) over the worker's engine set,
+    holding an HF rollout engine and an inference copy of 'actor', both fed by `group` with verify on."""
     from types import SimpleNamespace
 
-    from mindspeed_rl.workers.worker import Worker
+    from mindspeed_rl.workers.engine_set import EngineSet
+    from mindspeed_rl.workers.weights import WeightHost
 
-    cfg = SimpleNamespace(weight_sync=SimpleNamespace(verify=True, bucket_mb=1))
-    w = Worker(SimpleNamespace(config=cfg, env={}, docks=[], torch_threads=torch.get_num_threads(),
-                               group="rollout", rank=0))
-    w.rollout["actor"], w.infer["actor"] = rollout, infer
+    engines = EngineSet([], seed=0, device="cpu", process_group=None, tokenizer_path="", stop_tokens=[],
+                        simulated=False)
+    engines.rollout["actor"], engines.infer["actor"] = rollout, infer
+    w = WeightHost(engines, rank=0, group="rollout", device="cpu",
+                   sync_cfg=SimpleNamespace(verify=True, bucket_mb=1, backend="gloo"), stage_timeout_s=60.0)
     w.sync_groups["actor"] = group
     return w
 
