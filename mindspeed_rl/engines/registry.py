@@ -23,11 +23,12 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
+from ..device.kinds import ACCELERATOR_TYPES, TORCH_DEVICE_TYPES
 from .base import RolloutEngine, RolloutSpec, TrainEngine, TrainSpec
 from .deployment import DATA_PARALLEL, ENGINE, MESH, SHAPES, Deployment, DeployError, Slice
 
 ROLLOUT, TRAIN = "rollout", "train"
-ALL_DEVICES = ("cpu", "cuda", "npu")
+ALL_DEVICES = TORCH_DEVICE_TYPES
 
 
 @dataclass(frozen=True)
@@ -236,7 +237,7 @@ register_train_backend(
     options="mindspeed_rl.engines.fsdp_train:FSDPOptions",
     doc="FSDP2 (fully_shard per decoder layer and root), sharded optimizer, DCP checkpoints")
 register_train_backend(
-    "megatron", "mindspeed_rl.engines.megatron.engine:MegatronTrainEngine", devices=("cuda", "npu"),
+    "megatron", "mindspeed_rl.engines.megatron.engine:MegatronTrainEngine", devices=ACCELERATOR_TYPES,
     needs="megatron.core", value_models=False, shape=MESH,
     options="mindspeed_rl.engines.megatron.engine:MegatronOptions",
     install="pip install -e .[megatron] (and transformer-engine for layer_spec: te) on a CUDA machine; on "

@@ -251,12 +251,7 @@ def run_stage_loop(dock, *, stage: str, rank: int, step: int, input_keys, count:
 
 
 def add_metrics(into: dict, more: dict) -> dict:
-    """Metric sums across micro-batches, except extremes: keys ending in `_max` are maxed, `_min` minned."""
-    for k, v in more.items():
-        if k.endswith("_max"):
-            into[k] = max(into.get(k, float("-inf")), float(v))
-        elif k.endswith("_min"):
-            into[k] = min(into.get(k, float("inf")), float(v))
-        else:
-            into[k] = into.get(k, 0.0) + float(v)
-    return into
+    """Metric sums across micro-batches, by the one naming rule (algorithms/metrics.py: `_max` maxed, `_min`
+    minned, the rest summed)."""
+    from ..algorithms.metrics import merge_metrics
+    return merge_metrics(into, more)
