@@ -12,6 +12,7 @@ one kind, so the kind needs no marker in the prompt:
 | `reverse` | `123=`            | `321`         | the digits in reverse order                        |
 | `sort`    | `312=` / `+312=`  | `123` / `321` | ascending; descending when the prompt starts with `+` (drawn per prompt) |
 | `add`     | `123+456=`        | `579`         | digit-wise sum mod 10, no carries: (a_i + b_i) % 10 |
+| `sum`     | `123+456=`        | `579`         | the real sum, with carries (`999+999=` -> `1998`): the tool task |
 
 Why these rules: each answer digit depends on a few prompt positions (learnable by an 84k-parameter
 model), and a policy that ignores the prompt cannot do well: random digits score 0.10 on every
@@ -21,6 +22,12 @@ is 0 a quarter of the time; the constant "059" scores 0.23); mixing both directi
 best constant to 0.14 for n=3 (0.17 for n=5, 0.197 for n=8; longer sorts reach 0.2). Real addition
 with carries is also unfair (the carry digit is 0 or 1) and harder to learn, hence the digit-wise
 sum.
+
+`sum` is the other way round on purpose: real addition of two numbers of `num_digits` digits (no
+leading zero), which the tiny model cannot learn to do in its head in a few minutes but can with a
+calculator: it calls the `calc` tool with the operands (`<calc>1234+5678</calc>`), reads the result
+(`<result>6912</result>`) and copies it (`configs/grpo_tiny_tool.yaml`, docs/agent.md). Its reward
+is `final_digits`: `digits` on the text after the last tool result.
 """
 from __future__ import annotations
 
@@ -28,15 +35,14 @@ import numpy as np
 
 from .base import ANSWER, PROMPT, PromptDataset
 
-KINDS = ("copy", "reverse", "sort", "add")
+KINDS = ("copy", "reverse", "sort", "add", "sum")
 ALPHABET = "0123456789+="  # every character a synthetic prompt may hold
 REWARD = "digits"
+REWARDS = {"sum": "final_digits"}  # kinds whose reward is not REWARD
 
 
 class SyntheticTask:
     """One synthetic task: `sample(rng) -> (prompt, answer)`; `solve(prompt) -> answer`."""
-
-    reward = REWARD
 
     def __init__(self, kind: str = "copy", num_digits: int = 3):
         if kind not in KINDS:
@@ -49,6 +55,11 @@ class SyntheticTask:
 
     def __repr__(self) -> str:
         return f"SyntheticTask(kind={self.kind!r}, num_digits={self.num_digits})"
+
+    @property
+    def reward(self) -> str:
+        """The reward function that scores this task (`rl_config.reward_fn`)."""
+        return REWARDS.get(self.kind, REWARD)
 
     def sample(self, rng: np.random.Generator) -> tuple[str, str]:
         """One (prompt, answer) pair drawn from `rng`."""
@@ -65,6 +76,10 @@ class SyntheticTask:
             descending = rng.integers(0, 2, size=count).astype(bool)
             return [(f"{'+' if d else ''}{_digits(x)}=", _digits(sorted(x, reverse=bool(d))))
                     for x, d in zip(a, descending)]
+        if self.kind == "sum":  # numbers of num_digits digits, no leading zero (1000..9999 for 4)
+            low, high = 10 ** (self.num_digits - 1) if self.num_digits > 1 else 0, 10 ** self.num_digits
+            x, y = rng.integers(low, high, size=count), rng.integers(low, high, size=count)
+            return [(f"{int(p)}+{int(q)}=", str(int(p) + int(q))) for p, q in zip(x, y)]
         b = rng.integers(0, 10, size=(count, self.num_digits))  # add
         return [(f"{_digits(x)}+{_digits(y)}=", _digits((x + y) % 10)) for x, y in zip(a, b)]
 
@@ -76,9 +91,11 @@ class SyntheticTask:
             body, descending = body[1:], True
         else:
             descending = False
-        if self.kind == "add":
+        if self.kind in ("add", "sum"):
             left, plus, right = body.partition("+")
             if plus and len(left) == len(right) == n and _is_digits(left) and _is_digits(right):
+                if self.kind == "sum":
+                    return str(int(left) + int(right))
                 return "".join(str((int(x) + int(y)) % 10) for x, y in zip(left, right))
         elif len(body) == n and _is_digits(body):
             if self.kind == "copy":

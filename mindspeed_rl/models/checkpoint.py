@@ -12,9 +12,13 @@ import os
 from pathlib import Path
 
 BUILTIN_PREFIX = "builtin:"
-# built-in name -> its config in the repo: the default, and a 4-layer one with 4 heads / 2 KV heads, so
-# pipeline stages get whole layers and tensor parallelism whole heads (docs/parallel.md)
-_BUILTIN_CONFIGS = {"tiny-qwen2": "config.json", "tiny-qwen2-4l": "config_4layers.json"}
+# built-in name -> its config in the repo: the default, a 4-layer one with 4 heads / 2 KV heads, so
+# pipeline stages get whole layers and tensor parallelism whole heads (docs/parallel.md), and the default
+# with the tokens of the calc tool's call syntax (the tool task, docs/agent.md)
+_BUILTIN_CONFIGS = {"tiny-qwen2": "config.json", "tiny-qwen2-4l": "config_4layers.json",
+                    "tiny-qwen2-tool": "config_tool.json"}
+# built-in name -> tokens its tokenizer has beyond the characters (the others have none: unchanged)
+_BUILTIN_EXTRA_TOKENS = {"tiny-qwen2-tool": "TOOL_TOKENS"}
 BUILTIN_MODELS = tuple(_BUILTIN_CONFIGS)
 _CONFIG_DIR = Path(__file__).with_name("tiny_qwen2")
 TINY_SEED = 1234
@@ -84,8 +88,14 @@ def builtin_fingerprint(name: str = "tiny-qwen2") -> str:
     from .tokenizer import CHARACTERS, SPECIAL_TOKENS
 
     h = hashlib.sha256((_CONFIG_DIR / _BUILTIN_CONFIGS[name]).read_bytes())
-    h.update(repr((CHARACTERS, SPECIAL_TOKENS, TINY_SEED)).encode())
+    extra = _extra_tokens(name)
+    h.update(repr((CHARACTERS, SPECIAL_TOKENS, TINY_SEED) + ((extra,) if extra else ())).encode())
     return h.hexdigest()[:10]
+
+
+def _extra_tokens(name: str) -> tuple[str, ...]:
+    from . import tokenizer
+    return tuple(getattr(tokenizer, _BUILTIN_EXTRA_TOKENS[name])) if name in _BUILTIN_EXTRA_TOKENS else ()
 
 
 def save_tiny_checkpoint(target: Path, name: str = "tiny-qwen2") -> Path:
@@ -106,7 +116,7 @@ def save_tiny_checkpoint(target: Path, name: str = "tiny-qwen2") -> Path:
         torch.manual_seed(TINY_SEED)
         model = Qwen2ForCausalLM(config)
     model.save_pretrained(tmp, safe_serialization=True)
-    build_char_tokenizer().save_pretrained(tmp)
+    build_char_tokenizer(_extra_tokens(name)).save_pretrained(tmp)
     import shutil
     if target.exists() and not _complete(target):  # an incomplete copy: set it aside, then replace it
         stale = target.parent / f".{target.name}.stale-{os.getpid()}"

@@ -1,12 +1,13 @@
 """Rule rewards: `fn(response: str, answer: str, prompt: str) -> float` in [0, 1].
 
-`get_reward_fn(name)` gives a built-in (`gsm8k`, `gsm8k_flexible`, `exact_match`, `digits`) or your
+`get_reward_fn(name)` gives a built-in (`gsm8k`, `gsm8k_flexible`, `exact_match`, `digits`,
+`final_digits`) or your
 own function by dotted path (`"my_pkg.my_mod:fn"`); `score_batch` runs one over a batch.
 """
 from .gsm8k import answers_equal, extract_answer, gsm8k, gsm8k_flexible, gsm8k_reward, parse_number
 from .registry import BUILTIN_REWARDS, RewardFn, get_reward_fn, score_batch, validate_reward_name
-from .rules import digits, exact_match
+from .rules import digits, exact_match, final_digits
 
-__all__ = ["BUILTIN_REWARDS", "RewardFn", "answers_equal", "digits", "exact_match", "extract_answer",
+__all__ = ["BUILTIN_REWARDS", "RewardFn", "answers_equal", "digits", "exact_match", "extract_answer", "final_digits",
            "get_reward_fn", "gsm8k", "gsm8k_flexible", "gsm8k_reward", "parse_number",
            "score_batch", "validate_reward_name"]

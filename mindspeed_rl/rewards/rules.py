@@ -27,3 +27,13 @@ def digits(response: str, answer: str, prompt: str = "") -> float:
     if denom == 0:
         return 1.0
     return sum(a == b for a, b in zip(answer, response)) / denom
+
+
+def final_digits(response: str, answer: str, prompt: str = "") -> float:
+    """`digits` on the final answer of a tool-using trajectory: the text after the last tool result
+    (`</result>`, `</tool_response>`; mindspeed_rl/agent/syntax.py), or the whole response when it
+    called no tool. The reward of the `sum` task: `<calc>1234+5678</calc><result>6912</result>6912`
+    scores 1, the same without the copied `6912` scores 0.
+    """
+    from ..agent.syntax import final_answer
+    return digits(final_answer(str(response)), answer, prompt)

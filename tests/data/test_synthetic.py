@@ -9,7 +9,9 @@ from mindspeed_rl.data.synthetic import ALPHABET
 from mindspeed_rl.models import build_char_tokenizer
 from mindspeed_rl.rewards import digits, get_reward_fn
 
-FORMATS = {"copy": r"\d{3}=", "reverse": r"\d{3}=", "sort": r"\+?\d{3}=", "add": r"\d{3}\+\d{3}="}
+FORMATS = {"copy": r"\d{3}=", "reverse": r"\d{3}=", "sort": r"\+?\d{3}=", "add": r"\d{3}\+\d{3}=",
+           "sum": r"[1-9]\d{2}\+[1-9]\d{2}="}
+ANSWERS = {"sum": r"[1-9]\d{2,3}"}  # the real sum of two 3-digit numbers: 200 .. 1998
 
 
 @pytest.mark.parametrize("kind, prompt, answer", [
@@ -17,6 +19,7 @@ FORMATS = {"copy": r"\d{3}=", "reverse": r"\d{3}=", "sort": r"\+?\d{3}=", "add":
     ("reverse", "123=", "321"), ("reverse", "100=", "001"),
     ("sort", "312=", "123"), ("sort", "+312=", "321"), ("sort", "909=", "099"), ("sort", "+909=", "990"),
     ("add", "123+456=", "579"), ("add", "999+111=", "000"), ("add", "555+505=", "050"),
+    ("sum", "123+456=", "579"), ("sum", "999+999=", "1998"), ("sum", "555+505=", "1060"),
 ])
 def test_solve_by_hand(kind, prompt, answer):
     assert SyntheticTask(kind, 3).solve(prompt) == answer
@@ -28,7 +31,7 @@ def test_samples_have_the_format_and_the_right_answer(kind):
     pairs = task.sample_many(np.random.default_rng(0), 500)
     for prompt, answer in pairs:
         assert re.fullmatch(FORMATS[kind], prompt), prompt
-        assert re.fullmatch(r"\d{3}", answer), answer
+        assert re.fullmatch(ANSWERS.get(kind, r"\d{3}"), answer), answer
         assert task.solve(prompt) == answer
         assert digits(answer, answer, prompt) == 1.0
     assert len({p for p, _ in pairs}) > 350  # varied (500 draws of 1000 prompts: ~393 distinct)
@@ -42,7 +45,8 @@ def test_sort_uses_both_directions_and_other_lengths():
     for kind in SYNTHETIC_KINDS:
         task = SyntheticTask(kind, 5)
         for prompt, answer in task.sample_many(np.random.default_rng(2), 50):
-            assert len(answer) == 5 and task.solve(prompt) == answer
+            assert len(answer) == (5 if kind != "sum" else len(str(int(prompt[:5]) + int(prompt[6:11]))))
+            assert task.solve(prompt) == answer
 
 
 def test_solve_rejects_other_prompts():
@@ -56,7 +60,7 @@ def test_solve_rejects_other_prompts():
 
 def test_task_argument_errors():
     with pytest.raises(ValueError, match=r"unknown synthetic task kind 'mul'; kinds are \['copy', "
-                                         r"'reverse', 'sort', 'add'\]"):
+                                         r"'reverse', 'sort', 'add', 'sum'\]"):
         SyntheticTask("mul")
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="num_digits must be a positive integer"):
@@ -88,7 +92,7 @@ def _best_constant(dataset, n):
     return "".join(str(np.bincount(answers[:, i], minlength=10).argmax()) for i in range(n))
 
 
-@pytest.mark.parametrize("kind", SYNTHETIC_KINDS)
+@pytest.mark.parametrize("kind", [k for k in SYNTHETIC_KINDS if k != "sum"])  # sum: the tool task, below
 def test_a_policy_that_ignores_the_prompt_scores_under_0_2(kind):
     n = 3
     dataset = SyntheticPromptDataset(SyntheticTask(kind, n), size=4000, seed=0)
@@ -104,6 +108,24 @@ def test_a_policy_that_ignores_the_prompt_scores_under_0_2(kind):
     task = dataset.task
     assert _mean_reward([task.solve(r["prompt"]) for r in dataset], dataset) == 1.0
     assert get_reward_fn(task.reward) is digits
+
+
+def test_sum_is_real_addition_scored_after_the_tool_result():
+    """`sum`: numbers of num_digits digits (no leading zero), the exact sum; the reward `final_digits`
+    reads the answer after the last tool result, so copying the calculator's result is full credit."""
+    from mindspeed_rl.rewards import final_digits
+    task = SyntheticTask("sum", 4)
+    pairs = task.sample_many(np.random.default_rng(0), 2000)
+    for prompt, answer in pairs[:200]:
+        a, b = prompt[:-1].split("+")
+        assert 1000 <= int(a) <= 9999 and 1000 <= int(b) <= 9999 and answer == str(int(a) + int(b))
+    assert 0.3 < np.mean([len(a) == 5 for _, a in pairs]) < 0.7  # carries into a fifth digit about half the time
+    assert task.reward == "final_digits" and get_reward_fn(task.reward) is final_digits
+    prompt, answer = pairs[0]
+    call = f"<calc>{prompt[:-1]}</calc><result>{answer}</result>{answer}"
+    assert final_digits(call, answer, prompt) == 1.0
+    assert final_digits(f"<calc>{prompt[:-1]}</calc><result>{answer}</result>", answer, prompt) == 0.0
+    assert final_digits(answer, answer, prompt) == 1.0, "an answer without a tool call counts too"
 
 
 @pytest.mark.parametrize("kind", SYNTHETIC_KINDS)

@@ -42,3 +42,25 @@ def test_batch_padding_is_left(tok):
 
 def test_unknown_characters_are_unk(tok):
     assert tok.encode("1a 2") == [5, 3, 3, 6]
+
+
+def test_the_tool_tokenizer_adds_the_call_markers_and_keeps_every_other_id():
+    """builtin:tiny-qwen2-tool's tokenizer: the base vocabulary with the same ids, plus the `tags`
+    markers of the calc tool, one token each; builtin:tiny-qwen2 (and its cached checkpoint) are unchanged."""
+    from mindspeed_rl.models.checkpoint import builtin_fingerprint
+    from mindspeed_rl.models.tokenizer import TOOL_TOKENS
+    base, tool = build_char_tokenizer(), build_char_tokenizer(TOOL_TOKENS)
+    assert len(base) == 16 and len(tool) == 20
+    text = "1234+5678="
+    assert tool.encode(text, add_special_tokens=False) == base.encode(text, add_special_tokens=False)
+    call = "<calc>1234+5678</calc><result>6912</result>6912"
+    ids = tool.encode(call, add_special_tokens=False)
+    assert ids[0] == 16 and ids[10] == 17 and ids[11] == 18 and ids[16] == 19 and len(ids) == 21
+    assert tool.decode(ids + [tool.eos_token_id], skip_special_tokens=True) == call
+    import hashlib
+    from mindspeed_rl.models import checkpoint as ckpt
+    from mindspeed_rl.models.tokenizer import CHARACTERS, SPECIAL_TOKENS
+    h = hashlib.sha256((ckpt._CONFIG_DIR / "config.json").read_bytes())  # the formula before the tool model
+    h.update(repr((CHARACTERS, SPECIAL_TOKENS, ckpt.TINY_SEED)).encode())
+    assert builtin_fingerprint("tiny-qwen2") == h.hexdigest()[:10], "the default model's cached checkpoint changed"
+    assert builtin_fingerprint("tiny-qwen2-tool") != builtin_fingerprint("tiny-qwen2")
