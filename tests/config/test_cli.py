@@ -83,4 +83,9 @@ def test_dry_run_prints_graph_and_plan_and_exits_0(tmp_path):
     assert "dry run: model and data paths were not opened" in out
     assert "[ray-probe] initialized=False" in proc.stderr, proc.stderr
     assert seconds < FAST_S, f"took {seconds:.1f} s"
-    assert not any((tmp_path / "cwd").iterdir()), "a dry run must write nothing"
+    written = [p.relative_to(tmp_path / "cwd") for p in (tmp_path / "cwd").rglob("*") if p.is_file()]
+    assert [str(p) for p in written] == ["outputs/grpo_tiny/plan.json"], "a dry run writes plan.json only"
+    import json
+    plan = json.loads((tmp_path / "cwd" / written[0]).read_text())
+    assert plan["groups"]["actor"]["dp"] == 2 and plan["groups"]["actor"]["actors"] == 2
+    assert plan["stage_order"][:2] == ["actor_rollout", "rule_reward"]

@@ -103,13 +103,6 @@ def test_remax_scores_its_greedy_answer_with_the_reward_model_too():
     assert combine.output_keys == ("reward_baselines",) and combine.arg_name("greedy_rule_scores") == "rule_scores"
 
 
-def test_options_from_config_read_the_reward_model_section():
-    cfg = config_from_dict({"reward_model": {"enable": True, "model_path": "/x"}, "rl_config": {"reward_fn": None}})
-    opts = options_from_config(cfg)
-    assert opts.reward_model and not opts.rule_reward
-    assert not options_from_config(config_from_dict({})).reward_model
-
-
 def test_reward_modeling_is_one_train_step_over_the_pairs():
     from mindspeed_rl.dataflow import trained_models, weight_sync_targets
     g = algorithm_graph("reward_modeling")
