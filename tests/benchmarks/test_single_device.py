@@ -17,7 +17,7 @@ import pytest
 
 # one run of the benchmark serves the module (its first test pays it): ~40 s of CPU time, which on a
 # loaded 2-core machine was over 5 minutes of wall time
-pytestmark = pytest.mark.timeout(1200)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "single_device.py"

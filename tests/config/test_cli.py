@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from .helpers import DOCS, REPO
 
 CLI = str(REPO / "cli" / "train_grpo.py")
@@ -36,6 +38,7 @@ def run_cli(tmp_path, *overrides: str) -> tuple[subprocess.CompletedProcess, flo
     return proc, time.monotonic() - t0
 
 
+@pytest.mark.slow
 def test_bad_config_fails_fast_without_ray(tmp_path):
     proc, seconds = run_cli(tmp_path, "actor_config.ppo_mini_batch_size=6", "generate_config.top_p=2")
     assert proc.returncode == 2, proc.stderr
@@ -49,6 +52,7 @@ def test_bad_config_fails_fast_without_ray(tmp_path):
     assert block in DOCS.read_text()
 
 
+@pytest.mark.slow
 def test_misspelled_key_added_with_plus_gets_did_you_mean(tmp_path):
     proc, seconds = run_cli(tmp_path, "+trainer.total_step=3")
     assert proc.returncode == 2, proc.stderr
@@ -69,6 +73,7 @@ def test_old_size_key_on_the_command_line_says_what_it_became(tmp_path):
     assert "[ray-probe] initialized=False" in proc.stderr
 
 
+@pytest.mark.slow
 def test_dry_run_prints_graph_and_plan_and_exits_0(tmp_path):
     proc, seconds = run_cli(tmp_path, "trainer.dry_run=true", "actor_config.kl_loss_coef=0.001",
                             "placement.mode=disaggregated", "+placement.groups.actor.dp=2")

@@ -109,6 +109,7 @@ def test_default_in_the_message_is_the_fix():
     assert "(the default: placement.ray_num_cpus=null)" in str(err.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("override_, named", [("trainer.stage_timeout_s=inf", "trainer.stage_timeout_s=inf"),
                                               ("actor_config.lr=nan", "actor_config.lr=nan")])
 def test_cli_refuses_non_finite_before_ray(tmp_path, override_, named):

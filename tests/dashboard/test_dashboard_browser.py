@@ -31,7 +31,7 @@ from mindspeed_rl.trainer import Trainer
 from . import gated_rewards
 from .browser import CHROMIUM, NO_CHROMIUM, dump_dom, parse, png_size, read_page, screenshot
 
-pytestmark = [pytest.mark.ray, pytest.mark.skipif(CHROMIUM is None, reason=NO_CHROMIUM)]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.skipif(CHROMIUM is None, reason=NO_CHROMIUM)]
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3

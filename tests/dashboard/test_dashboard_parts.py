@@ -81,6 +81,7 @@ def test_a_failed_run_shows_where_its_step_stood(tmp_path):
     assert [e["rows"] for e in snap["events"] if e["step"] == 1 and e["stage"] == "train"] == [3]
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_a_dead_dock_leaves_the_last_view_and_says_why(ray_session):
     from mindspeed_rl.transfer_dock import create_transfer_dock

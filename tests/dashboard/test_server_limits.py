@@ -156,6 +156,7 @@ def test_headers_beyond_the_limit_get_431():
         srv.stop()
 
 
+@pytest.mark.slow
 def test_slow_clients_dribbling_bytes_do_not_keep_others_from_being_answered():
     """10 clients (more than the 8 handlers) each send their request a byte every 0.5 s, which
     resets any per-read timeout; meanwhile ordinary requests are answered 200 (no 503), no handler

@@ -100,6 +100,7 @@ def assert_config_error_before_ray(proc, *expected: str) -> None:
     assert "[ray-probe] initialized=False" in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 def test_cli_malformed_line(tmp_path):
     path = write_lines(tmp_path / "d.jsonl", [json.dumps(GOOD), json.dumps(GOOD), '{"prompt": "3=" "answer": "3"}'])
     proc, _ = run_cli(tmp_path, f"data.dataset={path}")
@@ -107,6 +108,7 @@ def test_cli_malformed_line(tmp_path):
                                    f"{path}:3: not a JSON object: Expecting ',' delimiter")
 
 
+@pytest.mark.slow
 def test_cli_empty_file(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text("")
@@ -114,6 +116,7 @@ def test_cli_empty_file(tmp_path):
     assert_config_error_before_ray(proc, f"no records in {path}")
 
 
+@pytest.mark.slow
 def test_cli_missing_prompt_key(tmp_path):
     path = write_lines(tmp_path / "d.jsonl", [json.dumps({"question": "1=", "answer": "1"})])
     proc, _ = run_cli(tmp_path, f"data.dataset={path}")
@@ -121,6 +124,7 @@ def test_cli_missing_prompt_key(tmp_path):
                                    "set data.prompt_key to the field that holds the prompt")
 
 
+@pytest.mark.slow
 def test_cli_missing_answer_key(tmp_path):
     """The reward compares against the answer: a row without one cannot be scored."""
     path = write_lines(tmp_path / "d.jsonl", [json.dumps(GOOD), json.dumps({"prompt": "1="})])

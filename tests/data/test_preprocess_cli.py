@@ -21,6 +21,7 @@ def char_ids(text):
     return [4 + CHARACTERS.index(c) for c in text]
 
 
+@pytest.mark.slow
 def test_cli_end_to_end(tmp_path):
     """Run as a script from the repo root, with a tokenizer directory (as a real checkpoint's)."""
     src = tmp_path / "gsm.jsonl"

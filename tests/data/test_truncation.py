@@ -62,6 +62,7 @@ def test_last_truncated_is_per_batch(tok):
     assert loader.last_truncated == 0 and loader.truncated == 1
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_trainer_warns_once_and_logs_the_count_every_step(ray_session, tmp_path, capsys):
     """The real driver and dock with simulated stages (no models): 3 long prompts in step 0's batch, 5 in

@@ -67,6 +67,7 @@ def assert_weights_close(got: dict, want: dict, atol: float):
         torch.testing.assert_close(got[n], want[n], rtol=0, atol=atol, msg=lambda m: f"{n}: {m}")
 
 
+@pytest.mark.slow
 def test_two_ranks_match_single_process_on_the_union_batch(path, trained):
     data, (r0, r1) = trained
     ref, ref_loss, _ = reference_step(path, *data, OPTIM)
@@ -85,6 +86,7 @@ def test_two_ranks_match_single_process_on_the_union_batch(path, trained):
     assert abs((a["stats"]["loss"] + b["stats"]["loss"]) / 2 - ref_loss) <= 1e-5
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_two_halves_equal_one_micro_batch(trained):
     _, results = trained
     for runs in results:
@@ -98,6 +100,7 @@ def test_gradient_accumulation_two_halves_equal_one_micro_batch(trained):
         assert abs(two["stats"]["loss"] - 2 * one["stats"]["loss"]) <= 1e-5
 
 
+@pytest.mark.slow
 def test_grad_norm_is_global_across_shards(path, trained):
     data, (r0, r1) = trained
     _, _, ref_norm = reference_step(path, *data, OPTIM)
@@ -106,6 +109,7 @@ def test_grad_norm_is_global_across_shards(path, trained):
     assert abs(r0[0]["stats"]["grad_norm"] - ref_norm) <= 1e-5 * ref_norm
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [WORLD, 3])   # 3 ranks: uneven shards (16 rows: 6, 6, 4)
 def test_export_weights_gathers_bucket_by_bucket(path, tmp_path, world):
     bucket_bytes = 40_000
@@ -135,6 +139,7 @@ def test_export_weights_gathers_bucket_by_bucket(path, tmp_path, world):
     assert results[0]["peak_gathered"] < total / 2  # never the whole model
 
 
+@pytest.mark.slow
 def test_checkpoint_round_trip_resumes_exactly(path, tmp_path):
     data = rows(6, seed=21)
     port = free_port()
@@ -152,6 +157,7 @@ def test_checkpoint_round_trip_resumes_exactly(path, tmp_path):
     assert r0["files"] and r1["files"] and not set(r0["files"]) & set(r1["files"])  # each rank its shards
 
 
+@pytest.mark.slow
 def test_update_weights_then_export_and_infer(path, tmp_path):
     new = tiny_qwen2(seed=5)
     new_weights = {n: p.detach().clone() for n, p in new.named_parameters()}  # tied: embed only ...
@@ -221,6 +227,7 @@ def test_single_rank_without_process_group(path, tmp_path):
     assert [t.shape[0] for t in lp] == [5] * 4 and all(t.dtype == torch.float32 for t in lp)
 
 
+@pytest.mark.slow
 def test_one_engine_serves_two_threads_one_call_at_a_time(path, tmp_path):
     """Issue 24: FSDP2 keeps one gathered-or-sharded state per module, so two threads' forwards on one
     engine resharded each other's parameters mid-forward ("data is not allocated yet", `mixed

@@ -157,6 +157,7 @@ def _join(procs) -> None:
 
 # ---------------------------------------------------------------------------- two processes
 
+@pytest.mark.slow
 def test_two_processes_bit_exact_tied_split_bounded_memory():
     """A sender process syncs a model with a tied lm_head and a tensor 64x the bucket size to a
     reader process three times: into its parameters with a digest, into them again while its
@@ -207,6 +208,7 @@ def test_two_processes_bit_exact_tied_split_bounded_memory():
     assert segment_files(sent["prefix"]) == []
 
 
+@pytest.mark.slow
 def test_segments_removed_when_the_sender_is_killed():
     """SIGKILL runs no Python in the sender: its reaper process unlinks the segments."""
     ctx = tmp.get_context("spawn")
@@ -487,6 +489,7 @@ def _cuda_reader(from_sender, to_sender, results) -> None:
         results.put({"ok": False, "error": traceback.format_exc()})
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA IPC between two processes)")
 def test_cuda_ipc_two_processes_packed_and_zero_copy():
     """Two processes on ONE GPU (where NCCL refuses two ranks): the packed path through CUDA IPC

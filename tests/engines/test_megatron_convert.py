@@ -357,6 +357,7 @@ def _vocab_parallel_rank(rank: int, world: int, port: int) -> dict:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_vocab_parallel_log_probs_two_gloo_ranks(tmp_path):
     from mindspeed_rl.engines.weight_sync import free_port
     port = free_port()

@@ -14,6 +14,8 @@ from . import _mesh_rollout_ranks as R
 from . import _mp_workers as W
 from ._common import EOS, PAD, random_rows, save_tiny4
 
+pytestmark = pytest.mark.slow
+
 TIMEOUT_S = 120
 SAMPLED = SamplingParams(max_new_tokens=5, temperature=0.8, stop_token_ids=(EOS,))
 GREEDY = SamplingParams(max_new_tokens=4, greedy=True)

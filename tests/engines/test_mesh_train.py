@@ -13,6 +13,8 @@ from . import _mesh_ranks as M
 from . import _mp_workers as W
 from ._common import PAD, random_rows, save_tiny4
 
+pytestmark = pytest.mark.slow
+
 TIMEOUT_S = 120
 # eps large next to tiny gradients keeps Adam's first step a smooth function of the gradient
 OPTIM = OptimConfig(lr=1e-2, eps=1e-4, grad_clip=1.0)

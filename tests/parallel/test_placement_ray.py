@@ -7,7 +7,7 @@ from mindspeed_rl.parallel import (ClusterSpec, create_placement_groups, plan_pl
 MFCS = {"gen": {"mesh": "all", "dp": 2, "tp": 2}, "train": {"mesh": "2-3", "dp": 2}}
 ROLES = {"gen": "actor", "train": "actor"}
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 def _plan():

@@ -8,7 +8,7 @@ import pytest
 from mindspeed_rl.config import config_from_dict
 from mindspeed_rl.trainer import Trainer
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 KEYS = ("actor/pg_loss", "reward/mean", "actor/grad_norm", "weight_version", "weight_sync/actor_checksum",
         "async/staleness_max", "actor/is_weight_max")

@@ -113,6 +113,7 @@ def sim(tmp: Path, **trainer) -> dict:
                         "simulate_cost_s_per_row": {"actor_rollout": 0.0005}, **trainer}}
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_save_every_step_keeps_two_and_resume_after_a_torn_line(ray_session, tmp_path):
     history = Trainer(config_from_dict(sim(tmp_path, save_interval=1, keep_checkpoints=2))).run()
@@ -128,6 +129,7 @@ def test_save_every_step_keeps_two_and_resume_after_a_torn_line(ray_session, tmp
     assert names(tmp_path / "run") == ["step_000005", "step_000006"]
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_resume_refuses_a_file_damaged_in_the_middle(ray_session, tmp_path):
     Trainer(config_from_dict(sim(tmp_path, total_steps=2, save_interval=2))).run()

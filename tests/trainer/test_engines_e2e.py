@@ -9,7 +9,7 @@ import pytest
 from mindspeed_rl.config import config_from_dict
 from mindspeed_rl.trainer import Trainer
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 def run(tmp: Path, name: str, steps: int = 3, **sections) -> list[dict]:

@@ -50,6 +50,7 @@ def test_a_stage_with_all_its_inputs_is_late_itself():
 
 
 # ---------------------------------------------------------------------------------------- through Ray
+@pytest.mark.slow
 @pytest.mark.ray
 def test_slow_stage_is_named_with_its_progress_not_only_the_waiting_one(ray_session, tmp_path):
     """Non-blocking: rule_reward takes 3.2 s per micro-batch of 32 rows, its readers wait 1.5 s."""
@@ -63,6 +64,7 @@ def test_slow_stage_is_named_with_its_progress_not_only_the_waiting_one(ray_sess
     assert time.time() - t0 < 60
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_blocking_stall_names_the_running_stage_as_late(ray_session, tmp_path):
     """Blocking: rule_reward runs alone with its inputs all written; one micro-batch takes 8 s, longer
@@ -84,6 +86,7 @@ def run_real(tmp: Path, name: str, reward_fn: str, **trainer) -> list[dict]:
     return Trainer(config_from_dict(base)).run()
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_slow_reward_function_is_named_as_the_late_stage(ray_session, tmp_path):
     """The issue's case with the real models: a reward function at 0.2 s a row from step 1 on, so
@@ -96,6 +99,7 @@ def test_slow_reward_function_is_named_as_the_late_stage(ray_session, tmp_path):
     assert "compute_advantage" in msg or "actor_train" in msg  # the one that waited, too
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_dead_worker_is_named_with_every_stage_it_hosted(ray_session, tmp_path):
     """Colocated: worker rule/0 hosts rule_reward and compute_advantage; its reward kills the process."""

@@ -14,6 +14,8 @@ import pytest
 from mindspeed_rl.config import config_from_dict
 from mindspeed_rl.trainer import Trainer, TrainingError
 
+pytestmark = pytest.mark.slow
+
 
 def _run_in_thread(trainer: Trainer) -> tuple[threading.Thread, dict]:
     out: dict = {}

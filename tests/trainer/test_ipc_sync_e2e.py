@@ -15,7 +15,7 @@ from mindspeed_rl.config import config_from_dict
 from mindspeed_rl.engines.ipc_sync import _NAME_RE, PREFIX, shm_dir
 from mindspeed_rl.trainer import Trainer
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 def run(tmp: Path, backend: str, steps: int = 3) -> list[dict]:

@@ -150,6 +150,7 @@ def reference(ray_session, tmp_path_factory):
     return history_of
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.parametrize("name, split, rollout, legs", [
     # rollout (tp, pp, Ray actors): one vLLM engine with tensor_parallel_size 2

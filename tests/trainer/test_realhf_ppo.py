@@ -50,6 +50,7 @@ def test_dry_run_names_each_mfcs_groups_and_rank_mapping(tmp_path):
     assert plan.resource_totals()["CPU"] <= 2.0   # fits this 2-core machine's Ray
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_realhf_ppo_allocation_trains_three_steps(ray_session, tmp_path):
     trainer = Recording(config_from_dict(config(tmp_path / "run")))

@@ -20,8 +20,9 @@ import pytest
 from mindspeed_rl.engines.shm_cleanup import record_path, same_process_alive, start_ticks
 from mindspeed_rl.trainer.reaper import SESSION_RE
 
-pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self") or not os.path.isdir("/dev/shm"),
-                                reason="Linux /proc and /dev/shm needed")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not os.path.isdir("/proc/self") or not os.path.isdir("/dev/shm"),
+                                 reason="Linux /proc and /dev/shm needed")]
 
 # a grandchild that records a segment of its own as a vLLM engine does, and whose tracker is gone
 OWNER = r"""

@@ -19,6 +19,7 @@ def _fake_run(root):
     (root / "notes.txt").write_text("mine")
 
 
+@pytest.mark.slow
 def test_a_second_run_on_a_locked_directory_is_refused_naming_the_first(tmp_path):
     first = RunDirectory(str(tmp_path))
     first.acquire()

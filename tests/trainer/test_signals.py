@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 CLI = str(REPO / "cli" / "train_grpo.py")
 TOTAL_STEPS = 14

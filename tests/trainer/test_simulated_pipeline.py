@@ -12,7 +12,7 @@ import pytest
 from mindspeed_rl.config import config_from_dict
 from mindspeed_rl.trainer import Trainer
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 STAGES = ("actor_rollout", "rule_reward", "ref_log_prob", "actor_log_prob", "compute_advantage", "actor_train")
 # 128 rows a step: blocking ~0.73 s of sleep, overlapped ~0.4 s

@@ -314,6 +314,7 @@ class LocalClaimsMachine(DockMachine):
             dock.close()
 
 
+@pytest.mark.slow
 def test_dock_state_machine_with_local_claims():
     LocalClaimsMachine.local_gets = 0
     run_state_machine_as_test(LocalClaimsMachine, settings=settings(
@@ -416,6 +417,7 @@ def test_processes_claiming_one_consumer_with_the_dock_take_every_row_exactly_on
     assert sum(e["rows"] for e in log if e["op"] == "get" and e["stage"] == "c") == steps * capacity
 
 
+@pytest.mark.slow
 def test_processes_claiming_while_puts_arrive_get_the_type_and_dtype_that_was_put(docks):
     """Issue 24 (1b): claims read each cell's kind (numpy dtype, torch dtype or none) from the
     table while the dock writes other rows of the same columns. The kind was one record per
@@ -556,6 +558,7 @@ class ClaimWorker:
         return got, bad, cl.claims_made if cl else 0
 
 
+@pytest.mark.slow
 def test_ray_consumer_processes_claim_rows_exactly_once(ray_session):
     from mindspeed_rl.transfer_dock import create_transfer_dock
     capacity = 256
@@ -580,6 +583,7 @@ def test_ray_consumer_processes_claim_rows_exactly_once(ray_session):
             ray_session.kill(a, no_restart=True)
 
 
+@pytest.mark.slow
 def test_a_local_get_sends_nothing_to_the_dock_and_a_dead_dock_is_not_claimed_from(ray_session):
     from mindspeed_rl.transfer_dock import channel, create_transfer_dock
     dock = create_transfer_dock(["x"], ["c"], 8, inline_bytes=0, data_plane="shm")

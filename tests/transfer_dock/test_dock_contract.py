@@ -975,6 +975,7 @@ def _assert_examined_tracks_count(dock, consumer, count, gets, **kwargs):
         assert 1 <= grew <= 2 * count, f"{consumer}: examined {grew} rows for a get of {count}"
 
 
+@pytest.mark.slow
 def test_c12_rows_examined_grows_with_count_not_capacity_at_1m_rows():
     cap = 1_000_000
     dock = TransferDock(["a"], ["any", "ord"], cap, samplers={"ord": OrderedSampler()})

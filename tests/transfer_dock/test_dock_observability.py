@@ -44,6 +44,7 @@ def ray_dock(ray_session):
         ray_session.kill(client.actor, no_restart=True)
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_client_labels_its_calls_with_its_worker(ray_session, ray_dock):
     dock = ray_dock()
@@ -58,6 +59,7 @@ def test_client_labels_its_calls_with_its_worker(ray_session, ray_dock):
         ("put", "actor_rollout", "rollout/0"), ("get", "c1", "train/1")]
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_actor_hands_its_counters_to_ray_metrics(ray_session, ray_dock):
     dock = ray_dock(metrics_interval_s=0.1, inline_bytes=1 << 40)
@@ -87,6 +89,7 @@ def test_actor_hands_its_counters_to_ray_metrics(ray_session, ray_dock):
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_metrics_interval_zero_turns_export_off(ray_session, ray_dock):
     dock = ray_dock(metrics_interval_s=0)
@@ -108,6 +111,7 @@ def _metrics_agent_port(ray_session):
     return port, ""
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_counters_reach_rays_prometheus_endpoint(ray_session, ray_dock):
     port, why = _metrics_agent_port(ray_session)

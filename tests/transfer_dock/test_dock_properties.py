@@ -259,10 +259,12 @@ _MACHINE_SETTINGS = settings(max_examples=250, stateful_step_count=30, deadline=
                              suppress_health_check=[HealthCheck.too_slow])
 
 
+@pytest.mark.slow
 def test_dock_state_machine_any_order():
     run_state_machine_as_test(DockMachine, settings=_MACHINE_SETTINGS)
 
 
+@pytest.mark.slow
 def test_dock_state_machine_guarantee_order():
     run_state_machine_as_test(OrderedDockMachine, settings=_MACHINE_SETTINGS)
 

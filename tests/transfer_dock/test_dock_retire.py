@@ -378,6 +378,7 @@ def test_dynamic_step_with_local_claims_in_shared_memory():
         d.close()
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.parametrize("path", ["inline", "shm", "shm-ray-calls"])
 def test_dynamic_step_through_the_ray_actor(ray_session, path):

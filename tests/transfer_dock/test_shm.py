@@ -168,6 +168,7 @@ class Producer:
         client.flush()
 
 
+@pytest.mark.slow
 def test_steps_through_the_actor_reuse_one_arena_and_close_frees_it(ray_session, shm_dock):
     dock = shm_dock(["x"], ["c"], 4)
     assert dock.data_plane == "shm"
@@ -191,6 +192,7 @@ def test_steps_through_the_actor_reuse_one_arena_and_close_frees_it(ray_session,
         ray_session.kill(producer)
 
 
+@pytest.mark.slow
 def test_a_put_written_before_clear_is_refused_and_changes_nothing(ray_session, shm_dock):
     dock = shm_dock(["x"], ["c"], 2)
     info = dock.shm_info
@@ -206,6 +208,7 @@ def test_a_put_written_before_clear_is_refused_and_changes_nothing(ray_session, 
     assert torch.equal(out["x"][got.index(1)], rows(1, n=2)[1])
 
 
+@pytest.mark.slow
 def test_state_dict_reads_shared_memory_rows_into_real_tensors(ray_session, shm_dock):
     dock = shm_dock(["x"], ["c"], 3)
     dock.put_experience({"x": rows(7, n=3)}, [0, 1, 2])

@@ -22,7 +22,7 @@ import torch
 
 from mindspeed_rl.config import config_from_dict
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 STAGES = ("actor_rollout", "ref_log_prob", "actor_log_prob", "actor_train")  # the group's, in the graph's order
 PROMPTS, N, DP = 4, 4, 2
