@@ -445,8 +445,36 @@ def test_sizes_round_to_what_they_must_divide():
 
 
 def test_dp_two_splits_a_mini_batch_of_odd_groups_when_the_prompts_are_even():
-    make_plan(config_from_dict(with_overrides({"rl_config.n_samples_per_prompt": 3,
-                                                "placement.groups.integrated.dp": 2})), check_files=False)
+    """n=3 (an odd group) on dp 2: a mini-batch of 4 prompts (12 rows) splits into 2 equal shares of
+    6 rows (two whole groups each), the step's 48 rows into 2 x 24; the micro-batch is rounded to
+    divide the 6 rows and the plan says so. A mini-batch of 1 prompt (3 rows) cannot split in two and
+    is refused naming the dp key, the mini-batch key and the sizes that fit."""
+    from mindspeed_rl.config.sizes import train_sizes
+    cfg = config_from_dict(with_overrides({"rl_config.n_samples_per_prompt": 3, "placement.groups.integrated.dp": 2}))
+    assert (cfg.rl_config.prompts_per_step, cfg.actor_config.ppo_mini_batch_size) == (16, 4)  # even prompts
+    plan = make_plan(cfg, check_files=False)  # no ConfigError: 12 rows split over 2 ranks
+    group = plan.groups[plan.group_of("actor_train")]
+    assert group.resources.dp == 2
+    assert plan.rows_per_step == 48
+    s = train_sizes(cfg.actor_config.ppo_mini_batch_size, cfg.actor_config.ppo_micro_batch_size_per_device,
+                    cfg.rl_config.prompts_per_step, 3, group.resources.dp)
+    assert (s.rows_per_device, s.mini_rows_per_device, s.micro_rows) == (24, 6, 6)
+    # equal shares: both ranks together take the whole step and the whole mini-batch, nothing left over
+    assert s.rows_per_device * 2 == plan.rows_per_step and s.mini_rows_per_device * 2 == 4 * 3
+    assert s.mini_rows_per_device % 3 == 0  # each rank's share is whole prompt groups
+    assert ("actor_config.ppo_micro_batch_size_per_device=32 -> 6 rows: the largest that divides the 6 rows of an "
+            "optimizer step per device (actor_config.ppo_mini_batch_size=4 prompts x n_samples_per_prompt=3 / dp=2)"
+            ) in plan.size_notes
+
+    odd = config_from_dict(with_overrides({"rl_config.n_samples_per_prompt": 3, "placement.groups.integrated.dp": 2,
+                                           "actor_config.ppo_mini_batch_size": 1}))
+    with pytest.raises(ConfigError) as e:
+        make_plan(odd, check_files=False)
+    _check(str(e.value), ["placement.groups.integrated.dp=2",
+                          "actor_config.ppo_mini_batch_size=1 prompts x n_samples_per_prompt=3 = 3 rows",
+                          "must split into 2 equal shares",
+                          "set actor_config.ppo_mini_batch_size to one of [2, 4, 8, 16] (prompts), or the dp to one "
+                          "of [1, 3]"])
 
 
 RENAMED = {

@@ -41,6 +41,7 @@ def matrix(ray_session, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
 @pytest.mark.parametrize("blocking", [True, False])
 def test_run_writes_metrics_per_step(matrix, mode, blocking):
@@ -60,6 +61,7 @@ def test_run_writes_metrics_per_step(matrix, mode, blocking):
     assert lines[-1]["weight_sync/actor_readers"] >= 1
 
 
+@pytest.mark.slow
 def test_blocking_and_overlap_give_identical_losses(matrix):
     """guarantee_order + fixed seed: every mode and placement computes the same numbers."""
     losses = {k: [r["actor/pg_loss"] for r in h] for k, (h, _) in matrix.items()}
@@ -71,6 +73,7 @@ def test_blocking_and_overlap_give_identical_losses(matrix):
     assert all(v == checks[("colocated", True)] for v in checks.values())
 
 
+@pytest.mark.slow
 def test_disaggregated_syncs_weights_across_processes(matrix):
     history, _ = matrix[("disaggregated", False)]
     # rollout lives in another process: the trainer broadcast to it and both checksums matched
@@ -78,6 +81,7 @@ def test_disaggregated_syncs_weights_across_processes(matrix):
     assert len({r["weight_sync/actor_checksum"] for r in history}) == 3  # the weights changed every step
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly(ray_session, tmp_path):
     full = run(tmp_path, "full", trainer={"total_steps": 6, "save_interval": 3})
     run(tmp_path, "split", trainer={"total_steps": 3, "save_interval": 3})
@@ -89,6 +93,7 @@ def test_resume_continues_exactly(ray_session, tmp_path):
     assert [json.loads(x)["step"] for x in lines] == [0, 1, 2, 3, 4, 5]
 
 
+@pytest.mark.slow
 def test_data_parallel_training_with_ddp(ray_session, tmp_path):
     history = run(tmp_path, "dp2", trainer={"total_steps": 2},
                   placement={"mode": "disaggregated", "groups": {"actor": {"dp": 2, "num_cpus": 0.25}}})
@@ -96,6 +101,7 @@ def test_data_parallel_training_with_ddp(ray_session, tmp_path):
     assert all(r["weight_sync/actor_readers"] == 1 for r in history)
 
 
+@pytest.mark.slow
 def test_worker_crash_stops_the_run_and_keeps_the_checkpoint(ray_session, tmp_path):
     t0 = time.time()
     with pytest.raises(TrainingError, match="rule_reward") as err:
@@ -113,6 +119,7 @@ def test_worker_crash_stops_the_run_and_keeps_the_checkpoint(ray_session, tmp_pa
     assert (tmp_path / "crash" / "report.html").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_stuck_stage_times_out_with_the_stage_named(ray_session, tmp_path):
     t0 = time.time()
     with pytest.raises(TrainingError) as err:
@@ -125,18 +132,30 @@ def test_stuck_stage_times_out_with_the_stage_named(ray_session, tmp_path):
     assert time.time() - t0 < 60
 
 
-def test_dry_run_starts_nothing(capsys):
+def test_dry_run_starts_nothing(capsys, monkeypatch):
+    """A dry run prints the graph and the plan and never calls ray.init itself. Ray is made to look
+    not started (other tests of the session may have started it) and ray.init to fail loudly, so any
+    start, the trainer's own or Ray's automatic one at a first remote call, would be seen here."""
     import ray
+    calls = []
+
+    def no_init(*args, **kwargs):
+        calls.append((args, kwargs))
+        raise AssertionError("a dry run called ray.init")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", no_init)
     cfg = config_from_dict({"trainer": {"dry_run": True}})
     assert Trainer(cfg).run() == []
     out = capsys.readouterr().out
     assert "placement plan" in out and "actor_train" in out
-    assert not ray.is_initialized() or True  # a dry run never calls ray.init itself
+    assert calls == [], "a dry run called ray.init"
 
 
 CLI = Path(__file__).resolve().parents[2] / "cli" / "train_grpo.py"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n,blocking", [(3, False), (5, True)])
 def test_cli_runs_the_tiny_default_with_only_n_changed(ray_session, tmp_path, n, blocking):
     """`python cli/train_grpo.py rl_config.n_samples_per_prompt=N` needs no other key: the mini-batch

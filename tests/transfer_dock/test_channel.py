@@ -136,22 +136,28 @@ def test_direct_calls_are_answered_on_the_connection_thread_while_the_loop_is_bu
 
     srv = LoopServer({"maybe": maybe}, direct={"twice": lambda x: 2 * x,
                                                "maybe": lambda x: channel.LATER if x < 0 else ("thread", x)})
+    stuck, release = threading.Event(), threading.Event()
+
+    def hold_the_loop():  # the loop thread is stuck here until the test releases it
+        stuck.set()
+        release.wait(30.0)
+
     try:
         conn = channel.Connection(srv.path)
         assert conn.result(conn.send("maybe", (-1,)), 5.0) == ("loop", -1)
-        busy = srv.loop.call_soon_threadsafe(time.sleep, 1.5)  # the loop thread is stuck for 1.5 s
-        time.sleep(0.1)
-        t0 = time.monotonic()
+        srv.loop.call_soon_threadsafe(hold_the_loop)
+        assert stuck.wait(10.0), "the event loop never ran the callback that holds it"
         later = conn.send("maybe", (-2,))  # goes to the loop: answered once it is free
-        assert conn.result(conn.send("twice", (21,)), 5.0) == 42
+        # answered while the loop is provably held: a call that needed the loop would time out here
+        assert conn.result(conn.send("twice", (21,)), 5.0) == 42, "direct calls must not wait for the event loop"
         assert conn.result(conn.send("maybe", (3,)), 5.0) == ("thread", 3)
-        assert time.monotonic() - t0 < 1.0, "direct calls must not wait for the event loop"
-        assert not conn.done(later)
+        assert not release.is_set() and not conn.done(later), "the loop's call was answered while the loop was held"
+        release.set()
         assert conn.result(later, 10.0) == ("loop", -2)
         with pytest.raises(DockError, match=r"no method 'nope'.*maybe, twice"):
             conn.result(conn.send("nope", ()), 5.0)
-        busy.cancel()
     finally:
+        release.set()
         srv.stop()
 
 
@@ -217,6 +223,7 @@ def test_threads_sharing_a_connection_each_get_their_own_answers(server):
 
 
 # ---------------------------------------------------------------------- through a dock actor
+@pytest.mark.slow
 @pytest.mark.ray
 def test_the_dock_actor_serves_its_node_over_the_channel_and_dies_loudly(ray_session):
     from mindspeed_rl.transfer_dock import create_transfer_dock
@@ -244,6 +251,7 @@ def test_the_dock_actor_serves_its_node_over_the_channel_and_dies_loudly(ray_ses
     assert time.monotonic() - t0 < 10.0
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_calls_keep_their_order_across_the_channel_and_ray_and_refs_come_back_through_ray(ray_session):
     """A put that carries Ray object references goes as a Ray call, the rest over the channel:
@@ -269,16 +277,26 @@ def test_calls_keep_their_order_across_the_channel_and_ray_and_refs_come_back_th
         ray_session.kill(dock.actor, no_restart=True)
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_a_get_waiting_on_the_loop_wakes_at_a_put_answered_on_a_connection_thread(ray_session):
     """A blocking get that finds no rows waits on the actor's event loop; puts over the channel are
-    stored by a connection thread, which must wake it (or it would sleep to its timeout)."""
+    stored by a connection thread, which must wake it (or it would sleep to its timeout).
+
+    With guarantee_order every attempt of the get looks at row 0 and counts it in the dock's
+    rows_examined (and the consumer claims nothing locally): the connection thread's attempt counts
+    1, then it hands the get to the loop, whose attempt counts 2 before it waits. So at 2 the get
+    is at the loop, and the put below is the one that must wake it."""
     from mindspeed_rl.transfer_dock import create_transfer_dock
 
-    dock = create_transfer_dock(["x"], ["c"], prompts_num=4)
+    dock = create_transfer_dock(["x"], ["c"], prompts_num=4, guarantee_order=True)
     try:
         pending = dock.get_experience_async("c", ["x"], 4, blocking=True, timeout=20.0)
-        time.sleep(0.5)  # the get reaches the dock and waits there
+        deadline = time.monotonic() + 30.0
+        while dock.get_metrics()["rows_examined"] < 2:  # the get reaches the loop and waits there
+            assert time.monotonic() < deadline, f"the get never reached the loop: {dock.get_metrics()}"
+            time.sleep(0.01)
+        assert dock.get_metrics()["rows_examined"] == 2, "the get made more attempts than the two before waiting"
         producer = threading.Thread(target=dock.put_experience, args=({"x": [torch.ones(2)] * 4}, range(4)))
         t0 = time.monotonic()
         producer.start()  # its own connection (one per thread)
@@ -291,6 +309,7 @@ def test_a_get_waiting_on_the_loop_wakes_at_a_put_answered_on_a_connection_threa
         ray_session.kill(dock.actor, no_restart=True)
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_close_frees_the_files_even_with_a_failed_put_pending(ray_session):
     from mindspeed_rl.transfer_dock import create_transfer_dock
@@ -308,6 +327,7 @@ def test_close_frees_the_files_even_with_a_failed_put_pending(ray_session):
         ray_session.kill(dock.actor, no_restart=True)
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_a_forked_child_opens_its_own_connection(ray_session):
     """Two processes reading one socket would steal each other's answers."""

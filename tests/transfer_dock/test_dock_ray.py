@@ -21,10 +21,10 @@ import torch
 ray = pytest.importorskip("ray")
 
 from mindspeed_rl.transfer_dock import (DockError, DockIndexError, DockKeyError, DockTimeoutError,  # noqa: E402
-                                        DockValueError, MissingDataError, TransferDockClient,
+                                        DockValueError, MissingDataError, OrderedSampler, TransferDockClient,
                                         create_transfer_dock)
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 PATHS = {"inline": {"inline_bytes": 1 << 40, "data_plane": "ray"},
          "shm": {"inline_bytes": 0, "data_plane": "shm"},
@@ -186,8 +186,21 @@ def test_eight_clients_of_one_consumer_get_every_row_exactly_once(ray_session, m
 
 
 # ---------------------------------------------------------------------- blocking
+def wait_until(condition, timeout: float, what: str) -> None:
+    """Poll `condition` until it holds; fail naming `what` once `timeout` seconds have passed."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not seen within {timeout} s")
+        time.sleep(0.01)
+
+
 def test_a_blocked_get_does_not_stall_other_callers(make_dock):
-    dock = make_dock(["prompts", "responses"], ["waiter", "other"], 8)
+    # The waiter takes rows in index order (OrderedSampler): each attempt of its get at the dock looks
+    # at its next row and counts it in the dock's rows_examined, which nothing else moves before the
+    # other consumer's calls. Once it moves, the waiter's get has reached the dock, found nothing and
+    # waits there (its gets never take the local-claims path, which serves AnyReadySampler only).
+    dock = make_dock(["prompts", "responses"], ["waiter", "other"], 8, samplers={"waiter": OrderedSampler()})
     result: dict = {}
 
     def wait_for_responses():
@@ -199,8 +212,11 @@ def test_a_blocked_get_does_not_stall_other_callers(make_dock):
         result["waited"] = time.monotonic() - t0
 
     blocked = threading.Thread(target=wait_for_responses)
+    assert dock.get_metrics()["rows_examined"] == 0
     blocked.start()
-    time.sleep(0.3)  # let the blocking get reach the actor
+    wait_until(lambda: dock.get_metrics()["rows_examined"] >= 1 or not blocked.is_alive(), 30.0,
+               "the waiter's blocking get reaching the dock")
+    assert blocked.is_alive(), f"the get on an unwritten column returned early: {result}"
 
     # Meanwhile another consumer's puts and gets go through.
     t0 = time.monotonic()
@@ -213,12 +229,12 @@ def test_a_blocked_get_does_not_stall_other_callers(make_dock):
     assert time.monotonic() - t0 < 5.0, "calls of another consumer waited behind the blocked get"
     assert blocked.is_alive(), f"the get on an unwritten column returned early: {result}"
 
-    dock.put_experience({"responses": [response_row(r) for r in (5, 6)]}, [5, 6])
+    dock.put_experience({"responses": [response_row(r) for r in (0, 1)]}, [0, 1])  # the waiter's next rows
     blocked.join(timeout=10.0)
     assert not blocked.is_alive()
     assert "error" not in result, result.get("error")
     out, rows = result["got"]
-    assert sorted(rows) == [5, 6] and check_rows(out, rows) == []
+    assert sorted(rows) == [0, 1] and check_rows(out, rows) == []
     assert result["waited"] < 9.0, "the blocked get was not woken by the put"
 
 
