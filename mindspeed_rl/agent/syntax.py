@@ -14,6 +14,7 @@ model reads, as a tool that raises does.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -78,6 +79,10 @@ class CallSyntax:
 _SYNTAXES = {"tags": CallSyntax("tags", "<result>", "</result>"),
              "json": CallSyntax("json", "<tool_response>", "</tool_response>")}
 RESULT_ENDS = tuple(s.result_end for s in _SYNTAXES.values())
+# a result the tool appended: it comes right after the marker that closed a call (a stop of the rollout,
+# so the model never writes past it); a result marker the model writes itself matches nothing
+_TOOL_RESULTS = re.compile(r"</[A-Za-z_][\w.]*><result>.*?</result>|</tool_call><tool_response>.*?</tool_response>",
+                           re.DOTALL)
 
 
 def get_syntax(name: str) -> CallSyntax:
@@ -88,6 +93,13 @@ def get_syntax(name: str) -> CallSyntax:
 
 def final_answer(response: str) -> str:
     """The text after the last tool result in a decoded trajectory (the whole response when it
-    called no tool): what an agent task's answer is read from."""
-    cut = max((response.rfind(end) + len(end) if end in response else 0) for end in RESULT_ENDS)
+    called no tool): what an agent task's answer is read from.
+
+    Only a result the tool appended counts: one that follows the marker closing a call
+    (`</calc><result>..</result>`). The model can write result markers itself; were they counted, it
+    could restart its answer anywhere (measured: a tool run learned to write `</result>1111` in
+    place of calls)."""
+    cut = 0
+    for m in _TOOL_RESULTS.finditer(response):
+        cut = m.end()
     return response[cut:]

@@ -18,6 +18,7 @@ import ast
 import importlib
 import json
 import operator
+import re
 from fractions import Fraction
 from typing import Callable
 
@@ -46,6 +47,7 @@ def calc(arguments: str) -> str:
         raise ValueError("calc: empty expression")
     if len(text) > MAX_EXPRESSION_CHARS:
         raise ValueError(f"calc: expression longer than {MAX_EXPRESSION_CHARS} characters")
+    text = re.sub(r"(?<![\d.])0+(?=\d)", "", text)  # 0314 is 314 (Python's parser refuses leading zeros)
     try:
         tree = ast.parse(text, mode="eval")
     except SyntaxError:

@@ -19,7 +19,7 @@ TAGS, JSON = get_syntax("tags"), get_syntax("json")
 # ------------------------------------------------------------------------------ tools
 @pytest.mark.parametrize("expr, out", [("1234+5678", "6912"), ("9999+9999", "19998"), ("7/2", "3.5"),
                                        ("2*(3-5)", "-4"), (" 10 // 3 ", "3"), ("10 % 4", "2"), ("1/3", "0.3333333333"),
-                                       ("0.1+0.2", "0.3"), ('{"expression": "6*7"}', "42")])
+                                       ("0.1+0.2", "0.3"), ("0314+0007", "321"), ("0.05*2", "0.1"), ("100+0", "100"), ('{"expression": "6*7"}', "42")])
 def test_calc(expr, out):
     assert calc(expr) == out
 
@@ -77,6 +77,9 @@ def test_final_answer_is_the_text_after_the_last_result():
     assert final_answer("<calc>1</calc><result>1</result>x<calc>2</calc><result>2</result> 7") == " 7"
     assert final_answer('<tool_call>{}</tool_call><tool_response>5</tool_response>5') == "5"
     assert final_answer("no tool 12") == "no tool 12"
+    # result markers the model writes itself (not after a call's closing marker) are not a tool's result
+    assert final_answer("<calc>1+1</result>7</result>11") == "<calc>1+1</result>7</result>11"
+    assert final_answer("<calc>1+1</calc><result>2</result>2</result>9") == "2</result>9"
 
 
 # ------------------------------------------------------------------------------ one call
