@@ -153,6 +153,18 @@ class VLLMConfig:
 
 
 @dataclass
+class AgentConfig:
+    """generate_config.agent: multi-turn rollouts with tool calls (mindspeed_rl/agent/, docs/agent.md)."""
+    enable: bool = False                 # the rollout runs the agent loop: generate, call a tool, read its result, ...
+    tools: list = field(default_factory=lambda: ["calc"])  # built-in names or dotted paths pkg.module:function
+    max_turns: int = 3                   # generate turns per row (a call in the last turn is not run)
+    syntax: str = "tags"                 # one of vocab.AGENT_SYNTAXES: tags (<calc>..</calc>) or json (<tool_call>)
+    tool_timeout_s: float = 10.0         # a call not answered in this time gets an error result
+    tool_choice: Optional[str] = None    # a tool's name: every response starts by calling it (the opening marker is
+                                         # given, not sampled); null: the model decides (OpenAI's tool_choice)
+
+
+@dataclass
 class GenerateConfig:
     backend: str = "hf"                  # hf (transformers, KV cache) or vllm (generate_config.vllm)
     backend_options: dict = field(default_factory=dict)  # a plugin rollout backend's options (vllm: the vllm section)
@@ -163,6 +175,7 @@ class GenerateConfig:
     stop_tokens: list = field(default_factory=lambda: ["<eos>"])  # token strings that end a response
     micro_batch_size_per_device: int = 64  # rows per generate call; rounded down to whole prompt groups
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
 
 
 @dataclass
@@ -173,6 +186,15 @@ class WeightSyncConfig:
     backend: str = "auto"                # auto: ipc when the trainer and every reader share one GPU, else the
                                          # device's collective (gloo/nccl/hccl); gloo: through the CPU; ipc:
                                          # buckets through CUDA IPC (shared memory on the CPU; engines/ipc_sync.py)
+
+
+@dataclass
+class OverlongBufferConfig:
+    """rl_config.overlong_buffer: DAPO's overlong shaping (algorithms/dapo.py)."""
+    length: int = 0                      # tokens before max_new_tokens over which a penalty grows to -penalty_factor;
+                                         # 0: no penalty
+    penalty_factor: float = 1.0
+    drop_truncated: bool = False         # responses cut by max_new_tokens leave the loss (loss_mask 0)
 
 
 @dataclass
@@ -189,6 +211,9 @@ class RLConfig:
     dock_micro_batch_size: int = 32      # rows per get of reward/advantage; whole groups: rounded down to them
     gamma: float = 1.0                   # PPO's GAE discount
     lam: float = 1.0                     # PPO's GAE lambda
+    dynamic_sampling: bool = False       # DAPO: drop groups whose rewards are all equal, draw more prompts
+    max_oversample: float = 3.0          # dynamic sampling draws at most this x prompts_per_step prompts
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 
 @dataclass

@@ -11,7 +11,7 @@ from typing import Collection
 from ..device import DEVICE_KINDS, RAY_RESOURCES, WORKER_DEVICES
 from .load import ConfigError
 from .schema import Config
-from .vocab import AGG_MODES, KL_CONTROLLER_KINDS, KL_KINDS
+from .vocab import AGENT_SYNTAXES, AGG_MODES, KL_CONTROLLER_KINDS, KL_KINDS
 
 PLACEMENT_MODES = ("colocated", "disaggregated", "custom", "mesh")
 LOGGERS = ("console", "jsonl", "tensorboard")
@@ -166,6 +166,37 @@ def validate_config(cfg: Config, models: Collection[str] | None = None) -> None:
     for key, value in (("rl_config.gamma", rl.gamma), ("rl_config.lam", rl.lam)):
         if not 0 <= value <= 1:
             e.append(f"{key}={value}: must be in [0, 1] (1.0 is verl's default for outcome rewards)")
+    ag = g.agent
+    if ag.enable:
+        if ag.max_turns < 1:
+            e.append(f"generate_config.agent.max_turns={ag.max_turns}: must be >= 1 (generate turns per row)")
+        _positive(e, "generate_config.agent.tool_timeout_s", ag.tool_timeout_s,
+                  "a tool call gets this many seconds before an error result")
+        _one_of(e, "generate_config.agent.syntax", ag.syntax, AGENT_SYNTAXES)
+        if not isinstance(ag.tools, list) or not ag.tools or not all(isinstance(t, str) and t.strip() for t in ag.tools):
+            e.append(f"generate_config.agent.tools={ag.tools!r}: must be a non-empty list of tool names (built-in: "
+                     "calc) or dotted paths pkg.module:function")
+    ob = rl.overlong_buffer
+    if not 0 <= ob.length <= g.max_new_tokens:
+        e.append(f"rl_config.overlong_buffer.length={ob.length}: must be in [0, generate_config.max_new_tokens="
+                 f"{g.max_new_tokens}] (the last tokens before the limit over which the penalty grows; 0: off)")
+    _positive(e, "rl_config.overlong_buffer.penalty_factor", ob.penalty_factor, allow_zero=True)
+    if rl.dynamic_sampling:
+        if not rl.max_oversample >= 1:
+            e.append(f"rl_config.max_oversample={rl.max_oversample}: must be >= 1 (at most this many times "
+                     "rl_config.prompts_per_step prompts are drawn per step; 1 draws none in place of dropped groups)")
+        if rl.blocking:
+            e.append("rl_config.dynamic_sampling=true with rl_config.blocking=true: the groups dropped after their "
+                     "rewards are replaced while the rollout still runs, which needs the overlapped stages; set "
+                     "rl_config.blocking=false (or dynamic_sampling=false)")
+        if rl.max_weight_staleness:
+            e.append(f"rl_config.dynamic_sampling=true with rl_config.max_weight_staleness={rl.max_weight_staleness}: "
+                     "the prompts drawn in place of dropped groups would interleave between steps in flight; set "
+                     "max_weight_staleness=0 (or dynamic_sampling=false)")
+        if rl.n_samples_per_prompt < 2:
+            e.append(f"rl_config.dynamic_sampling=true with rl_config.n_samples_per_prompt="
+                     f"{rl.n_samples_per_prompt}: a group of one response is always all-equal and would be dropped; "
+                     "use 2 or more samples per prompt")
     _one_of(e, "placement.mode", cfg.placement.mode, PLACEMENT_MODES)
     n_cpus = cfg.placement.ray_num_cpus
     if n_cpus is not None and (n_cpus < 1 or float(n_cpus) != int(n_cpus)):

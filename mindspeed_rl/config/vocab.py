@@ -23,3 +23,6 @@ KL_CONTROLLER_KINDS = ("fixed", "adaptive")
 # rl_config.reward_weights: the sources of the reward that trains, each weighted (algorithms/preference.py
 # `combine_rewards`): the reward model's score (reward_model.enable) and the rule reward (rl_config.reward_fn)
 REWARD_SOURCES = ("model", "rule")
+
+# generate_config.agent.syntax: how a tool call and its result are written (agent/syntax.py)
+AGENT_SYNTAXES = ("tags", "json")
