@@ -71,6 +71,7 @@ def test_cli_default_out_and_config(tmp_path):
     assert ET.parse(tmp_path / "grpo_dfg.svg").getroot().tag == SVG + "svg"
 
 
+@pytest.mark.slow
 def test_cli_errors(tmp_path):
     r = _cli("no_such_algo")
     assert r.returncode == 2 and "'no_such_algo'" in r.stderr and "grpo" in r.stderr
@@ -82,6 +83,7 @@ def test_cli_errors(tmp_path):
     assert r.returncode == 2 and "does not match" in r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_MPL, reason="matplotlib not installed")
 def test_cli_png(tmp_path):
     out = tmp_path / "grpo.png"
@@ -91,6 +93,7 @@ def test_cli_png(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
+@pytest.mark.slow
 def test_a_config_draws_the_graph_it_runs(tmp_path):
     """grpo_tiny has no KL term (kl_loss_coef 0): its picture has no reference stage, as its run has
     none; the algorithm's name alone draws the full graph; a config with a KL term draws the stage."""

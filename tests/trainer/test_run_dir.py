@@ -38,6 +38,7 @@ def test_a_second_run_on_a_locked_directory_is_refused_naming_the_first(tmp_path
     again.release()
 
 
+@pytest.mark.slow
 def test_the_lock_goes_with_a_killed_process(tmp_path):
     code = (f"from mindspeed_rl.trainer.run_dir import RunDirectory; RunDirectory({str(tmp_path)!r}).acquire(); "
             "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")

@@ -176,6 +176,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.slow
 def test_a_killed_server_is_a_clear_error_not_a_hang(tmp_path):
     import signal
     import subprocess
