@@ -62,16 +62,23 @@ class AgentLoop:
         syntax: how calls and results are written (`syntax.get_syntax`).
         max_turns: generate turns per row at most; a call in the last turn is not run.
         tool_timeout_s: seconds a tool call may take before it is answered with a timeout error.
+        tool_choice: a tool's name: every trajectory starts with that tool's opening marker, given, not
+            sampled (loss_mask 0), so the model's first turn is a call of it (OpenAI's `tool_choice`
+            forcing a function); None: the model decides.
     """
 
     def __init__(self, engine, tokenizer, tools: dict[str, Tool], syntax: CallSyntax, max_turns: int,
-                 tool_timeout_s: float):
+                 tool_timeout_s: float, tool_choice: str | None = None):
         if max_turns < 1:
             raise ValueError(f"generate_config.agent.max_turns={max_turns}; it must be >= 1")
         if not tools:
             raise ValueError("generate_config.agent.tools is empty; name at least one tool (e.g. [calc])")
         self.engine, self.tokenizer, self.syntax, self.max_turns = engine, tokenizer, syntax, int(max_turns)
         self.runner = ToolRunner(tools, syntax, tool_timeout_s)
+        if tool_choice is not None and tool_choice not in tools:
+            raise ValueError(f"generate_config.agent.tool_choice={tool_choice!r} is not one of the tools "
+                             f"{sorted(tools)}; name one of them, or null to let the model decide")
+        self.opener = [] if tool_choice is None else self.encode(syntax.opener(tool_choice))
         self.call_end_ids = set()
         for marker in syntax.call_ends(list(tools)):
             ids = tokenizer.encode(marker, add_special_tokens=False)
@@ -100,6 +107,13 @@ class AgentLoop:
         turns, budget = [0] * n, [int(params.max_new_tokens)] * n
         finished = [False] * n
         calls = dict.fromkeys(STATUSES, 0)
+        for r in range(n):  # a forced call's opening marker: given, not sampled
+            given = self.opener[:budget[r]]
+            tokens[r] += given
+            lps[r] += [0.0] * len(given)
+            mask[r] += [0] * len(given)
+            budget[r] -= len(given)
+        turn_start = [0] * n  # where each row's current turn begins (a given opener belongs to the turn)
         ready, pending = list(range(n)), {}  # rows to generate now; rows waiting on their tool
         while ready or pending:
             if ready:
@@ -118,7 +132,8 @@ class AgentLoop:
                     if last in finals:
                         finished[r] = True
                     elif last in self.call_end_ids and turns[r] < self.max_turns and budget[r] > 0:
-                        pending[r] = self.runner.start(self.tokenizer.decode(toks, skip_special_tokens=False))
+                        turn = self.tokenizer.decode(tokens[r][turn_start[r]:], skip_special_tokens=False)
+                        pending[r] = self.runner.start(turn)
             ToolRunner.wait_any(pending.values(), block=not ready)
             now = time.monotonic()
             for r in sorted(pending):
@@ -133,6 +148,7 @@ class AgentLoop:
                 lps[r] += [0.0] * len(obs)
                 mask[r] += [0] * len(obs)
                 budget[r] -= len(obs)
+                turn_start[r] = len(tokens[r])
                 if budget[r] > 0:
                     ready.append(r)
         return AgentRollout(

@@ -69,6 +69,11 @@ class CallSyntax:
         args = call.get("arguments", "")
         return ToolCall(call["name"], args if isinstance(args, str) else json.dumps(args))
 
+    def opener(self, tool: str) -> str:
+        """What a call of `tool` starts with: the text a forced call (`tool_choice`) is given before the
+        model writes the arguments."""
+        return f"<{tool}>" if self.name == "tags" else f'<tool_call>{{"name": "{tool}", "arguments": '
+
     def result(self, text: str) -> str:
         return f"{self.result_start}{text}{self.result_end}"
 

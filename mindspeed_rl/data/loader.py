@@ -152,8 +152,9 @@ class PromptLoader:
                 self.epoch, self.offset = self.epoch + 1, 0
         return indices
 
-    def next_batch(self) -> dict[str, list]:
-        records = [self.dataset[i] for i in self._take_indices(self.prompts_per_step)]
+    def next_batch(self, count: int | None = None) -> dict[str, list]:
+        """The next `count` prompts of the stream (prompts_per_step by default; dynamic sampling draws fewer)."""
+        records = [self.dataset[i] for i in self._take_indices(self.prompts_per_step if count is None else count)]
         ids: list[np.ndarray | None] = [None] * len(records)
         to_encode = [i for i, r in enumerate(records) if PROMPT_IDS not in r]
         if to_encode:

@@ -25,6 +25,9 @@ class AlgorithmOptions:
     off_policy_correction: bool = False  # the actor's loss reads rollout_log_prob (the behaviour policy)
     reward_model: bool = False   # a reward model scores the responses (reward_model.enable)
     rule_reward: bool = True     # a rule reward scores them (rl_config.reward_fn is set)
+    agent: bool = False          # the rollout is the agent loop (generate_config.agent.enable): writes loss_mask
+    loss_mask: bool = False      # a loss_mask column (agent rollout, or overlong_buffer.drop_truncated)
+    dynamic_sampling: bool = False  # stages after the reward wait for the driver's gate column (rollout_options.py)
 
 
 FULL = AlgorithmOptions()
@@ -88,4 +91,10 @@ def options_from_config(cfg) -> AlgorithmOptions:
     return AlgorithmOptions(use_reference=uses_kl_loss(a.use_kl_loss, a.kl_loss_coef),
                             off_policy_correction=getattr(a, "off_policy_correction", "none") != "none",
                             reward_model=bool(getattr(rm, "enable", False)),
-                            rule_reward=bool(getattr(rl, "reward_fn", "digits")))
+                            rule_reward=bool(getattr(rl, "reward_fn", "digits")),
+                            agent=bool(getattr(getattr(getattr(cfg, "generate_config", None), "agent", None), "enable",
+                                               False)),
+                            loss_mask=bool(getattr(getattr(getattr(cfg, "generate_config", None), "agent", None),
+                                                   "enable", False)
+                                           or getattr(getattr(rl, "overlong_buffer", None), "drop_truncated", False)),
+                            dynamic_sampling=bool(getattr(rl, "dynamic_sampling", False)))

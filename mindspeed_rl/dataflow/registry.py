@@ -19,6 +19,7 @@ from .ppo import DATASET_KEYS as PPO_DATASET_KEYS
 from .ppo import ppo_mfcs
 from .remax import DATASET_KEYS as REMAX_DATASET_KEYS
 from .remax import remax_mfcs
+from .rollout_options import gate_keys, with_gate, with_loss_mask
 from .reward_modeling import DATASET_KEYS as REWARD_MODELING_DATASET_KEYS
 from .reward_modeling import reward_modeling_mfcs
 
@@ -41,7 +42,12 @@ def get_algorithm(name: str, options: AlgorithmOptions = FULL) -> tuple[list[MFC
     if key not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {name!r}; known algorithms: {', '.join(known_algorithms())}")
     make_mfcs, dataset_keys = ALGORITHMS[key]
-    return make_mfcs(options), tuple(dataset_keys)
+    mfcs = make_mfcs(options)
+    if options.loss_mask or options.agent:  # the agent rollout and dynamic sampling (rollout_options.py)
+        mfcs = with_loss_mask(mfcs, options.agent)
+    if options.dynamic_sampling:
+        mfcs = with_gate(mfcs)
+    return mfcs, tuple(dataset_keys) + gate_keys(options.dynamic_sampling)
 
 
 def algorithm_graph(name: str, options: AlgorithmOptions = FULL) -> nx.DiGraph:

@@ -42,6 +42,7 @@ from .run_dir import RunDirectory, refuse_or_clear_previous
 from .plan import Plan, check_cluster, format_plan, make_plan, write_plan_json
 from .launch import LaunchError, launch_workers
 from .step_metrics import step_record
+from .dynamic_sampling import DynamicSampling
 from .run_log import MetricsFileError, RunLog, plot_curve
 
 STARTUP_TIMEOUT_S = 300.0
@@ -300,6 +301,7 @@ class Trainer:
         if self.dashboard is not None:
             self.dashboard.begin_step(step)
         reports = self._run_stages(step, self.policy_version, float(self.kl_ctrl.value), bar)
+        sampled = self.sampling.finish(step)  # dynamic sampling's metrics (none when off)
         t_stages = time.perf_counter()
         for model in plan.trained:
             self._versions[model] = step + 1
@@ -313,6 +315,7 @@ class Trainer:
         self._dock("clear()", self.dock_of(step).clear, context=f"step {step}")
         self._dock_own[step % len(self.docks)] += 1
         record = self._metrics(step, reports, time.perf_counter() - t0, t_stages - t0, sync)
+        record.update(sampled)
         record["data/prompts_truncated"] = self._truncated.pop(step, 0)  # this step's prompts cut to max_prompt_length
         if record.get("actor/kl") is not None:
             self.kl_ctrl.update(record["actor/kl"], plan.rows_per_step)
@@ -355,9 +358,13 @@ class Trainer:
         plan, n = self.plan, self.cfg.rl_config.n_samples_per_prompt
         batch = self.loader.next_batch()
         self._truncated[step] = self.loader.last_truncated
-        rows = {key: [torch.from_numpy(v) for v in batch[key] for _ in range(n)] for key in plan.dataset_keys}
+        rows = {key: [torch.from_numpy(v) for v in batch[key] for _ in range(n)]
+                for key in self.sampling.dataset_keys(plan.dataset_keys)}
+        self.sampling.open(step, self.dock_of(step), plan.rows_per_step, self._dock)
         self._dock("put_experience() of the prompts", self.dock_of(step).put_experience, rows,
                    list(range(plan.rows_per_step)), producer="dataset", context=f"step {step}")
+        self.sampling.start(step, self.dock_of(step), self.loader, self.sampling.dataset_keys(plan.dataset_keys),
+                            self._truncated)
         j = step % len(self.docks)
         self._dock_steps[(j, self._dock_own[j])] = step
         if self.cfg.rl_config.blocking:  # started by _wait's caller one stage at a time: see _calls
@@ -395,6 +402,10 @@ class Trainer:
         timeout = self.cfg.trainer.stage_timeout_s
         while refs:
             self._check_signal()
+            try:
+                self.sampling.check(step)
+            except RuntimeError as e:
+                raise TrainingError(str(e)) from None
             done, refs = ray.wait(refs, num_returns=len(refs), timeout=POLL_S)
             for ref in done:
                 try:
@@ -614,8 +625,10 @@ class Trainer:
         cfg, plan = self.cfg, self.plan
         t = cfg.trainer
         self.dock_calls = DockCalls(timeout_s=max(10.0, t.stage_timeout_s))
+        self.sampling = DynamicSampling(cfg)  # rl_config.dynamic_sampling (a no-op when off)
         for _ in range(cfg.rl_config.max_weight_staleness + 1):  # the steps in flight each hold their rows
-            self.docks.append(create_transfer_dock(plan.columns, plan.consumers, cfg.rl_config.prompts_per_step,
+            self.docks.append(create_transfer_dock(plan.columns, self.sampling.consumers(plan.consumers),
+                                                   self.sampling.prompts_num(),
                                                    cfg.rl_config.n_samples_per_prompt,
                                                    guarantee_order=cfg.rl_config.guarantee_order,
                                                    default_timeout=t.stage_timeout_s))

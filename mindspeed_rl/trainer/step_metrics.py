@@ -39,6 +39,21 @@ def step_record(plan, step: int, reports: list[dict], *, step_s: float, stages_s
     gen_rows = max(gen.get("rows", 0.0), 1.0)
     rec["response_length/mean"] = gen.get("response_length_sum", 0.0) / gen_rows
     rec["response_length/max"] = gen.get("response_length_max", 0.0)
+    if "truncated_count" in gen:  # rows cut by max_new_tokens (rl_config.overlong_buffer acts on them)
+        rec["response/truncated_fraction"] = gen["truncated_count"] / gen_rows
+    if "agent_turns_sum" in gen:  # the agent rollout (generate_config.agent): turns and tool calls per row
+        rec["agent/turns_mean"] = gen["agent_turns_sum"] / gen_rows
+        rec["agent/tool_tokens_mean"] = gen.get("agent_tool_tokens_sum", 0.0) / gen_rows
+        statuses = {k[len("agent_calls_"):]: v for k, v in gen.items() if k.startswith("agent_calls_")}
+        rec["agent/calls_per_row"] = sum(statuses.values()) / gen_rows
+        for status, v in statuses.items():
+            if status != "ok":  # malformed, raised, timeout: calls that got an error result
+                rec[f"agent/calls_{status}"] = v
+    for k, v in reward.items():  # a reward function's parts (its `parts`), the overlong penalty
+        if k.startswith("reward_part_") and k.endswith("_sum"):
+            rec[f"reward/{k[len('reward_part_'):-len('_sum')]}_mean"] = v / rows
+    if "overlong_penalty_sum" in reward:
+        rec["reward/overlong_penalty_mean"] = reward["overlong_penalty_sum"] / rows
     if "weight_version_min" in gen:  # how many versions behind the weights that generated the rows were
         rec["async/staleness_max"] = step - gen["weight_version_min"]
         rec["async/staleness_mean"] = step - gen["weight_version_sum"] / gen_rows

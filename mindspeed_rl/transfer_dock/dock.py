@@ -440,9 +440,14 @@ class TransferDock:
                     for c, s in self._state.items()}
 
     def get_column_status(self) -> dict[str, dict[str, int]]:
-        """Per column: rows written / rows total this step."""
+        """Per column: rows written / rows total this step. `total` leaves out the rows retired before the
+        column was written there: they will never be (so `written == total` still means "complete")."""
         with self._cond:
-            return {c: {"written": self._written_count[c], "total": self.capacity} for c in self.columns}
+            retired = self._retired if self._retired.any() else None
+            return {c: {"written": self._written_count[c],
+                        "total": self.capacity - (0 if retired is None
+                                                  else int(np.count_nonzero(retired & ~self._written[c])))}
+                    for c in self.columns}
 
     def get_metrics(self) -> dict[str, float]:
         """Counters since the dock was made (see `metrics.py`), plus this step's progress."""

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from ..algorithms import (agg_loss, broadcast_to_tokens, corrected_policy_loss, gae_advantages, grpo_advantages,
-                          kl_penalty, outcome_token_rewards, policy_loss, remax_advantages, value_loss)
+                          kl_penalty, outcome_token_rewards, overlong_penalty, policy_loss, remax_advantages, truncated,
+                          value_loss)
 from ..dataflow.mfc import InterfaceType, MFCDef
 from ..dataflow.options import uses_kl_loss
 from ..engines.batching import unpad_rows
@@ -38,13 +39,18 @@ class ComputeFn:
 
 FUNCTIONS: dict[str, ComputeFn] = {f.name: f for f in (
     ComputeFn("generate", "mindspeed_rl.workers.impls:Generate", InterfaceType.GENERATE, ("prompts",),
-              ("responses", "response_length", "weight_version", "rollout_log_prob"), engine="rollout",
-              doc="sample one response per row with generate_config (and its tokens' log-probs)"),
+              ("responses", "response_length", "weight_version", "rollout_log_prob", "loss_mask"), engine="rollout",
+              doc="sample one response per row with generate_config (and its tokens' log-probs; loss_mask: 0 on "
+                  "truncated rows with rl_config.overlong_buffer.drop_truncated)"),
+    ComputeFn("agent_generate", "mindspeed_rl.workers.agent_impls:AgentGenerate", InterfaceType.GENERATE,
+              ("prompts",), ("responses", "response_length", "weight_version", "rollout_log_prob", "loss_mask"),
+              engine="rollout", doc="multi-turn trajectories with tool calls (generate_config.agent); loss_mask: 1 on "
+                                    "the model's tokens, 0 on the tools'"),
     ComputeFn("generate_greedy", "mindspeed_rl.workers.impls:Generate", InterfaceType.GENERATE, ("prompts",),
               ("responses", "response_length", "weight_version", "rollout_log_prob"), engine="rollout",
               doc="the greedy (argmax) response per row: ReMax's baseline"),
     ComputeFn("log_probs", "mindspeed_rl.workers.impls:LogProbs", InterfaceType.INFERENCE, ("prompts", "responses"), ("log_prob",), engine="policy",
-              optional=("rollout_log_prob",),
+              optional=("rollout_log_prob", "loss_mask"),
               doc="per-token log-probs of the responses (and their distance to the rollout's, when given)"),
     ComputeFn("values", "mindspeed_rl.workers.impls:Values", InterfaceType.INFERENCE, ("prompts", "responses"), ("values",), engine="value",
               doc="a critic's per-token values of the responses"),
@@ -57,7 +63,7 @@ FUNCTIONS: dict[str, ComputeFn] = {f.name: f for f in (
     ComputeFn("remax_advantage", "mindspeed_rl.workers.impls:ReMaxAdvantage", InterfaceType.COMPUTE, ("rm_scores", "reward_baselines", "response_length"),
               ("advantages", "returns"), doc="reward-to-go minus the greedy response's reward"),
     ComputeFn("policy_train", "mindspeed_rl.workers.impls:PolicyTrain", InterfaceType.TRAIN_STEP, ("prompts", "responses", "old_log_prob", "advantages"), (),
-              optional=("ref_log_prob", "rollout_log_prob"), engine="policy",
+              optional=("ref_log_prob", "rollout_log_prob", "loss_mask"), engine="policy",
               doc="clipped policy loss (+ KL to the reference when the KL coefficient is > 0, + the off-policy "
                   "correction from rollout_log_prob)"),
     ComputeFn("value_train", "mindspeed_rl.workers.impls:ValueTrain", InterfaceType.TRAIN_STEP, ("prompts", "responses", "values", "returns"), (),
@@ -144,18 +150,44 @@ def rollout_seed(seed: int, step: int, row: int) -> int:
     return int(np.random.SeedSequence([seed, step, row]).generate_state(1, dtype=np.uint64)[0] >> 1)
 
 
-def generate(batch: dict, rows: list[int], *, engine, params, seed: int, step: int) -> Output:
+def generate(batch: dict, rows: list[int], *, engine, params, seed: int, step: int,
+             drop_truncated: bool = False) -> Output:
+    """One response per row. `response/truncated_fraction` counts the rows cut by max_new_tokens; with
+    `drop_truncated` (rl_config.overlong_buffer) a `loss_mask` column leaves them out of the loss."""
     out = engine.generate(batch["prompts"], params, [rollout_seed(seed, step, r) for r in rows])
-    responses = out.responses
+    cut = truncated(out.responses, params.max_new_tokens, params.stop_token_ids)
+    masks = [torch.full((int(r.numel()),), 0 if c and drop_truncated else 1, dtype=torch.int8)
+             for r, c in zip(out.responses, cut.tolist())]
+    return _rollout_output(batch, rows, engine, out.responses, out.log_probs, masks, cut)
+
+
+def agent_generate(batch: dict, rows: list[int], *, loop, params, seed: int, step: int,
+                   drop_truncated: bool = False) -> Output:
+    """Multi-turn trajectories with tool calls (`agent.AgentLoop`): the responses hold model and tool
+    tokens, `loss_mask` marks the model's (and is all 0 on a truncated row with `drop_truncated`)."""
+    out = loop.run(batch["prompts"], params, [rollout_seed(seed, step, r) for r in rows])
+    cut = torch.tensor(out.truncated, dtype=torch.bool)
+    masks = [m * 0 if c and drop_truncated else m for m, c in zip(out.loss_masks, out.truncated)]
+    res = _rollout_output(batch, rows, engine=loop.engine, responses=out.responses, log_probs=out.log_probs,
+                          masks=masks, cut=cut)
+    res.metrics.update({"agent_turns_sum": float(sum(out.turns)),
+                        "agent_tool_tokens_sum": float(sum(int((m == 0).sum()) for m in out.loss_masks)),
+                        **{f"agent_calls_{k}": float(v) for k, v in out.calls.items()}})
+    return res
+
+
+def _rollout_output(batch, rows, engine, responses, log_probs, masks, cut) -> Output:
     lengths = [int(r.numel()) for r in responses]
     version = torch.tensor([engine.weight_version], dtype=torch.int64)
     return Output({"responses": responses,
                    "response_length": [torch.tensor([n], dtype=torch.int64) for n in lengths],
                    "weight_version": [version.clone() for _ in rows],
-                   "rollout_log_prob": [lp.float() for lp in out.log_probs]},
+                   "rollout_log_prob": [lp.float() for lp in log_probs],
+                   "loss_mask": masks},
                   {"response_length_sum": float(sum(lengths)), "rows": float(len(rows)),
                    "prompt_length_sum": float(sum(int(p.numel()) for p in batch["prompts"])),
                    "response_length_max": float(max(lengths) if lengths else 0),
+                   "truncated_count": float(cut.sum()),
                    "weight_version_sum": float(engine.weight_version * len(rows)),
                    "weight_version_min": float(engine.weight_version)})
 
@@ -190,7 +222,12 @@ def values(batch: dict, rows: list[int], *, engine, micro_batch_size: int) -> Ou
     return Output({"values": v}, {"values_sum": float(sum(float(r.sum()) for r in v)), "values_tokens": float(n)})
 
 
-def rule_reward(batch: dict, rows: list[int], *, reward_fn: Callable, tokenizer, decode_label: Callable) -> Output:
+def rule_reward(batch: dict, rows: list[int], *, reward_fn: Callable, tokenizer, decode_label: Callable,
+                overlong: tuple[int, int, float] | None = None) -> Output:
+    """rl_config.reward_fn on the decoded responses. `overlong` = (max_new_tokens, buffer, factor): DAPO's soft
+    penalty on long responses is added to rm_scores (`reward_sum` stays the function's own score; the
+    penalty's sum is `overlong_penalty_sum`). A reward function with a `parts` dict (name -> function)
+    also logs each part's mean (`reward/<name>_mean`)."""
     from ..rewards import score_batch
 
     responses = tokenizer.batch_decode([r.tolist() for r in batch["responses"]], skip_special_tokens=True)
@@ -198,9 +235,15 @@ def rule_reward(batch: dict, rows: list[int], *, reward_fn: Callable, tokenizer,
     answers = [decode_label(lbl) for lbl in batch["labels"]]
     scores = score_batch(reward_fn, responses, answers, prompts)
     t = torch.tensor(scores, dtype=torch.float32)
-    return Output({"rm_scores": scalar_rows(t)},
-                  {"reward_sum": float(t.sum()), "reward_rows": float(len(rows)),
-                   "reward_max_count": float((t >= 1.0).sum())})
+    metrics = {"reward_sum": float(t.sum()), "reward_rows": float(len(rows)),
+               "reward_max_count": float((t >= 1.0).sum())}
+    for name, part in getattr(reward_fn, "parts", {}).items():
+        metrics[f"reward_part_{name}_sum"] = float(sum(score_batch(part, responses, answers, prompts)))
+    if overlong is not None and overlong[1] > 0:
+        penalty = overlong_penalty([int(r.numel()) for r in batch["responses"]], *overlong)
+        t = t + penalty
+        metrics["overlong_penalty_sum"] = float(penalty.sum())
+    return Output({"rm_scores": scalar_rows(t)}, metrics)
 
 
 def grpo_advantage(batch: dict, rows: list[int], *, n_samples_per_prompt: int, eps: float,

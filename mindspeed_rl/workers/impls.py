@@ -100,7 +100,8 @@ class Generate(Impl):
                 "max_new_tokens": g.max_new_tokens, "temperature": g.temperature, "top_p": g.top_p, "top_k": g.top_k,
                 "greedy": C.fn_name(mfc) == "generate_greedy" or g.temperature == 0,
                 "seed": cfg.trainer.seed, "max_weight_staleness": rl.max_weight_staleness,
-                "trained": mfc.model_name in info.trained_models}
+                "trained": mfc.model_name in info.trained_models,
+                "drop_truncated": rl.overlong_buffer.drop_truncated and mfc.model_name in info.trained_models}
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -123,7 +124,7 @@ class Generate(Impl):
     def __call__(self, batch, rows):
         with self.lock.reading() if self.engine.concurrent_generate else self.lock.writing():
             return C.generate(batch, rows, engine=self.engine, params=self.params, seed=self.args["seed"],
-                              step=self.ctx.step)
+                              step=self.ctx.step, drop_truncated=self.args.get("drop_truncated", False))
 
 
 class _Forward(Impl):
@@ -177,7 +178,9 @@ class RuleReward(Impl):
 
     @staticmethod
     def args(cfg, mfc, info):
-        return {"count": _compute_count(cfg, mfc), "reward_fn": cfg.rl_config.reward_fn}
+        ob = cfg.rl_config.overlong_buffer  # DAPO's soft overlong penalty (length 0: off)
+        return {"count": _compute_count(cfg, mfc), "reward_fn": cfg.rl_config.reward_fn,
+                "overlong": [cfg.generate_config.max_new_tokens, ob.length, ob.penalty_factor] if ob.length else None}
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -186,7 +189,7 @@ class RuleReward(Impl):
     def __call__(self, batch, rows):
         from ..data.loader import decode_label
         return C.rule_reward(batch, rows, reward_fn=self.reward_fn, tokenizer=self.ctx.host.tokenizer,
-                             decode_label=decode_label)
+                             decode_label=decode_label, overlong=self.args.get("overlong"))
 
 
 class GRPOAdvantage(Impl):

@@ -162,11 +162,11 @@ class ScriptedEngine:
         return Rollout(out, lps)
 
 
-def _loop(script, tools=("calc",), max_turns=4, timeout_s=5.0):
+def _loop(script, tools=("calc",), max_turns=4, timeout_s=5.0, tool_choice=None):
     tok = CharTok()
     engine = ScriptedEngine(tok, script)
     loop = AgentLoop(engine, tok, get_tools([t if t == "calc" else f"{EX}:{t}" for t in tools]), TAGS, max_turns,
-                     timeout_s)
+                     timeout_s, tool_choice=tool_choice)
     return loop, engine, tok
 
 
@@ -189,6 +189,17 @@ def test_a_call_its_result_and_the_answer_make_one_trajectory():
     assert out.turns == [2, 1] and out.truncated == [False, False] and out.calls["ok"] == 1
     # turn 0 samples with the row's seed, turn 1 with a seed derived from it
     assert lp[0] == -0.5 - (10 % 7) / 10 and lp[-1] == -0.5 - (turn_seed(10, 1) % 7) / 10
+
+
+def test_tool_choice_gives_the_opening_marker_and_the_model_writes_the_rest():
+    script = {0: ["12+30</calc>", "42<eos>"]}
+    loop, _, tok = _loop(script, tool_choice="calc")
+    out = loop.run([torch.tensor([0])], _params(), [10])
+    assert tok.decode(out.responses[0].tolist()) == "<calc>12+30</calc><result>42</result>42<eos>"
+    assert out.loss_masks[0].tolist() == [0] + [1] * 6 + [0] * 4 + [1] * 3, "the given marker is not trained"
+    assert out.log_probs[0][0] == 0 and out.calls["ok"] == 1
+    with pytest.raises(ValueError, match="tool_choice='slow' is not one of the tools"):
+        _loop(script, tool_choice="slow")
 
 
 def test_malformed_and_failing_calls_become_error_results_and_the_row_goes_on():

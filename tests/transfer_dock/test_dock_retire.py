@@ -58,6 +58,8 @@ def test_retired_groups_are_never_handed_out_and_count_as_consumed():
     assert d.all_consumed("c2")
     s = d.get_consumer_status()
     assert s["c1"] == {"taken": 4, "retired": 4, "total": 8, "all_consumed": True}
+    assert d.get_column_status() == {"a": {"written": 8, "total": 8}, "b": {"written": 0, "total": 4}}, \
+        "a column's total leaves out the rows retired before it was written there"
     m = d.get_metrics()
     assert m["rows_retired"] == 4 and m["step_rows_retired"] == 4 and m["consumer/c1/step_rows_taken"] == 4
 
