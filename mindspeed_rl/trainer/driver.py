@@ -25,7 +25,6 @@ import re
 import shlex
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -41,6 +40,8 @@ from .resume import check_resume
 from .run_dir import RunDirectory, refuse_or_clear_previous
 from .plan import Plan, check_cluster, format_plan, make_plan, write_plan_json
 from .launch import LaunchError, launch_workers
+from .run_dashboard import DashboardError, finish_dashboard, start_dashboard
+from .signals import SignalTrap
 from .step_metrics import step_record
 from .dynamic_sampling import DynamicSampling
 from .run_log import MetricsFileError, RunLog, plot_curve
@@ -112,9 +113,7 @@ class Trainer:
         self.worker_info: dict[tuple[str, int], dict] = {}  # (group, rank) -> its ping: pid, host, node id
         self.step = 0             # the step running (or about to), for an interrupted run's message
         self.steps_done = 0
-        self._signal: int | None = None  # SIGINT/SIGTERM received; raised as Interrupted at the next poll
-        self._stopping = False           # cleaning up: a further signal changes nothing
-        self._saved_handlers: dict[int, Any] = {}
+        self.signals = SignalTrap()      # SIGINT/SIGTERM raise at once in the main thread (signals.py)
         self.run_dir = RunDirectory(cfg.trainer.output_dir)
         self._resume: ResumePoint | None = None
         self.dock_calls: DockCalls | None = None
@@ -186,7 +185,7 @@ class Trainer:
             print(f"plan: {write_plan_json(self.plan, cfg.trainer.output_dir)}")
             return []
         error: BaseException | None = None
-        self._trap_signals()
+        self.signals.trap()
         try:
             start_step = self.preflight()
             if start_step is None:  # a resume with nothing left to train
@@ -196,7 +195,7 @@ class Trainer:
             write_plan_json(self.plan, cfg.trainer.output_dir)   # what the plan decided, for tools and users
             self._start_dashboard()  # a port in use fails before Ray starts
             self._start_ray()
-            self._trap_signals()  # again: ray.init installs a SIGTERM handler of its own (sys.exit)
+            self.signals.trap()  # again: ray.init installs a SIGTERM handler of its own (sys.exit)
             self._start()
             start_step = self._maybe_resume()
             self.step = self.steps_done = start_step
@@ -237,13 +236,13 @@ class Trainer:
             return self.log.history
         except BaseException as e:
             error = e
-            if self._signal is not None and not isinstance(e, Interrupted):
+            if self.signals.received is not None and not isinstance(e, Interrupted):
                 # the signal came first and took workers down with it (a SIGTERM to the process group)
                 error = self._interrupted()
                 raise error from None
             raise
         finally:
-            self._stopping = True
+            self.signals.stopping = True
             try:
                 self._finish_dashboard(error)  # before shutdown: the dock still answers for the last view
                 if self.log is not None:
@@ -251,37 +250,16 @@ class Trainer:
                 self.shutdown()
             finally:
                 self.run_dir.release()
-                self._restore_signals()
+                self.signals.restore()
 
-    # ------------------------------------------------------------------ signals
-    def _trap_signals(self) -> None:
-        """SIGINT/SIGTERM raise `Interrupted` in the main thread at once, wherever it is (ray.init
-        retrying an address, a wait for workers, a step). That is safe because the main thread never
-        reads from the dock itself (`dock_calls.py`: a reply read half-way would desync the channel
-        the final report still reads). During clean-up a further signal changes nothing."""
-        if threading.current_thread() is not threading.main_thread():
-            return  # signal handlers can only be set from the main thread; the defaults stay
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous = signal.signal(sig, self._on_signal)
-            self._saved_handlers.setdefault(sig, previous)
-
-    def _on_signal(self, signum: int, frame) -> None:
-        if self._signal is None and not self._stopping:
-            self._signal = signum
-            raise _Signalled(signum)  # a BaseException: no library's `except Exception` retry loop swallows it
-
-    def _restore_signals(self) -> None:
-        for sig, handler in self._saved_handlers.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-        self._saved_handlers = {}
-
+    # ------------------------------------------------------------------ signals (signals.py)
     def _check_signal(self) -> None:
-        if self._signal is not None and not self._stopping:
+        if self.signals.pending():
             raise self._interrupted()
 
     def _interrupted(self) -> Interrupted:
         t = self.cfg.trainer
-        return Interrupted(self._signal or signal.SIGINT, self.step, self.steps_done, t.total_steps,
+        return Interrupted(self.signals.received or signal.SIGINT, self.step, self.steps_done, t.total_steps,
                            read_latest(t.output_dir), t.save_interval)
 
     def train_step(self, step: int, bar=None) -> dict:
@@ -528,59 +506,16 @@ class Trainer:
         return step_record(self.plan, step, reports, step_s=step_s, stages_s=stages_s, sync=sync,
                            kl_coef=float(self.kl_ctrl.value), policy_version=self.policy_version)
 
-    # ------------------------------------------------------------------ dashboard and report
+    # ------------------------------------------------------------------ dashboard and report (run_dashboard.py)
     def _start_dashboard(self) -> None:
-        t = self.cfg.trainer
-        if not (t.dashboard or t.report):
-            return
-        from ..dashboard import DashboardServer, DashboardState
-        self.dashboard = DashboardState(self._dashboard_info())
-        if t.dashboard:
-            server = DashboardServer(self.dashboard.snapshot, port=t.dashboard_port)
-            try:
-                url = server.start()
-            except OSError as e:
-                self.dashboard = None
-                raise TrainingError(f"trainer.dashboard_port={t.dashboard_port}: cannot serve the dashboard on "
-                                    f"127.0.0.1:{t.dashboard_port} ({e.strerror or e}); pick a free port, 0 for any "
-                                    "free one, or trainer.dashboard=false") from None
-            self.dashboard_server = server
-            print(f"dashboard: {url}", file=sys.stderr, flush=True)
-
-    def _dashboard_info(self) -> dict:
-        cfg, plan = self.cfg, self.plan
-        lanes = [{"stage": "dataset", "worker": "driver"}]
-        for m in plan.order:
-            group = plan.group_of(m.name)
-            lanes += [{"stage": m.name, "worker": f"{group}/{rank}"} for rank in range(plan.groups[group].world)]
-        producers = {c: m.name for m in plan.order for c in m.output_keys}
-        return {"title": os.path.basename(os.path.normpath(cfg.trainer.output_dir)),
-                "output_dir": os.path.abspath(cfg.trainer.output_dir), "algorithm": cfg.rl_config.algorithm,
-                "blocking": cfg.rl_config.blocking, "placement": cfg.placement.mode,
-                "prompts_per_step": cfg.rl_config.prompts_per_step,
-                "n_samples_per_prompt": cfg.rl_config.n_samples_per_prompt, "rows_per_step": plan.rows_per_step,
-                "total_steps": cfg.trainer.total_steps, "stages": [m.name for m in plan.order],
-                "consumers": list(plan.consumers), "columns": list(plan.columns), "producers": producers,
-                "lanes": lanes}
+        try:
+            self.dashboard, self.dashboard_server = start_dashboard(self.cfg, self.plan)
+        except DashboardError as e:
+            raise TrainingError(str(e)) from None
 
     def _finish_dashboard(self, error: BaseException | None) -> None:
-        """The last view of the run (also after a crash): report.html and dashboard.json; stop the server."""
-        state, t = self.dashboard, self.cfg.trainer
-        if state is None:
-            return
-        try:
-            state.finish(error)
-            if t.report:
-                from ..dashboard import write_report
-                state.save(t.output_dir)
-                path = write_report(state.snapshot(), t.output_dir)
-                print(f"report: {path}", file=sys.stderr, flush=True)
-        except Exception as e:  # the report must never hide the run's own error
-            print(f"writing the report failed: {type(e).__name__}: {e}", file=sys.stderr)
-        finally:
-            if self.dashboard_server is not None:
-                self.dashboard_server.stop()
-                self.dashboard_server = None
+        finish_dashboard(self.dashboard, self.dashboard_server, self.cfg, error)
+        self.dashboard_server = None
 
     # ------------------------------------------------------------------ start-up and shutdown
     def describe(self) -> str:
@@ -873,10 +808,6 @@ def _cause(e: Exception) -> str:
 def _first_line(e: Exception) -> str:
     text = str(e).strip().splitlines()
     return text[-1] if text else type(e).__name__
-
-
-class _Signalled(BaseException):
-    """Raised by the signal handler in the main thread; `Trainer.run` turns it into `Interrupted`."""
 
 
 class _Deferred:

@@ -173,7 +173,7 @@ def test_split_actor_matches_one_rank_and_takes_rows_once(reference, tmp_path, n
     assert [m.name for m in group.mfcs] == ["actor_log_prob", "actor_train"]
     assert len(trainer.worker_nodes[group.name]) == 2  # one actor per device of the mesh
     gen = trainer.plan.groups[trainer.plan.group_of("actor_rollout")]
-    assert (gen.tp, gen.pp, gen.world) == rollout and (gen.engine_rollout, gen.mesh_rollout) == (name.endswith("tp2"),
+    assert (gen.tp, gen.pp, gen.world) == rollout and (gen.deployment.shape == "engine", gen.rollout_backend == "mesh") == (name.endswith("tp2"),
                                                                                                   name.endswith("pp2"))
     assert len(trainer.worker_nodes[gen.name]) == rollout[2]  # vLLM tp 2: one actor, its engine starts the 2 ranks
     assert [r["step"] for r in history] == list(range(STEPS))  # a resumed run: the first leg's records too

@@ -50,8 +50,8 @@ def test_mesh_groups_share_a_model_copy_and_split_devices():
 def test_real_run_plans_split_generation_on_the_mesh_backend():
     plan = plan_of(REALHF_PPO, check_files=True)
     gen = plan.groups["actor@all/4/1/2"]
-    assert gen.world == 8 and gen.mesh_rollout  # 4 replicas x 2 stages, one actor per rank
-    assert not plan.groups["actor@node0:0-3"].mesh_rollout
+    assert gen.world == 8 and gen.rollout_backend == "mesh"  # 4 replicas x 2 stages, one actor per rank
+    assert plan.groups["actor@node0:0-3"].rollout_backend != "mesh"
 
 
 def test_a_split_the_rollout_backend_cannot_run_is_refused_and_shown_by_a_dry_run():

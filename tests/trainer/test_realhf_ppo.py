@@ -46,7 +46,7 @@ def test_dry_run_names_each_mfcs_groups_and_rank_mapping(tmp_path):
             "[0,1,2,3]", "[0]", "[1]", "[2]", "[3]", "0", "3"] in rows
     assert ["critic_train", "critic@node0:4-7/2/1/2", "2/1/2", "0:4", "1:5", "2:6", "3:7", "[0]", "[1]", "[2]", "[3]",
             "[0,2]", "[1,3]", "[0,1]", "[2,3]", "0,1", "2,3"] in rows
-    assert plan.groups["actor@all/4/1/2"].mesh_rollout  # generation on the mesh backend, one actor per rank
+    assert plan.groups["actor@all/4/1/2"].rollout_backend == "mesh"  # generation on the mesh backend, one actor per rank
     assert plan.resource_totals()["CPU"] <= 2.0   # fits this 2-core machine's Ray
 
 
