@@ -77,12 +77,12 @@ class Plan:
         return next(g for g, p in self.groups.items() if any(m.name == mfc_name for m in p.mfcs))
 
     def resource_totals(self) -> dict[str, float]:
-        tot = {"CPU": 0.0, "GPU": 0.0, "NPU": 0.0}
+        from ..device import RAY_RESOURCES, group_resources
+        tot = dict.fromkeys(RAY_RESOURCES.values(), 0.0)
         for p in self.groups.values():  # per device of the group: an engine-split actor holds tp of them
             n = p.resources.dp * p.tp * p.pp
-            tot["CPU"] += p.resources.num_cpus * n
-            tot["GPU"] += p.resources.num_gpus * n
-            tot["NPU"] += p.resources.num_npus * n
+            for res, amount in group_resources(p.resources).items():
+                tot[res] += amount * n
         return tot
 
 
@@ -363,8 +363,8 @@ def _fold_own_process_group(cfg: Config, order: list[MFCDef], rollout_spec, assi
             continue
         host = groups[next(iter(generating))]
         r = host.resources
-        host.resources = dataclasses.replace(r, num_cpus=r.num_cpus + gc.num_cpus, num_gpus=r.num_gpus + gc.num_gpus,
-                                             num_npus=r.num_npus + gc.num_npus)
+        from ..device import RAY_RESOURCES
+        host.resources = dataclasses.replace(r, **{f: getattr(r, f) + getattr(gc, f) for f in RAY_RESOURCES})
         folded.append(g)
         notes.append(f"placement.groups.{g} is for a rollout backend with a process of its own; "
                            f"generate_config.backend={rollout_spec.name} generates in worker group '{host.name}', "
@@ -483,7 +483,8 @@ def mesh_groups(cfg: Config, order: list[MFCDef], check_files: bool):
     for group, names in members.items():
         for d in plan.placements[names[0]].mesh.devices:
             share[d] = share.get(d, 0) + 1
-    device = {"cpu": "cpu", "gpu": "cuda", "npu": "npu"}[cluster.device_kind]
+    from ..device import group_field, torch_device_type
+    device = torch_device_type(cluster.device_kind)
     resources: dict[str, GroupConfig] = {}
     devices: dict[str, list[int]] = {}
     splits: dict[str, tuple[int, int]] = {}
@@ -492,10 +493,8 @@ def mesh_groups(cfg: Config, order: list[MFCDef], check_files: bool):
         k = max(share[d] for d in p.mesh.devices)
         frac = _floor4(1.0 / k)
         res = GroupConfig(dp=p.dp, num_cpus=_floor4(pc.cpus_per_device / k), device=device)
-        if cluster.device_kind == "gpu":
-            res.num_gpus = frac
-        elif cluster.device_kind == "npu":
-            res.num_npus = frac
+        if cluster.device_kind != "cpu":  # the accelerator's GroupConfig field (device/kinds.py)
+            setattr(res, group_field(cluster.device_kind), frac)
         resources[group] = res
         devices[group] = list(p.mesh.devices)
         splits[group] = (p.tp, p.pp)
@@ -650,9 +649,10 @@ def _floor4(x: float) -> float:
 def _check_dataset(cfg: Config) -> None:
     from pathlib import Path
     spec = cfg.data.dataset
-    if spec.startswith("builtin:"):
+    from ..data.prompts import BUILTIN_PREFIX
+    if spec.startswith(BUILTIN_PREFIX):
         from ..data.synthetic import KINDS
-        if spec[len("builtin:"):] not in KINDS:
+        if spec[len(BUILTIN_PREFIX):] not in KINDS:
             raise ConfigError(f"data.dataset={spec!r}: unknown built-in task; built-in tasks are "
                               f"{['builtin:' + k for k in KINDS]}")
         return
@@ -673,19 +673,21 @@ def _check_dataset(cfg: Config) -> None:
 
 def check_cluster(plan: Plan, available: dict[str, float]) -> None:
     """Fail fast, naming the groups and the numbers, when the plan does not fit the Ray cluster."""
+    from ..device import RAY_RESOURCES
     need = plan.resource_totals()
     for res, amount in need.items():
         have = float(available.get(res, 0.0))
         if amount > have + 1e-9:
-            detail = ", ".join(f"{g}: {getattr(p.resources, 'num_' + res.lower() + 's')} x "
+            field_ = {r_: f_ for f_, r_ in RAY_RESOURCES.items()}[res]
+            detail = ", ".join(f"{g}: {getattr(p.resources, field_)} x "
                                + (f"dp {p.resources.dp}" if p.tp * p.pp == 1 else
                                   f"{p.resources.dp * p.tp * p.pp} ranks (dp*tp*pp {p.resources.dp}*{p.tp}*{p.pp})")
                                for g, p in plan.groups.items()
-                               if getattr(p.resources, "num_" + res.lower() + "s") > 0)
+                               if getattr(p.resources, field_) > 0)
             more = ("give Ray more (placement.ray_num_cpus)" if res == "CPU" else
                     f"add {res}s or nodes to the Ray cluster")
             raise ConfigError(f"placement needs {amount:g} {res} ({detail}) but the Ray cluster has {have:g}; "
-                              f"lower placement.groups.<name>.num_{res.lower()}s (fractions are fine), or {more}")
+                              f"lower placement.groups.<name>.{field_} (fractions are fine), or {more}")
 
 
 def plan_dict(plan: Plan) -> dict:
