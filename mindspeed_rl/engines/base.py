@@ -147,7 +147,7 @@ class RolloutSpec:
 class TrainSpec:
     """What a train backend is built from (the registry fills it from the config)."""
     model_path: str                      # a local HF checkpoint directory
-    model_kind: str = "causal_lm"        # causal_lm (policy, reference) or value (critic)
+    model_kind: str = "causal_lm"        # causal_lm (policy, reference), value (critic) or reward (reward model)
     dtype: str = "float32"
     device: str = "cpu"
     pad_token_id: int = 0
@@ -175,6 +175,7 @@ class ModelOutput:
     log_probs: torch.Tensor | None = None     # causal LMs
     entropy: torch.Tensor | None = None       # causal LMs
     values: torch.Tensor | None = None        # value models
+    scores: torch.Tensor | None = None        # reward models: one per row [B], at its last token
 
 
 # loss_fn(outputs, micro_batch) -> (scalar loss with grad, metrics to sum over micro-batches)
@@ -201,6 +202,11 @@ class TrainEngine(ReplicaRoles, abc.ABC):
                micro_batch_size: int) -> list[torch.Tensor]:
         """A value model's per-token values of each response (1-D float32 per row, on the CPU)."""
         raise NotImplementedError(f"{type(self).__name__} holds no value model")
+
+    def scores(self, prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor],
+               micro_batch_size: int) -> list[torch.Tensor]:
+        """A reward model's score of each (prompt, response): a [1] float32 tensor per row, on the CPU."""
+        raise NotImplementedError(f"{type(self).__name__} holds no reward model")
 
     # ---- training
     @abc.abstractmethod

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from ..algorithms.metrics import merge_metrics
 from .base import Bucket, LossFn, MicroBatch, ModelOutput, NamedTensors, TrainEngine, TrainSpec, bucketed
 from .batching import SequenceBatch, collate, unpad_rows
-from .torch_train import response_log_probs, response_values
+from .torch_train import pair_rows, response_log_probs, response_values, sequence_scores
 
 OPTIONS = {"reshard_after_forward"}   # TrainSpec.options keys this backend reads
 
@@ -153,18 +153,15 @@ class FSDPTrainEngine(TrainEngine):
     # ------------------------------------------------------------------ construction
     @classmethod
     def build(cls, spec: TrainSpec) -> "FSDPTrainEngine":
-        from ..models import load_causal_lm, load_value_model
+        from .torch_train import load_model
 
         device = torch.device(spec.device)
         if device.type != "cpu" and device.index is not None:
             getattr(torch, device.type).set_device(device)  # torch.cuda / torch.npu
         # trained models keep fp32 master weights; a device computes in `dtype` (mixed precision)
         stored = "float32" if spec.optim is not None or device.type == "cpu" else spec.dtype
-        torch.manual_seed(spec.seed)  # a value model's fresh head: the same on every rank
-        loader = load_value_model if spec.model_kind == "value" else load_causal_lm
-        if spec.model_kind not in ("causal_lm", "value"):
-            raise ValueError(f"model_kind={spec.model_kind!r}: expected causal_lm or value")
-        return cls(loader(spec.model_path, stored), spec)
+        torch.manual_seed(spec.seed)  # a value or reward model's fresh head: the same on every rank
+        return cls(load_model(spec, stored), spec)
 
     def _mesh(self, group):
         """A 1-D DeviceMesh over the DP group (None when single-rank without a process group)."""
@@ -196,6 +193,8 @@ class FSDPTrainEngine(TrainEngine):
         entropies come chunked from the response positions only (`response_log_probs`): no
         [rows, tokens, vocab] fp32 tensor."""
         with self._autocast():
+            if self.model_kind == "reward":
+                return ModelOutput(response_mask=batch.response_mask, scores=sequence_scores(self.model, batch))
             if self.model_kind == "value":
                 return ModelOutput(response_mask=batch.response_mask, values=response_values(self.model, batch))
             logp, entropy = response_log_probs(self.model, batch, self.temperature, with_entropy)
@@ -239,7 +238,10 @@ class FSDPTrainEngine(TrainEngine):
         for s in starts:
             b = self.batch(prompts[s:s + micro_batch_size], responses[s:s + micro_batch_size])
             o = self.forward(b, with_entropy=False)
-            out.extend(r.float().cpu() for r in unpad_rows(getattr(o, column), b.response_mask))
+            if column == "scores":  # one per row
+                out.extend(v.reshape(1).float().cpu() for v in o.scores)
+            else:
+                out.extend(r.float().cpu() for r in unpad_rows(getattr(o, column), b.response_mask))
         pad = torch.tensor([self.pad_token_id])
         for _ in range(total - len(starts)):
             self.forward(self.batch([pad], [pad]), with_entropy=False)
@@ -247,7 +249,7 @@ class FSDPTrainEngine(TrainEngine):
         return out
 
     def log_probs(self, prompts, responses, micro_batch_size: int) -> list[torch.Tensor]:
-        if self.model_kind == "value":
+        if self.model_kind != "causal_lm":
             raise NotImplementedError("log_probs of a value model")
         return self._infer(prompts, responses, micro_batch_size, "log_probs")
 
@@ -255,6 +257,12 @@ class FSDPTrainEngine(TrainEngine):
         if self.model_kind != "value":
             raise NotImplementedError(f"{type(self).__name__} holds no value model (model_kind={self.model_kind})")
         return self._infer(prompts, responses, micro_batch_size, "values")
+
+    def scores(self, prompts, responses, micro_batch_size: int) -> list[torch.Tensor]:
+        """A reward model's score of each row ([1] float32), at its last token."""
+        if self.model_kind != "reward":
+            raise NotImplementedError(f"{type(self).__name__} holds no reward model (model_kind={self.model_kind})")
+        return self._infer(prompts, responses, micro_batch_size, "scores")
 
     # ------------------------------------------------------------------ training
     @_exclusive
@@ -268,7 +276,8 @@ class FSDPTrainEngine(TrainEngine):
             if self.mesh is not None:
                 # gradients stay unsharded and accumulate locally; reduce-scatter on the last one
                 self.model.set_requires_gradient_sync(bool(mb.last))
-            b = self.batch(mb.data["prompts"], mb.data["responses"])
+            b = (self.batch(*pair_rows(mb.data)) if self.model_kind == "reward" else
+                 self.batch(mb.data["prompts"], mb.data["responses"]))
             loss, metrics = loss_fn(self.forward(b), mb)
             (loss * mb.loss_scale).backward()
             unsynced = not mb.last

@@ -42,6 +42,8 @@ class Backend:
     own_process: bool = False            # no train engine may share its process (vLLM takes torch's
                                          # default group, re-seeds the RNGs, patches set_num_threads)
     value_models: bool = True            # can it train/run a critic (a one-output value head)?
+    reward_models: bool = False          # can it train/run a reward model (model_kind "reward": a one-label
+                                         # sequence classifier, `scores`; reward_model section)?
     options: Any = None                  # its options dataclass ("module:Class" or a class; None: no options)
     section: str = ""                    # the config key holding its options (generate_config.vllm,
                                          # actor_config.backend_options)
@@ -229,11 +231,11 @@ register_train_backend(
         "mesh; one dock reader and writer per replica. A torch or fsdp worker group with tp or pp > 1 "
         "(placement.mode: mesh) runs on it")
 register_train_backend(
-    "torch", "mindspeed_rl.engines.torch_train:TorchTrainEngine", split_backend="mesh",
+    "torch", "mindspeed_rl.engines.torch_train:TorchTrainEngine", split_backend="mesh", reward_models=True,
     options="mindspeed_rl.engines.torch_train:TorchOptions",
     doc="plain torch AdamW, DDP over the DP ranks")
 register_train_backend(
-    "fsdp", "mindspeed_rl.engines.fsdp_train:FSDPTrainEngine", split_backend="mesh",
+    "fsdp", "mindspeed_rl.engines.fsdp_train:FSDPTrainEngine", split_backend="mesh", reward_models=True,
     options="mindspeed_rl.engines.fsdp_train:FSDPOptions",
     doc="FSDP2 (fully_shard per decoder layer and root), sharded optimizer, DCP checkpoints")
 register_train_backend(

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..algorithms import entropy_from_logits, log_probs_from_logits
+from ..algorithms import entropy_from_logits, last_token_scores, log_probs_from_logits
 from ..algorithms.metrics import merge_metrics
 from .base import (Bucket, LossFn, MicroBatch, ModelOutput, NamedTensors, OptimConfig, TrainEngine, TrainSpec,
                    cast_buckets, flatten_parameters, hf_named_weights, load_named)
@@ -243,6 +243,65 @@ def response_values(model: torch.nn.Module, batch: SequenceBatch) -> torch.Tenso
     return _value_head(unwrap(model))(response_states(model, batch).contiguous())[..., 0].float()
 
 
+def _sequence_states(model: torch.nn.Module, batch: SequenceBatch) -> torch.Tensor:
+    """Final hidden states [B, T, H] at every position of the sequences (an HF model, or DDP around
+    `ResponseStates`, asked for the T positions from the first)."""
+    width = batch.input_ids.shape[1]
+    inner = getattr(model, "module", None)
+    if isinstance(model, ResponseStates) or isinstance(inner, ResponseStates):
+        return model(batch.input_ids, batch.attention_mask, batch.position_ids, 1, width)
+    return backbone_states(model, batch.input_ids, batch.attention_mask, batch.position_ids, 1, width)
+
+
+def sequence_scores(model: torch.nn.Module, batch: SequenceBatch) -> torch.Tensor:
+    """A reward model's score of each row [B], fp32: its one-label head at the row's last real token.
+
+    The head runs at every position and `algorithms.last_token_scores` reads it where the attention
+    mask last says 1, so a row scores the same with its prompt left-padded and its response
+    right-padded as alone (HF's own pooling looks for the last token that is not the pad id instead,
+    which a response that holds the pad token fools). An FSDP2 root, whose head's parameters are
+    gathered only in its own forward, runs that forward and hands the head's per-position output over
+    through a hook."""
+    if _is_fsdp(model):
+        head = getattr(model, "score", None) or getattr(model, "classifier")
+        seen: list[torch.Tensor] = []
+        hook = head.register_forward_hook(lambda _m, _i, out: seen.append(out))
+        try:
+            model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                  use_cache=False)
+        finally:
+            hook.remove()
+        token = seen[-1][..., 0]
+    else:
+        token = _value_head(unwrap(model))(_sequence_states(model, batch).contiguous())[..., 0]
+    return last_token_scores(token.float(), batch.attention_mask)
+
+
+def pair_rows(data: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A reward model's training micro-batch (columns `prompts`, `chosen`, `rejected`) as 2B rows of one
+    forward: every prompt with its chosen response, then every prompt with its rejected one; the loss
+    reads `ModelOutput.scores[:B]` as chosen and `[B:]` as rejected."""
+    prompts = list(data["prompts"])
+    return prompts + prompts, list(data["chosen"]) + list(data["rejected"])
+
+
+MODEL_KINDS = ("causal_lm", "value", "reward")
+
+
+def load_model(spec: TrainSpec, stored: str) -> torch.nn.Module:
+    """The HF model of `spec.model_kind`, parameters in `stored`: a causal LM (policy, reference), a critic
+    (the checkpoint with a fresh one-output token head), or a reward model (a one-label sequence
+    classifier; to train one, a causal LM's backbone gets a fresh head)."""
+    from ..models import load_causal_lm, load_value_model
+    from ..models.reward import init_reward_model, load_reward_model
+    if spec.model_kind not in MODEL_KINDS:
+        raise ValueError(f"model_kind={spec.model_kind!r}: expected one of {list(MODEL_KINDS)}")
+    if spec.model_kind == "reward":
+        load = init_reward_model if spec.optim is not None else load_reward_model
+        return load(spec.model_path, stored, pad_token_id=spec.pad_token_id)
+    return (load_value_model if spec.model_kind == "value" else load_causal_lm)(spec.model_path, stored)
+
+
 def compute_dtype_of(dtype, model: torch.nn.Module) -> torch.dtype:
     """`dtype` as a torch dtype (a name or a dtype); None: the dtype the model's parameters have."""
     if dtype is None:
@@ -305,11 +364,9 @@ class TorchTrainEngine(TrainEngine):
 
     @classmethod
     def build(cls, spec: TrainSpec) -> "TorchTrainEngine":
-        from ..models import load_causal_lm, load_value_model
         torch.manual_seed(spec.seed)  # a value head is initialized from it
-        loader = load_value_model if spec.model_kind == "value" else load_causal_lm
         stored = "float32" if spec.optim is not None else spec.dtype   # fp32 masters for a trained model
-        return cls(loader(spec.model_path, stored), spec.pad_token_id, spec.optim, temperature=spec.temperature,
+        return cls(load_model(spec, stored), spec.pad_token_id, spec.optim, temperature=spec.temperature,
                    device=spec.device, process_group=spec.process_group if spec.optim is not None else None,
                    model_kind=spec.model_kind, dtype=spec.dtype, options=spec.options)
 
@@ -334,7 +391,11 @@ class TorchTrainEngine(TrainEngine):
             return response_log_probs(self.model, batch, self.temperature, with_entropy)
 
     def model_output(self, batch: SequenceBatch) -> ModelOutput:
-        """What a loss function sees: log-probs and entropies of a causal LM, values of a value model."""
+        """What a loss function sees: log-probs and entropies of a causal LM, values of a value model, one
+        score per row of a reward model."""
+        if self.model_kind == "reward":
+            with self.autocast():
+                return ModelOutput(response_mask=batch.response_mask, scores=sequence_scores(self.model, batch))
         if self.model_kind == "value":
             with self.autocast():
                 return ModelOutput(response_mask=batch.response_mask, values=response_values(self.model, batch))
@@ -397,6 +458,29 @@ class TorchTrainEngine(TrainEngine):
         """Inference of a critic: per-token values, one 1-D tensor per row."""
         return self._infer(prompts, responses, micro_batch_size, lambda b: response_values(self.module, b))
 
+    @torch.no_grad()
+    def scores(self, prompts, responses, micro_batch_size: int) -> list[torch.Tensor]:
+        """Inference of a reward model: one score per row (a [1] float32 tensor), at its last token."""
+        if self.model_kind != "reward":
+            raise NotImplementedError(f"{type(self).__name__} holds no reward model (model_kind={self.model_kind})")
+        out: list[torch.Tensor | None] = [None] * len(prompts)
+        for g in self.groups(prompts, responses, micro_batch_size):
+            b = self.batch([prompts[i] for i in g], [responses[i] for i in g])
+            with self.autocast():
+                vals = sequence_scores(self.module, b)
+            for i, v in zip(g, vals):
+                out[i] = v.reshape(1).float().cpu()
+        return out
+
+    def train_output(self, data: dict) -> ModelOutput:
+        """The model's output on a training micro-batch: a reward model's over its pairs (`pair_rows`),
+        else over (prompts, responses), split by the token budget when there is one."""
+        if self.model_kind == "reward":
+            return self.model_output(self.batch(*pair_rows(data)))
+        if self.max_tokens is None:
+            return self.model_output(self.batch(data["prompts"], data["responses"]))
+        return self.split_output(data["prompts"], data["responses"])
+
     def no_sync(self, sync: bool):
         """DDP all-reduces only on the last micro-batch of an update (gradient accumulation)."""
         if sync or not hasattr(self.model, "no_sync"):
@@ -410,11 +494,7 @@ class TorchTrainEngine(TrainEngine):
         count = 0
         for mb in micro_batches:
             with self.no_sync(mb.last):
-                if self.max_tokens is None:
-                    out = self.model_output(self.batch(mb.data["prompts"], mb.data["responses"]))
-                else:
-                    out = self.split_output(mb.data["prompts"], mb.data["responses"])
-                loss, m = loss_fn(out, mb)
+                loss, m = loss_fn(self.train_output(mb.data), mb)
                 (loss * mb.loss_scale).backward()
             merge_metrics(metrics, m)  # _max maxed, _min minned, the rest summed
             count += 1

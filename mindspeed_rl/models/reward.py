@@ -176,3 +176,23 @@ def retokenize(prompts: Sequence, responses: Sequence, source, target) -> tuple[
 
 __all__ = ["BUILTIN_PREFIX", "check_reward_model", "describe_model", "init_reward_model", "load_reward_model",
            "retokenize", "same_tokenizer", "save_reward_model"]
+
+
+def save_reward_weights(state: dict, model_path: str, pad_token_id: int | None, tokenizer, directory: str | Path) -> Path:
+    """Weights by HF name (a trained engine's export) as a one-label classifier checkpoint in `directory`: the
+    architecture of `model_path` (a reward model, or the causal LM reward modeling started from) with one label.
+    A weight the classifier needs but `state` lacks is refused, naming it."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    config = AutoConfig.from_pretrained(str(resolve_model_path(model_path)), num_labels=1)
+    config.architectures = [type_name(config)]
+    if pad_token_id is not None:
+        config.pad_token_id = int(pad_token_id)
+    model = AutoModelForSequenceClassification.from_config(config)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or ())
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise ValueError(f"saving the reward model to {directory}: the exported weights do not fit "
+                         f"{config.architectures[0]} (missing {missing[:5]}, unexpected {unexpected[:5]})")
+    return save_reward_model(model, tokenizer, directory)
