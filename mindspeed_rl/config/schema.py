@@ -83,6 +83,7 @@ class TrainerConfig:
     # mean-1 lognormal factor of spread simulate_generate_sigma (long-tailed lengths); 0: rows one after another
     simulate_generate_slots: int = 0
     simulate_generate_sigma: float = 0.0
+    eval_interval: int = 0               # reward modeling: held-out accuracy and margin every N steps (0: at the end)
 
 
 @dataclass
@@ -135,6 +136,23 @@ class CriticConfig:
     cliprange_value: float = 0.5         # new values stay within +-this of the old ones in the loss
     loss_agg_mode: str = "token-mean"    # one of vocab.AGG_MODES
     forward_micro_batch_size_per_device: int = 64  # rows per get and forward of critic_values
+
+
+@dataclass
+class RewardModelConfig:
+    """A learned reward: a one-label sequence classifier (`AutoModelForSequenceClassification`) that scores
+    every response when `enable` is on, and the model that reward modeling (rl_config.algorithm:
+    reward_modeling, cli/train_rm.py) trains. Never trained by RL, never synced, never checkpointed."""
+    enable: bool = False                 # score rollouts with it (its MFC reward_model; rl_config.reward_weights)
+    model_path: Optional[str] = None     # a one-label sequence classifier (cli/train_rm.py's <output_dir>/final);
+                                         # reward modeling: the model it starts from (a causal LM gets a fresh head)
+    backend: Optional[str] = None        # a train backend (torch, fsdp), run for inference; null: actor_config.backend
+    dtype: str = "float32"
+    micro_batch_size_per_device: int = 64  # rows per get and forward of its scores; reward modeling: pairs per forward
+    lr: float = 1e-4                     # reward modeling only: AdamW, as the actor's
+    weight_decay: float = 0.0            # reward modeling only
+    grad_clip: float = 1.0               # reward modeling only
+    mini_batch_size: Optional[int] = None  # reward modeling only: pairs per optimizer step; null: one step per step
 
 
 @dataclass
@@ -204,7 +222,10 @@ class RLConfig:
     guarantee_order: bool = True         # rows handed out in index order: blocking == non-blocking results
     n_samples_per_prompt: int = 8        # GRPO group size
     prompts_per_step: int = 16           # prompts per step (rows = prompts_per_step * n_samples_per_prompt)
-    reward_fn: str = "digits"            # built-in name or dotted path pkg.module:function
+    reward_fn: Optional[str] = "digits"  # built-in name or dotted path pkg.module:function; null: none (reward model only)
+    # the reward that trains when reward_model.enable: sum of weight x score over {model, rule} (config/vocab.py
+    # REWARD_SOURCES); without a reward model the rule reward alone trains, whatever these say
+    reward_weights: dict = field(default_factory=lambda: {"model": 1.0, "rule": 0.0})
     adv_eps: float = 1e-6
     norm_adv_by_std: bool = True
     max_weight_staleness: int = 0        # rollout may use weights at most this many versions old
@@ -226,6 +247,9 @@ class DataConfig:
     max_prompt_length: int = 64
     shuffle: bool = True
     chat_template: bool = False
+    chosen_key: str = "chosen"           # reward modeling: a preference file's fields (with prompt_key)
+    rejected_key: str = "rejected"
+    eval_size: int = 0                   # reward modeling: records held out of the dataset for evaluation
 
 
 @dataclass
@@ -260,6 +284,7 @@ class Config:
     actor_config: ActorConfig = field(default_factory=ActorConfig)
     ref_config: RefConfig = field(default_factory=RefConfig)
     critic_config: CriticConfig = field(default_factory=CriticConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     generate_config: GenerateConfig = field(default_factory=GenerateConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     rl_config: RLConfig = field(default_factory=RLConfig)

@@ -11,7 +11,7 @@ from typing import Collection
 from ..device import DEVICE_KINDS, RAY_RESOURCES, WORKER_DEVICES
 from .load import ConfigError
 from .schema import Config
-from .vocab import AGENT_SYNTAXES, AGG_MODES, KL_CONTROLLER_KINDS, KL_KINDS
+from .vocab import AGENT_SYNTAXES, AGG_MODES, KL_CONTROLLER_KINDS, KL_KINDS, REWARD_SOURCES
 
 PLACEMENT_MODES = ("colocated", "disaggregated", "custom", "mesh")
 LOGGERS = ("console", "jsonl", "tensorboard")
@@ -49,6 +49,57 @@ def _mini_batch(errors: list, section: str, mini, prompts_per_step: int) -> None
         errors.append(f"{key}={mini} prompts does not divide rl_config.prompts_per_step={prompts_per_step}; every "
                       f"optimizer step must see as many prompts: set it to one of {divisors} (it counts prompts, "
                       f"x n_samples_per_prompt rows), or null for one update per step")
+
+
+REWARD_MODELING = "reward_modeling"   # the algorithm that trains the reward model (dataflow/reward_modeling.py)
+
+
+def _reward_model(e: list, cfg: Config, models: Collection[str] | None) -> None:
+    """reward_model, rl_config.reward_weights / reward_fn and the reward-modeling keys."""
+    rm, rl = cfg.reward_model, cfg.rl_config
+    training = rl.algorithm == REWARD_MODELING
+    _positive(e, "trainer.eval_interval", cfg.trainer.eval_interval, "0 evaluates only at the end", allow_zero=True)
+    _positive(e, "data.eval_size", cfg.data.eval_size, "0 holds nothing out", allow_zero=True)
+    weights = rl.reward_weights
+    for source, w in weights.items():
+        if source not in REWARD_SOURCES:
+            e.append(f"rl_config.reward_weights.{source}: unknown reward source; the sources are {list(REWARD_SOURCES)} "
+                     "(e.g. {model: 1.0, rule: 0.0})")
+        elif isinstance(w, bool) or not isinstance(w, (int, float)):
+            e.append(f"rl_config.reward_weights.{source}={w!r}: must be a number (the weight of its score)")
+    if rm.enable and not training:
+        numbers = {k: float(v) for k, v in weights.items() if k in REWARD_SOURCES and isinstance(v, (int, float))
+                   and not isinstance(v, bool)}
+        if not any(numbers.values()):
+            e.append(f"rl_config.reward_weights={weights}: every weight is 0, so nothing would train the policy; give "
+                     "the reward model (model) or the rule reward (rule) a weight, e.g. {model: 1.0, rule: 0.0}")
+        if numbers.get("rule") and not rl.reward_fn:
+            e.append(f"rl_config.reward_weights.rule={numbers['rule']} but rl_config.reward_fn is null: a rule weight "
+                     "needs a rule reward; set rl_config.reward_fn or the rule's weight to 0")
+    elif not rl.reward_fn and not training and (models is None or "actor" in models):
+        e.append("rl_config.reward_fn=null and reward_model.enable=false: nothing scores the responses; set "
+                 "rl_config.reward_fn (e.g. digits) or enable a reward model (reward_model.enable=true)")
+    if rm.enable or training:
+        _one_of(e, "reward_model.dtype", rm.dtype, DTYPES)
+        _positive(e, "reward_model.micro_batch_size_per_device", rm.micro_batch_size_per_device)
+        if not rm.model_path:
+            e.append("reward_model.model_path is empty; " + (
+                "set the model to train from (e.g. builtin:tiny-qwen2: its backbone gets a fresh one-label head)"
+                if training else "set it to a reward model (a one-label sequence classifier, e.g. "
+                                 "<trainer.output_dir>/final of cli/train_rm.py)"))
+    if training:
+        _positive(e, "reward_model.lr", rm.lr)
+        _positive(e, "reward_model.grad_clip", rm.grad_clip)
+        _positive(e, "reward_model.weight_decay", rm.weight_decay, allow_zero=True)
+        if rm.mini_batch_size is not None:
+            _positive(e, "reward_model.mini_batch_size", rm.mini_batch_size, "or null for one update per step")
+            if rm.mini_batch_size > 0 and rl.prompts_per_step % rm.mini_batch_size:
+                e.append(f"reward_model.mini_batch_size={rm.mini_batch_size} pairs does not divide "
+                         f"rl_config.prompts_per_step={rl.prompts_per_step} (the pairs of a step); every optimizer "
+                         "step must see as many pairs")
+        if rl.n_samples_per_prompt != 1:
+            e.append(f"rl_config.n_samples_per_prompt={rl.n_samples_per_prompt}: reward modeling reads each preference "
+                     "pair once; set it to 1 (rl_config.prompts_per_step counts pairs)")
 
 
 def validate_config(cfg: Config, models: Collection[str] | None = None) -> None:
@@ -163,6 +214,7 @@ def validate_config(cfg: Config, models: Collection[str] | None = None) -> None:
         _positive(e, "critic_config.cliprange_value", c.cliprange_value)
         _one_of(e, "critic_config.loss_agg_mode", c.loss_agg_mode, AGG_MODES)
         _mini_batch(e, "critic_config", c.ppo_mini_batch_size, rl.prompts_per_step)
+    _reward_model(e, cfg, models)
     for key, value in (("rl_config.gamma", rl.gamma), ("rl_config.lam", rl.lam)):
         if not 0 <= value <= 1:
             e.append(f"{key}={value}: must be in [0, 1] (1.0 is verl's default for outcome rewards)")

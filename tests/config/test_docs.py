@@ -11,13 +11,13 @@ import yaml
 
 from mindspeed_rl.config import (ActorConfig, Config, CriticConfig, DataConfig, GenerateConfig, GroupConfig, PlacementConfig,
                                  RefConfig, RLConfig, TrainerConfig)
-from mindspeed_rl.config.schema import AgentConfig, OverlongBufferConfig, VLLMConfig, WeightSyncConfig
+from mindspeed_rl.config.schema import AgentConfig, OverlongBufferConfig, RewardModelConfig, VLLMConfig, WeightSyncConfig
 from mindspeed_rl.config import validate as V
 
 from .helpers import DOCS, error_of
 
 SECTIONS = {"trainer": TrainerConfig, "actor_config": ActorConfig, "ref_config": RefConfig,
-            "critic_config": CriticConfig, "generate_config": GenerateConfig, "weight_sync": WeightSyncConfig,
+            "critic_config": CriticConfig, "reward_model": RewardModelConfig, "generate_config": GenerateConfig, "weight_sync": WeightSyncConfig,
             "rl_config": RLConfig, "data": DataConfig, "placement": PlacementConfig,
             "placement.groups.<name>": GroupConfig, "generate_config.vllm": VLLMConfig,
             "generate_config.agent": AgentConfig, "rl_config.overlong_buffer": OverlongBufferConfig}
