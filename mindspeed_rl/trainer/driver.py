@@ -44,6 +44,7 @@ from .run_dashboard import DashboardError, finish_dashboard, start_dashboard
 from .signals import SignalTrap
 from .step_metrics import step_record
 from .dynamic_sampling import DynamicSampling
+from .reward_modeling import save_final, trains_reward_model
 from .run_log import MetricsFileError, RunLog, plot_curve
 
 STARTUP_TIMEOUT_S = 300.0
@@ -110,6 +111,7 @@ class Trainer:
         self.dashboard = None  # DashboardState while a run with trainer.dashboard or trainer.report goes
         self.dashboard_server = None
         self.log: RunLog | None = None
+        self.evaluate = lambda step: {}    # reward modeling: trainer/reward_modeling.py Evaluation, set at start
         self.worker_info: dict[tuple[str, int], dict] = {}  # (group, rank) -> its ping: pid, host, node id
         self.step = 0             # the step running (or about to), for an interrupted run's message
         self.steps_done = 0
@@ -214,6 +216,7 @@ class Trainer:
                 self.step = step
                 self._check_signal()
                 record = self.train_step(step, bar)
+                record.update(self.evaluate(step))   # reward modeling: held-out accuracy and margin when due
                 line = self.log.log(record)
                 if self.dashboard is not None:
                     self.dashboard.add_record(record)
@@ -230,6 +233,8 @@ class Trainer:
                 self.steps_done = step + 1
             if bar is not None:
                 bar.close()
+            if trains_reward_model(self.plan) and cfg.trainer.total_steps:
+                print(f"reward model: {save_final(self)}", file=sys.stderr, flush=True)
             if cfg.trainer.plot and self.log.history:
                 plot_curve(self.log.history, self.log.dir / "curve.png", title=f"{cfg.rl_config.algorithm} "
                            f"({'blocking' if cfg.rl_config.blocking else 'non-blocking'})")
@@ -552,10 +557,9 @@ class Trainer:
 
     def _start(self) -> None:
         from ..algorithms import make_kl_controller
-        from ..data.loader import PromptLoader
-        from ..data.prompts import load_prompt_dataset
         from ..models import load_tokenizer
         from ..transfer_dock.client import create_transfer_dock
+        from .reward_modeling import Evaluation, make_loader
 
         cfg, plan = self.cfg, self.plan
         t = cfg.trainer
@@ -589,13 +593,10 @@ class Trainer:
         a = cfg.actor_config
         self.kl_ctrl = make_kl_controller(a.kl_ctrl, kl_coef=a.kl_loss_coef, target_kl=a.kl_target,
                                           horizon=a.kl_horizon)
-        tokenizer = load_tokenizer(plan.model_paths["actor"])
-        d = cfg.data
-        dataset = load_prompt_dataset(d.dataset, prompt_key=d.prompt_key, answer_key=d.answer_key,
-                                      num_digits=d.num_digits, size=d.size, seed=t.seed)
-        self.loader = PromptLoader(dataset, tokenizer, cfg.rl_config.prompts_per_step, seed=t.seed,
-                                   shuffle=d.shuffle, max_prompt_length=d.max_prompt_length,
-                                   apply_chat_template=d.chat_template)
+        tokenizer = load_tokenizer(plan.model_paths[plan.tokenizer_model])
+        # prompts, or preference pairs with a held-out part when the graph trains a reward model
+        self.loader, held = make_loader(cfg, plan, tokenizer)
+        self.evaluate = Evaluation(self, held, tokenizer)
         truncation = self.loader.truncation_warning()  # once, at start: the count over the whole dataset
         if truncation:
             print(truncation, file=sys.stderr, flush=True)

@@ -72,6 +72,7 @@ class Plan:
     placement: PlacementPlan | None = None        # placement.mode=mesh: meshes, groups, devices
     size_notes: list[str] = field(default_factory=list)  # row sizes rounded to what they must divide
     ahead: tuple[str, ...] = ()                   # MFCs that may run ahead of their step's training (staleness)
+    tokenizer_model: str = "actor"                # whose tokenizer the run tokenizes with (reward modeling: reward)
 
     def group_of(self, mfc_name: str) -> str:
         return next(g for g, p in self.groups.items() if any(m.name == mfc_name for m in p.mfcs))
@@ -227,6 +228,13 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
         for m in p.mfcs:
             if InterfaceType(m.interface_type) is not InterfaceType.TRAIN_STEP:
                 continue
+            if functions[m.name].engine == "reward":   # pairs, not prompt groups
+                mini = cfg.reward_model.mini_batch_size or rl.prompts_per_step
+                if mini % dp:
+                    raise ConfigError(f"{_dp_key(cfg, g)}={dp}: {mini} preference pairs per optimizer step "
+                                      f"(reward_model.mini_batch_size, null: rl_config.prompts_per_step) must split into "
+                                      f"{dp} equal shares, since DDP ranks step together")
+                continue
             section = "critic_config" if functions[m.name].engine == "value" else "actor_config"
             a = getattr(cfg, section)
             mini_rows = a.ppo_mini_batch_size * n if a.ppo_mini_batch_size else rows
@@ -259,6 +267,8 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
         ("actor", cfg.actor_config.model_path),
         ("ref", cfg.ref_config.model_path or cfg.actor_config.model_path),
         ("critic", cfg.critic_config.model_path or cfg.actor_config.model_path)) if role in used or role == "actor"}
+    if any(m.model_name == "reward" and InterfaceType(m.interface_type) is not InterfaceType.COMPUTE for m in order):
+        model_paths["reward"] = cfg.reward_model.model_path or ""   # validate_config refused an empty one
     for m in order:
         if InterfaceType(m.interface_type) is not InterfaceType.COMPUTE and m.model_name not in model_paths:
             raise ConfigError(f"MFC {m.name!r} runs model {m.model_name!r}, which has no model_path in the config "
@@ -280,7 +290,7 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
             continue
         from ..engines.registry import train_backend as train_row
         spec = train_row(p.train_backend)
-        engines = [m.name for m in p.mfcs if model_kinds[m.name] in ("policy", "value")]
+        engines = [m.name for m in p.mfcs if model_kinds[m.name] in MODEL_ENGINES]
         if engines and p.resources.device != "auto" and p.resources.device not in spec.devices:
             raise ConfigError(f"actor_config.backend={spec.name}: runs on {list(spec.devices)}, but worker "
                               f"group '{g}' ({engines}) has device={p.resources.device!r}; pick a backend that runs "
@@ -288,6 +298,9 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
         if check_files and engines:
             _check_train_model(spec, p, [m for m in p.mfcs if model_kinds[m.name] in ("policy", "value")],
                                model_paths)
+        rewards = [m.name for m in p.mfcs if model_kinds[m.name] == "reward"]
+        if rewards:
+            _check_reward_backend(cfg, g, p, rewards)
         values = [m.name for m in p.mfcs if model_kinds[m.name] == "value"]
         if values and not spec.value_models:
             raise ConfigError(f"actor_config.backend={train_spec.name}: cannot run a critic ({values}: a value head); "
@@ -311,13 +324,18 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
                 check_model_path("ref_config.model_path", cfg.ref_config.model_path)
             if cfg.critic_config.model_path and "critic" in {m.model_name for m in order}:
                 check_model_path("critic_config.model_path", cfg.critic_config.model_path)
+            if "reward" in model_paths:   # a one-label classifier (reward modeling may start from a causal LM)
+                from ..models.reward import check_reward_model
+                check_reward_model("reward_model.model_path", model_paths["reward"],
+                                   trainable_from_lm="reward" in trained)
         except ValueError as e:
             raise ConfigError(str(e)) from None
     else:
         notes.append("dry run: model and data paths were not opened")
     try:
         from ..rewards import validate_reward_name
-        validate_reward_name(rl.reward_fn, import_module=check_files)
+        if rl.reward_fn and any(functions[m.name].name == "rule_reward" for m in order):
+            validate_reward_name(rl.reward_fn, import_module=check_files)
     except ValueError as e:
         raise ConfigError(f"rl_config.reward_fn: {e}") from None
     if check_files:
@@ -340,7 +358,8 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
                 dataset_keys=tuple(dataset_keys), groups=groups, trained=trained,
                 sync_targets=weight_sync_targets(graph), same_step_outputs=same_step, model_paths=model_paths,
                 rows_per_step=rows, notes=notes, placement=placement, size_notes=size_notes,
-                ahead=tuple(m.name for m in order if m.name not in train_time_mfcs(graph)))
+                ahead=tuple(m.name for m in order if m.name not in train_time_mfcs(graph)),
+                tokenizer_model="reward" if "reward" in trained else "actor")
 
 
 def _fold_own_process_group(cfg: Config, order: list[MFCDef], rollout_spec, assign: dict[str, str],
@@ -501,6 +520,24 @@ def mesh_groups(cfg: Config, order: list[MFCDef], check_files: bool):
     return plan, assign, resources, devices, splits
 
 
+MODEL_ENGINES = ("policy", "value", "reward")   # compute.FUNCTIONS' engine kinds that run on the train backend
+
+
+def _check_reward_backend(cfg: Config, g: str, p: GroupPlan, mfcs: list[str]) -> None:
+    """A reward model runs on a train backend that declares it can (`Backend.reward_models`), whole (no tp or pp)."""
+    from ..engines.registry import TRAIN_BACKENDS, user_backends
+    name = cfg.reward_model.backend or p.train_backend
+    key = "reward_model.backend" if cfg.reward_model.backend else "actor_config.backend"
+    row = TRAIN_BACKENDS.get(name)
+    if row is None:
+        raise ConfigError(f"{key}={name!r}: must be one of {user_backends(TRAIN_BACKENDS)} (docs/engines.md)")
+    if not row.reward_models:
+        able = [b.name for b in TRAIN_BACKENDS.values() if b.user and b.reward_models]
+        split = f" (worker group '{g}' has tp/pp {p.tp}/{p.pp})" if p.tp * p.pp > 1 else ""
+        raise ConfigError(f"{key}={name!r}: the {name} train backend{split} cannot run a reward model ({mfcs}: a "
+                          f"one-label sequence classifier); use one of {able} with tp: 1, pp: 1")
+
+
 def _check_rollout_model(cfg: Config, backend, generating: list[GroupPlan]) -> None:
     """The rollout backend's own check of the model on the devices generation runs on (vLLM's CPU
     attention runs only some head sizes), before any worker starts rather than after an engine build."""
@@ -586,7 +623,7 @@ def _deploy_groups(cfg: Config, groups: dict[str, GroupPlan], model_kinds: dict[
 
     for g, p in groups.items():
         gens = any(_generates(m) for m in p.mfcs)
-        models = any(model_kinds[m.name] in ("policy", "value") for m in p.mfcs)
+        models = any(model_kinds[m.name] in MODEL_ENGINES for m in p.mfcs)
         slice_ = Slice(p.resources.dp, p.tp, p.pp, tuple(p.devices))
         try:
             p.deployment = deploy_group(rollout_spec if gens else None, train_spec if models else None, slice_)
@@ -649,6 +686,15 @@ def _floor4(x: float) -> float:
 def _check_dataset(cfg: Config) -> None:
     from pathlib import Path
     spec = cfg.data.dataset
+    if cfg.rl_config.algorithm == "reward_modeling":   # preference pairs, read whole now (names file, line, key)
+        from ..data.preferences import load_preference_dataset, split_held_out
+        d = cfg.data
+        try:
+            split_held_out(load_preference_dataset(spec, d.prompt_key, d.chosen_key, d.rejected_key, d.num_digits,
+                                                   d.size, cfg.trainer.seed), d.eval_size, cfg.trainer.seed)
+        except ValueError as e:
+            raise ConfigError(f"data.dataset={spec!r}: {e}") from None
+        return
     from ..data.prompts import BUILTIN_PREFIX
     if spec.startswith(BUILTIN_PREFIX):
         from ..data.synthetic import KINDS

@@ -31,7 +31,12 @@ def step_record(plan, step: int, reports: list[dict], *, step_s: float, stages_s
     rows = max(reward.get("reward_rows", 0.0), 1.0)
     rec["reward/mean"] = reward.get("reward_sum", 0.0) / rows
     rec["reward/max_fraction"] = reward.get("reward_max_count", 0.0) / rows
+    for source in ("model", "rule"):  # a learned reward: each source of rm_scores alone, whatever its weight
+        if f"{source}_reward_sum" in reward:
+            rec[f"reward/{source}_mean"] = reward[f"{source}_reward_sum"] / rows
     for m in plan.order:  # other reward columns (ReMax's greedy baseline): reward/<column>_mean
+        if m.output_keys and m.output_keys[0].endswith("rule_scores"):
+            continue  # a rule score the combined reward sums (its mean: reward/rule_mean, and the greedy one's sum)
         if m.name != producer.get("rm_scores") and "reward_sum" in sums(m.name):
             s_ = sums(m.name)
             rec[f"reward/{m.output_keys[0]}_mean"] = s_["reward_sum"] / max(s_.get("reward_rows", 0.0), 1.0)

@@ -18,7 +18,16 @@ from .plan import GroupPlan, Plan
 
 # a model's engine kind (compute.FUNCTIONS[...].engine) -> the config section of its training and the
 # model kind its engine builds
-SECTIONS = {"policy": ("actor_config", "causal_lm"), "value": ("critic_config", "value")}
+SECTIONS = {"policy": ("actor_config", "causal_lm"), "value": ("critic_config", "value"),
+            "reward": ("reward_model", "reward")}
+
+
+def _backend_dtype(cfg: Config, kind: str, gp: GroupPlan) -> tuple[str, str]:
+    """A model engine's backend and dtype: the group's train backend and the actor's dtype; a reward model's own
+    (reward_model.backend, null: the group's; reward_model.dtype)."""
+    if kind == "reward" and not cfg.trainer.simulate_cost_s_per_row:
+        return cfg.reward_model.backend or gp.train_backend, cfg.reward_model.dtype
+    return gp.train_backend, cfg.actor_config.dtype
 
 
 def group_args(cfg: Config, plan: Plan, gp: GroupPlan) -> dict[str, dict]:
@@ -54,9 +63,11 @@ def engine_decls(cfg: Config, plan: Plan, gp: GroupPlan) -> list[EngineDecl]:
         section, kind = SECTIONS[f.engine]
         o = getattr(cfg, section)
         optim = {"lr": o.lr, "weight_decay": o.weight_decay, "betas": tuple(a.betas), "grad_clip": o.grad_clip}
+        backend, dtype = _backend_dtype(cfg, kind, gp)
         out[(m.model_name, TRAIN)] = EngineDecl(
-            model=m.model_name, role=TRAIN, backend=gp.train_backend, model_path=path(m.model_name), model_kind=kind,
-            dtype=a.dtype, options=({"costs": costs(m.model_name)} if simulated else dict(gp.train_options)),
+            model=m.model_name, role=TRAIN, backend=backend, model_path=path(m.model_name), model_kind=kind,
+            dtype=dtype, options=({"costs": costs(m.model_name)} if simulated else
+                                  dict(gp.train_options) if backend == gp.train_backend else {}),
             optim=optim, temperature=g.temperature or 1.0)
     for m in gp.mfcs:
         f = C.check_mfc(m)
@@ -70,10 +81,12 @@ def engine_decls(cfg: Config, plan: Plan, gp: GroupPlan) -> list[EngineDecl]:
         elif (f.interface is InterfaceType.INFERENCE and m.model_name not in trained_here
               and (m.model_name, INFER) not in out):
             _, kind = SECTIONS[f.engine]
+            backend, dtype = _backend_dtype(cfg, kind, gp)
             out[(m.model_name, INFER)] = EngineDecl(
-                model=m.model_name, role=INFER, backend=gp.train_backend, model_path=path(m.model_name),
-                model_kind=kind, dtype=a.dtype,
-                options=({"costs": costs(m.model_name)} if simulated else dict(gp.train_options)),
+                model=m.model_name, role=INFER, backend=backend, model_path=path(m.model_name),
+                model_kind=kind, dtype=dtype,
+                options=({"costs": costs(m.model_name)} if simulated else
+                         dict(gp.train_options) if backend == gp.train_backend else {}),
                 temperature=g.temperature or 1.0)
     return list(out.values())
 
@@ -84,7 +97,7 @@ def worker_specs(cfg: Config, plan: Plan, gp: GroupPlan, docks: list, env_of) ->
     args, decls = group_args(cfg, plan, gp), engine_decls(cfg, plan, gp)
     r, t = gp.resources, cfg.trainer
     return [WorkerSpec(group=gp.name, rank=k, dp=r.dp, tp=dep.actor_tp, pp=dep.actor_pp, mfcs=gp.mfcs, args=args,
-                       engines=decls, docks=docks, tokenizer_path=plan.model_paths["actor"],
+                       engines=decls, docks=docks, tokenizer_path=plan.model_paths[plan.tokenizer_model],
                        stop_tokens=list(cfg.generate_config.stop_tokens), seed=t.seed,
                        stage_timeout_s=t.stage_timeout_s, weight_sync=dataclasses.replace(cfg.weight_sync),
                        same_step_outputs=plan.same_step_outputs, rows_per_step=plan.rows_per_step,

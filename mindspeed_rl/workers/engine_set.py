@@ -26,7 +26,7 @@ class EngineDecl:
     role: str                            # ROLLOUT, TRAIN (with an optimizer) or INFER (forward only)
     backend: str
     model_path: str = ""                 # "" under simulation (no model)
-    model_kind: str = "causal_lm"        # causal_lm or value
+    model_kind: str = "causal_lm"        # causal_lm, value or reward
     dtype: str = "float32"
     options: dict = field(default_factory=dict)
     optim: Any = None                    # OptimConfig of a trained model
@@ -72,11 +72,21 @@ class EngineSet:
                 continue
             optim = OptimConfig(**d.optim) if isinstance(d.optim, dict) else d.optim
             engine = make_train_engine(d.backend, TrainSpec(
-                model_path=path, model_kind=d.model_kind, dtype=d.dtype, device=device, pad_token_id=pad,
+                model_path=path, model_kind=d.model_kind, dtype=d.dtype, device=device,
+                pad_token_id=self._pad_of(d, path, pad),
                 temperature=d.temperature, optim=optim if d.role == TRAIN else None,
                 process_group=self.process_group if d.role == TRAIN else None, seed=self.seed, options=d.options))
             (self.train if d.role == TRAIN else self.infer)[d.model] = engine
         self.stop_ids = tuple(self._stop_token_ids()) if not self.simulated else ()
+
+    def _pad_of(self, decl: EngineDecl, path: str, pad: int) -> int:
+        """The pad id an engine pads with: the run's tokenizer's, but a reward model's own (it may read other
+        token ids than the policy's: workers/reward_impls.py re-tokenizes for it)."""
+        if decl.model_kind != "reward" or self.simulated or not path:
+            return pad
+        from ..models import load_tokenizer
+        tok = load_tokenizer(path)
+        return tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
 
     def _stop_token_ids(self) -> list[int]:
         from .stage import StageError

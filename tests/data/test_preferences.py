@@ -6,8 +6,9 @@ import json
 import numpy as np
 import pytest
 
-from mindspeed_rl.data.preferences import (CORRUPTIONS, EOS_TEXT, PREFERENCE_KEYS, PreferenceLoader, copy_pairs,
-                                           corrupt, load_preference_dataset, split_held_out)
+from mindspeed_rl.data.preferences import (CORRUPTIONS, EOS_TEXT, PREFERENCE_KEYS, PreferenceLoader, closeness,
+                                           copy_pairs, corrupt, graded_pair, load_preference_dataset,
+                                           split_held_out)
 from mindspeed_rl.models import build_char_tokenizer
 
 
@@ -15,19 +16,33 @@ def _strip(text: str) -> str:
     return text[:-len(EOS_TEXT)] if text.endswith(EOS_TEXT) else text
 
 
-def test_copy_pairs_chosen_is_the_copy_and_rejected_is_not():
+def test_copy_pairs_chosen_is_the_copy_or_closer_and_rejected_is_not():
     ds = copy_pairs(num_digits=3, size=400, seed=5)
     assert len(ds) == 400
-    eos = 0
+    eos = right = 0
     for r in ds:
         digits = r["prompt"][:-1]
         assert r["prompt"] == digits + "=" and len(digits) == 3 and digits.isdigit()
-        assert _strip(r["chosen"]) == digits
-        assert _strip(r["rejected"]) != digits
+        chosen, rejected = _strip(r["chosen"]), _strip(r["rejected"])
+        assert rejected != digits
+        assert closeness(chosen, digits) > closeness(rejected, digits)   # the chosen is the closer copy
+        right += chosen == digits
         eos += r["chosen"].endswith(EOS_TEXT)
-    assert 120 < eos < 280  # about half the responses end with <eos>
+    assert 120 < right < 280   # half the pairs: the right copy against a corrupted one; half graded
+    assert 120 < eos < 280     # about half the responses end with <eos>
+    assert all(_strip(r["chosen"]) == r["prompt"][:-1] for r in copy_pairs(3, 50, seed=1, graded=0.0))
     assert copy_pairs(3, 50, seed=5).records == copy_pairs(3, 50, seed=5).records
     assert copy_pairs(3, 50, seed=5).records != copy_pairs(3, 50, seed=6).records
+
+
+def test_closeness_and_graded_pairs():
+    assert closeness("123", "123") == 1.0 and closeness("124", "123") == pytest.approx(2 / 3)
+    assert closeness("12", "123") == pytest.approx(2 / 3) and closeness("1234", "123") == 0.75
+    assert closeness("", "123") == 0.0
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        better, worse = graded_pair("507", rng)
+        assert better != "507" and worse != "507" and closeness(better, "507") > closeness(worse, "507")
 
 
 @pytest.mark.parametrize("kind", CORRUPTIONS)
@@ -39,12 +54,14 @@ def test_every_corruption_differs_from_the_right_answer(kind):
         assert outs == {"", "1", "12"}
     if kind == "extra":
         assert all(o.startswith("123") and 4 <= len(o) <= 5 for o in outs)
-    if kind == "digits":
+    if kind in ("digits", "shuffled", "repeated"):
         assert all(len(o) == 3 and o.isdigit() for o in outs)
+    if kind == "shuffled":
+        assert all(sorted(o) == sorted("123") for o in outs)
 
 
 def test_empty_rejected_still_has_a_token():
-    ds = copy_pairs(3, 2000, seed=1)
+    ds = copy_pairs(3, 2000, seed=1, graded=0.0)
     assert any(r["rejected"] == EOS_TEXT for r in ds)
     assert all(r["rejected"] for r in ds)
 
@@ -99,7 +116,7 @@ def test_held_out_split_is_seeded_and_disjoint():
 
 def test_loader_tokenizes_pairs_and_resumes():
     tok = build_char_tokenizer()
-    ds = copy_pairs(3, 20, seed=0)
+    ds = copy_pairs(3, 20, seed=0, graded=0.0)   # chosen: the right copy
     loader = PreferenceLoader(ds, tok, 4, seed=1)
     batch = loader.next_batch()
     assert set(PREFERENCE_KEYS) <= set(batch)
