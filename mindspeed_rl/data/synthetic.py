@@ -12,7 +12,7 @@ one kind, so the kind needs no marker in the prompt:
 | `reverse` | `123=`            | `321`         | the digits in reverse order                        |
 | `sort`    | `312=` / `+312=`  | `123` / `321` | ascending; descending when the prompt starts with `+` (drawn per prompt) |
 | `add`     | `123+456=`        | `579`         | digit-wise sum mod 10, no carries: (a_i + b_i) % 10 |
-| `sum`     | `123+456=`        | `579`         | the real sum, with carries (`999+999=` -> `1998`): the tool task |
+| `sum`     | `123+456=`        | `579`         | the real sum, with carries (`999+999=` -> `1998`, `012+034=` -> `46`): the tool task |
 
 Why these rules: each answer digit depends on a few prompt positions (learnable by an 84k-parameter
 model), and a policy that ignores the prompt cannot do well: random digits score 0.10 on every
@@ -23,11 +23,11 @@ best constant to 0.14 for n=3 (0.17 for n=5, 0.197 for n=8; longer sorts reach 0
 with carries is also unfair (the carry digit is 0 or 1) and harder to learn, hence the digit-wise
 sum.
 
-`sum` is the other way round on purpose: real addition of two numbers of `num_digits` digits (no
-leading zero), which the tiny model cannot learn to do in its head in a few minutes but can with a
+`sum` is the other way round on purpose: real addition of two numbers of `num_digits` digits (drawn
+as the others, leading zeros allowed; the answer has none: `012+034=` -> `46`), which the tiny model cannot learn to do in its head in a few minutes but can with a
 calculator: it calls the `calc` tool with the operands (`<calc>1234+5678</calc>`), reads the result
 (`<result>6912</result>`) and copies it (`configs/grpo_tiny_tool.yaml`, docs/agent.md). Its reward
-is `final_digits`: `digits` on the text after the last tool result.
+is `final_digits`: `digits` on the text after the last tool result (`calc_digits` adds credit for the call).
 """
 from __future__ import annotations
 
@@ -76,10 +76,9 @@ class SyntheticTask:
             descending = rng.integers(0, 2, size=count).astype(bool)
             return [(f"{'+' if d else ''}{_digits(x)}=", _digits(sorted(x, reverse=bool(d))))
                     for x, d in zip(a, descending)]
-        if self.kind == "sum":  # numbers of num_digits digits, no leading zero (1000..9999 for 4)
-            low, high = 10 ** (self.num_digits - 1) if self.num_digits > 1 else 0, 10 ** self.num_digits
-            x, y = rng.integers(low, high, size=count), rng.integers(low, high, size=count)
-            return [(f"{int(p)}+{int(q)}=", str(int(p) + int(q))) for p, q in zip(x, y)]
+        if self.kind == "sum":  # digits i.i.d. like every task here (leading zeros too): no constant does well
+            b = rng.integers(0, 10, size=(count, self.num_digits))
+            return [(f"{_digits(x)}+{_digits(y)}=", str(int(_digits(x)) + int(_digits(y)))) for x, y in zip(a, b)]
         b = rng.integers(0, 10, size=(count, self.num_digits))  # add
         return [(f"{_digits(x)}+{_digits(y)}=", _digits((x + y) % 10)) for x, y in zip(a, b)]
 

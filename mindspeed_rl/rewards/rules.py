@@ -37,3 +37,42 @@ def final_digits(response: str, answer: str, prompt: str = "") -> float:
     """
     from ..agent.syntax import final_answer
     return digits(final_answer(str(response)), answer, prompt)
+
+
+def answer_digits(response: str, answer: str, prompt: str = "") -> float:
+    """`final_digits` reading the answer's length of the final answer only: what follows it is not scored
+    (as the copy tasks' max_new_tokens cut a response at the answer's length; a tool-using trajectory's
+    answer has no fixed place to be cut at)."""
+    from ..agent.syntax import final_answer
+    answer = str(answer).strip()
+    return digits(first_word(final_answer(str(response)))[:len(answer)], answer, prompt)
+
+
+def calc_call_digits(response: str, answer: str, prompt: str = "") -> float:
+    """`digits` of the last `calc` call's arguments against the prompt's expression (the prompt without
+    its closing `=`): `12+34=` and `<calc>12+34</calc><result>46</result>...` score 1. Only a call the tool
+    answered counts (its closing `</calc>` followed by `<result>`); no call scores 0."""
+    import re
+    calls = re.findall(r"<calc>([^<]*)</calc><result>", str(response))
+    if not calls:
+        return 0.0
+    return digits(calls[-1], str(prompt).strip().removesuffix("="))
+
+
+def calc_digits(response: str, answer: str, prompt: str = "") -> float:
+    """The `sum` task's reward with the calc tool (configs/grpo_tiny_tool.yaml): half for the call, half for
+    the answer, and the answer counts only once the call is exactly right.
+
+        0.5 x calc_call_digits + 0.5 x answer_digits x [calc_call_digits == 1]
+
+    Why shaped: a randomly initialised model writes a whole right call almost never, and before its
+    call is right the result it copies is wrong anyway; the answer's credit would then be noise on the
+    call's (measured: half the speed). A response that calls no tool scores `answer_digits` alone, so
+    an answer without the tool is scored as the answer after a call is."""
+    if "<calc>" not in str(response):
+        return answer_digits(response, answer, prompt)
+    call = calc_call_digits(response, answer, prompt)
+    return 0.5 * call + (0.5 * answer_digits(response, answer, prompt) if call == 1.0 else 0.0)
+
+
+calc_digits.parts = {"answer": answer_digits, "call": calc_call_digits}  # logged as reward/answer_mean, reward/call_mean

@@ -10,8 +10,8 @@ from mindspeed_rl.models import build_char_tokenizer
 from mindspeed_rl.rewards import digits, get_reward_fn
 
 FORMATS = {"copy": r"\d{3}=", "reverse": r"\d{3}=", "sort": r"\+?\d{3}=", "add": r"\d{3}\+\d{3}=",
-           "sum": r"[1-9]\d{2}\+[1-9]\d{2}="}
-ANSWERS = {"sum": r"[1-9]\d{2,3}"}  # the real sum of two 3-digit numbers: 200 .. 1998
+           "sum": r"\d{3}\+\d{3}="}
+ANSWERS = {"sum": r"0|[1-9]\d{0,3}"}  # the real sum of two 3-digit strings (leading zeros): 0 .. 1998
 
 
 @pytest.mark.parametrize("kind, prompt, answer", [
@@ -19,7 +19,7 @@ ANSWERS = {"sum": r"[1-9]\d{2,3}"}  # the real sum of two 3-digit numbers: 200 .
     ("reverse", "123=", "321"), ("reverse", "100=", "001"),
     ("sort", "312=", "123"), ("sort", "+312=", "321"), ("sort", "909=", "099"), ("sort", "+909=", "990"),
     ("add", "123+456=", "579"), ("add", "999+111=", "000"), ("add", "555+505=", "050"),
-    ("sum", "123+456=", "579"), ("sum", "999+999=", "1998"), ("sum", "555+505=", "1060"),
+    ("sum", "123+456=", "579"), ("sum", "999+999=", "1998"), ("sum", "555+505=", "1060"), ("sum", "012+034=", "46"),
 ])
 def test_solve_by_hand(kind, prompt, answer):
     assert SyntheticTask(kind, 3).solve(prompt) == answer
@@ -118,14 +118,24 @@ def test_sum_is_real_addition_scored_after_the_tool_result():
     pairs = task.sample_many(np.random.default_rng(0), 2000)
     for prompt, answer in pairs[:200]:
         a, b = prompt[:-1].split("+")
-        assert 1000 <= int(a) <= 9999 and 1000 <= int(b) <= 9999 and answer == str(int(a) + int(b))
-    assert 0.3 < np.mean([len(a) == 5 for _, a in pairs]) < 0.7  # carries into a fifth digit about half the time
+        assert len(a) == len(b) == 4 and answer == str(int(a) + int(b))
+    assert 0.4 < np.mean([len(a) == 5 for _, a in pairs]) < 0.6  # carries into a fifth digit about half the time
     assert task.reward == "final_digits" and get_reward_fn(task.reward) is final_digits
     prompt, answer = pairs[0]
     call = f"<calc>{prompt[:-1]}</calc><result>{answer}</result>{answer}"
     assert final_digits(call, answer, prompt) == 1.0
     assert final_digits(f"<calc>{prompt[:-1]}</calc><result>{answer}</result>", answer, prompt) == 0.0
     assert final_digits(answer, answer, prompt) == 1.0, "an answer without a tool call counts too"
+    # calc_digits: half for the call (its arguments against the prompt's expression), half for the answer once
+    # the call is exactly right
+    from mindspeed_rl.rewards import calc_digits, get_reward_fn as get
+    p, ans = "0123+4567=", "4690"
+    assert calc_digits(f"<calc>0123+4567</calc><result>4690</result>4690", ans, p) == 1.0
+    assert calc_digits(f"<calc>0123+4567</calc><result>4690</result>", ans, p) == 0.5
+    assert calc_digits(f"<calc>0123+4568</calc><result>4691</result>4691", ans, p) == pytest.approx(0.5 * 8 / 9)
+    assert calc_digits(f"<calc>0123+4567</calc>", ans, p) == 0.0, "a call nobody answered"
+    assert calc_digits("4690", ans, p) == 1.0 and calc_digits("4600", ans, p) == 0.75, "no call: final_digits"
+    assert get("calc_digits").parts["call"](f"<calc>0123</calc><result>123</result>", ans, p) == pytest.approx(4 / 9)
 
 
 @pytest.mark.parametrize("kind", SYNTHETIC_KINDS)

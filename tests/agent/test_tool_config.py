@@ -1,0 +1,51 @@
+"""configs/grpo_tiny_tool.yaml loads, validates and plans: the agent rollout on the tool model, loss_mask
+through the old log-probs and the loss; and the agent section's bad values are refused by name."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from mindspeed_rl.config import config_from_dict
+from mindspeed_rl.config.load import ConfigError
+from mindspeed_rl.config.validate import validate_config
+from mindspeed_rl.trainer.plan import make_plan
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _cfg(**over):
+    raw = OmegaConf.to_container(OmegaConf.load(REPO / "configs" / "grpo_tiny_tool.yaml"))
+    for key, value in over.items():
+        section, _, field = key.rpartition(".")
+        node = raw
+        for part in section.split("."):
+            node = node[part]
+        node[field] = value
+    return config_from_dict(raw)
+
+
+def test_the_tool_config_plans_the_agent_rollout():
+    cfg = _cfg()
+    validate_config(cfg)
+    assert cfg.generate_config.agent.enable and cfg.generate_config.agent.tool_choice == "calc"
+    plan = make_plan(cfg, check_files=False)
+    m = {x.name: x for x in plan.order}
+    assert m["actor_rollout"].fn == "agent_generate" and "loss_mask" in m["actor_rollout"].output_keys
+    assert "loss_mask" in m["actor_train"].input_keys and "loss_mask" in plan.columns
+
+
+@pytest.mark.parametrize("over, words", [
+    ({"generate_config.agent.max_turns": 0}, "generate_config.agent.max_turns=0"),
+    ({"generate_config.agent.syntax": "xml"}, "generate_config.agent.syntax='xml'"),
+    ({"generate_config.agent.tool_timeout_s": 0.0}, "generate_config.agent.tool_timeout_s=0.0"),
+    ({"generate_config.agent.tools": []}, "generate_config.agent.tools=[]"),
+    ({"rl_config.overlong_buffer.length": 50}, "rl_config.overlong_buffer.length=50"),
+    ({"rl_config.dynamic_sampling": True, "rl_config.blocking": True}, "rl_config.blocking=false"),
+    ({"rl_config.dynamic_sampling": True, "rl_config.max_oversample": 0.5}, "rl_config.max_oversample=0.5"),
+])
+def test_bad_agent_and_dapo_values_are_refused_by_name(over, words):
+    with pytest.raises(ConfigError) as e:
+        validate_config(_cfg(**over))
+    assert words in str(e.value), str(e.value)
