@@ -284,6 +284,8 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
                                   "default process group, re-seeds the RNGs and patches torch.set_num_threads); move "
                                   "the generate MFCs to a group of their own")
     model_kinds = {m.name: functions[m.name].engine for m in order}
+    if rl.dynamic_sampling:
+        _check_dynamic_sampling_groups(cfg, groups, model_kinds)
     deploy_notes = _deploy_groups(cfg, groups, model_kinds, rollout_spec, train_spec, check_files)
     for g, p in groups.items():  # the train backend runs every model engine but rollout: can it run here?
         if not p.train_backend:
@@ -801,3 +803,18 @@ def _format_groups(plan: Plan) -> str:
     lines.extend(plan.notes)
     lines.extend(f"batch size: {s}" for s in plan.size_notes)
     return "\n".join(lines)
+
+
+def _check_dynamic_sampling_groups(cfg: Config, groups: dict, model_kinds: dict) -> None:
+    """Dynamic sampling with a model run collectively over several ranks is refused: a step the cap ends
+    short of prompts_per_step kept groups has fewer rows than the ranks' equal shares, so one rank would
+    make a collective call (a gradient all-reduce, a sharded forward) that another never makes."""
+    for g, p in groups.items():
+        models = [m.name for m in p.mfcs if model_kinds[m.name] in MODEL_ENGINES
+                  and InterfaceType(m.interface_type) in (InterfaceType.INFERENCE, InterfaceType.TRAIN_STEP)]
+        if models and (p.resources.dp > 1 or p.tp > 1 or p.pp > 1):
+            raise ConfigError(
+                f"rl_config.dynamic_sampling=true with worker group '{g}' ({models}) at dp={p.resources.dp} "
+                f"tp={p.tp} pp={p.pp}: a step that ends short of rl_config.prompts_per_step kept groups "
+                "(rl_config.max_oversample reached) gives its ranks unequal rows, and their collective steps would "
+                "wait on each other; run that group on one rank (dp=tp=pp=1) or set rl_config.dynamic_sampling=false")

@@ -105,3 +105,20 @@ def test_the_tiny_job_with_dynamic_sampling(tmp_path):
         assert 0 <= r["dynamic_sampling/dropped_fraction"] < 1 and r["dynamic_sampling/prompts_drawn"] >= 16
         assert "response/truncated_fraction" in r
         assert r["actor/updates"] == 4, "four mini-batches of kept groups: the step trained on 16 groups"
+
+
+@pytest.mark.parametrize("placement", [
+    {"groups": {"integrated": {"dp": 2}}},
+    {"mode": "mesh", "n_devices_per_node": 2, "mfcs": {"actor_rollout": {"mesh": "0"}, "ref_log_prob": {"mesh": "1"}, "actor_log_prob": {"mesh": "0-1", "tp": 2},
+                                                       "actor_train": {"mesh": "0-1", "tp": 2}}},
+])
+def test_a_model_stepped_by_several_ranks_is_refused_by_the_plan(placement):
+    """A short step would hand the ranks unequal rows, and their collectives would wait on each other:
+    refused before any worker starts, naming the group and the fix."""
+    from mindspeed_rl.config import ConfigError, config_from_dict
+    from mindspeed_rl.trainer.plan import make_plan
+    cfg = config_from_dict({"rl_config": {"dynamic_sampling": True}, "placement": placement})
+    with pytest.raises(ConfigError, match=r"rl_config.dynamic_sampling=true with worker group '[^']+' \(\[.*'actor_train'"
+                                          r".*\]\) at dp=\d tp=\d pp=\d: .* run that group on one rank"):
+        make_plan(cfg, check_files=False)
+    make_plan(config_from_dict({"rl_config": {"dynamic_sampling": True}}), check_files=False)  # one rank: planned
