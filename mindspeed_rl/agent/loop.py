@@ -65,10 +65,14 @@ class AgentLoop:
         tool_choice: a tool's name: every trajectory starts with that tool's opening marker, given, not
             sampled (loss_mask 0), so the model's first turn is a call of it (OpenAI's `tool_choice`
             forcing a function); None: the model decides.
+        return_direct: tools whose result is the trajectory's final answer (LangChain's `return_direct`):
+            once such a tool answers (status ok), the loop writes its result text after the result as
+            the answer, then the end-of-response token, all given (loss_mask 0), and the row ends. A
+            failed call of it is an error result like any other, and the model goes on.
     """
 
     def __init__(self, engine, tokenizer, tools: dict[str, Tool], syntax: CallSyntax, max_turns: int,
-                 tool_timeout_s: float, tool_choice: str | None = None):
+                 tool_timeout_s: float, tool_choice: str | None = None, return_direct: Sequence[str] = ()):
         if max_turns < 1:
             raise ValueError(f"generate_config.agent.max_turns={max_turns}; it must be >= 1")
         if not tools:
@@ -79,6 +83,11 @@ class AgentLoop:
             raise ValueError(f"generate_config.agent.tool_choice={tool_choice!r} is not one of the tools "
                              f"{sorted(tools)}; name one of them, or null to let the model decide")
         self.opener = [] if tool_choice is None else self.encode(syntax.opener(tool_choice))
+        unknown = sorted(set(return_direct) - set(tools))
+        if unknown:
+            raise ValueError(f"generate_config.agent.return_direct={list(return_direct)!r}: {unknown} are not among "
+                             f"the tools {sorted(tools)}; name tools of generate_config.agent.tools")
+        self.return_direct = frozenset(return_direct)
         self.call_end_ids = set()
         for marker in syntax.call_ends(list(tools)):
             ids = tokenizer.encode(marker, add_special_tokens=False)
@@ -91,6 +100,13 @@ class AgentLoop:
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def end_ids(self, params) -> list[int]:
+        """The token a return_direct answer ends with: the tokenizer's end of sequence when it is one of
+        the rollout's stops, else the first stop (none: the answer alone)."""
+        stops = list(params.stop_token_ids)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        return [eos] if eos in stops else stops[:1]
 
     def run(self, prompts: Sequence[torch.Tensor], params, seeds: Sequence[int]) -> AgentRollout:
         """Trajectories for `prompts` sampled with `params` (`max_new_tokens` bounds each trajectory),
@@ -143,13 +159,19 @@ class AgentLoop:
                 del pending[r]
                 status, text = call.outcome(self.syntax, self.runner.timeout_s)
                 calls[status] += 1
-                obs = self.encode(text)[:budget[r]]
+                direct = status == "ok" and call.call.name in self.return_direct
+                given = self.encode(text)
+                if direct:  # the result is the answer: written for the model, then the end of the response
+                    given += self.encode(call.future.result()[1]) + self.end_ids(params)
+                obs = given[:budget[r]]
                 tokens[r] += obs
                 lps[r] += [0.0] * len(obs)
                 mask[r] += [0] * len(obs)
                 budget[r] -= len(obs)
                 turn_start[r] = len(tokens[r])
-                if budget[r] > 0:
+                if direct:
+                    finished[r] = len(obs) == len(given)
+                elif budget[r] > 0:
                     ready.append(r)
         return AgentRollout(
             responses=[torch.tensor(t, dtype=torch.long) for t in tokens],

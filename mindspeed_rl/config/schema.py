@@ -180,6 +180,8 @@ class AgentConfig:
     tool_timeout_s: float = 10.0         # a call not answered in this time gets an error result
     tool_choice: Optional[str] = None    # a tool's name: every response starts by calling it (the opening marker is
                                          # given, not sampled); null: the model decides (OpenAI's tool_choice)
+    return_direct: list = field(default_factory=list)  # tools whose result is the final answer: the loop writes it
+                                         # as the answer (not trained) and ends the row (LangChain's return_direct)
 
 
 @dataclass

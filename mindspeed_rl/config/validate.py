@@ -228,6 +228,8 @@ def validate_config(cfg: Config, models: Collection[str] | None = None) -> None:
         if not isinstance(ag.tools, list) or not ag.tools or not all(isinstance(t, str) and t.strip() for t in ag.tools):
             e.append(f"generate_config.agent.tools={ag.tools!r}: must be a non-empty list of tool names (built-in: "
                      "calc) or dotted paths pkg.module:function")
+        else:
+            _return_direct(e, ag)
     ob = rl.overlong_buffer
     if not 0 <= ob.length <= g.max_new_tokens:
         e.append(f"rl_config.overlong_buffer.length={ob.length}: must be in [0, generate_config.max_new_tokens="
@@ -278,3 +280,16 @@ def validate_config(cfg: Config, models: Collection[str] | None = None) -> None:
         _one_of(e, f"{k}.device", grp.device, WORKER_DEVICES)
     if e:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(e))
+
+
+def _return_direct(e: list[str], ag) -> None:
+    """generate_config.agent.return_direct names tools of generate_config.agent.tools (by the name the
+    model calls them: a dotted path's last part)."""
+    from ..agent.tools import tool_name
+    names = [tool_name(t) for t in ag.tools]
+    rd = ag.return_direct
+    if not isinstance(rd, list) or not all(isinstance(t, str) for t in rd):
+        e.append(f"generate_config.agent.return_direct={rd!r}: must be a list of tool names (or [] for none)")
+    elif set(rd) - set(names):
+        e.append(f"generate_config.agent.return_direct={rd!r}: {sorted(set(rd) - set(names))} not among the tools "
+                 f"{names} (generate_config.agent.tools); name the tools whose result is the final answer, or []")

@@ -26,7 +26,8 @@ sum.
 `sum` is the other way round on purpose: real addition of two numbers of `num_digits` digits (drawn
 as the others, leading zeros allowed; the answer has none: `012+034=` -> `46`), which the tiny model cannot learn to do in its head in a few minutes but can with a
 calculator: it calls the `calc` tool with the operands (`<calc>1234+5678</calc>`), reads the result
-(`<result>6912</result>`) and copies it (`configs/grpo_tiny_tool.yaml`, docs/agent.md). Its reward
+(`<result>6912</result>`) and copies it, or, with the tool answering for it (`return_direct`,
+`configs/grpo_tiny_tool.yaml`, docs/agent.md), the result is its answer. Its reward
 is `final_digits`: `digits` on the text after the last tool result (`calc_digits` adds credit for the call).
 """
 from __future__ import annotations

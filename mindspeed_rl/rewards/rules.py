@@ -48,15 +48,32 @@ def answer_digits(response: str, answer: str, prompt: str = "") -> float:
     return digits(first_word(final_answer(str(response)))[:len(answer)], answer, prompt)
 
 
+def same_form(text: str, expression: str) -> bool:
+    """Whether `text` is an expression of the same form as `expression`: the same operators in the same
+    order between numbers (`12+345` and `1+2` yes; `12345` and `12+` no)."""
+    import re
+    form = lambda t: re.sub(r"\d+", "9", t)  # noqa: E731 - every number one digit
+    return bool(re.fullmatch(r"[\d+\-*/()]*\d[\d+\-*/()]*", text)) and form(text) == form(expression)
+
+
 def calc_call_digits(response: str, answer: str, prompt: str = "") -> float:
-    """`digits` of the last `calc` call's arguments against the prompt's expression (the prompt without
-    its closing `=`): `12+34=` and `<calc>12+34</calc><result>46</result>...` score 1. Only a call the tool
-    answered counts (its closing `</calc>` followed by `<result>`); no call scores 0."""
+    """The last `calc` call's arguments against the prompt's expression (the prompt without its closing
+    `=`): `digits`, halved when the call is not an expression of the prompt's form (two numbers joined
+    by the prompt's operator, `same_form`): `12+34=` and `<calc>12+34</calc><result>46</result>...` score 1,
+    `<calc>1234</calc>` 4/5 x 1/2. Only a call the tool answered counts (its closing `</calc>` followed by
+    `<result>`); no call scores 0.
+
+    Why the form counts: `digits` alone gives a call with its `+` copied as a digit (`1234` for `12+34`)
+    4/5 of the credit, and a randomly initialised model learns that call and stays there: the `+` is one
+    position of the call, the only one whose token the copy needs nowhere else (measured, docs/agent.md: with
+    `digits` alone 2 seeds of 3 never wrote the `+` in 300 steps; with the form counted, all 3 did)."""
     import re
     calls = re.findall(r"<calc>([^<]*)</calc><result>", str(response))
     if not calls:
         return 0.0
-    return digits(calls[-1], str(prompt).strip().removesuffix("="))
+    expression = str(prompt).strip().removesuffix("=")
+    score = digits(calls[-1], expression)
+    return score if same_form(calls[-1], expression) else score / 2
 
 
 def calc_digits(response: str, answer: str, prompt: str = "") -> float:

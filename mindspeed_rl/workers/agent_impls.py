@@ -19,14 +19,15 @@ class AgentGenerate(Generate):
         ag = cfg.generate_config.agent
         return {**Generate.args(cfg, mfc, info),
                 "agent": {"tools": list(ag.tools), "max_turns": ag.max_turns, "syntax": ag.syntax,
-                          "tool_timeout_s": ag.tool_timeout_s, "tool_choice": ag.tool_choice}}
+                          "tool_timeout_s": ag.tool_timeout_s, "tool_choice": ag.tool_choice,
+                          "return_direct": list(ag.return_direct)}}
 
     def __init__(self, ctx):
         super().__init__(ctx)
         from ..agent import AgentLoop, get_syntax, get_tools
         a = self.args["agent"]
         self.loop = AgentLoop(self.engine, ctx.host.tokenizer, get_tools(a["tools"]), get_syntax(a["syntax"]),
-                              a["max_turns"], a["tool_timeout_s"], tool_choice=a["tool_choice"])
+                              a["max_turns"], a["tool_timeout_s"], tool_choice=a["tool_choice"], return_direct=a["return_direct"])
 
     def __call__(self, batch, rows):
         with self.lock.reading() if self.engine.concurrent_generate else self.lock.writing():

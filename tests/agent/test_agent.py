@@ -162,11 +162,11 @@ class ScriptedEngine:
         return Rollout(out, lps)
 
 
-def _loop(script, tools=("calc",), max_turns=4, timeout_s=5.0, tool_choice=None):
+def _loop(script, tools=("calc",), max_turns=4, timeout_s=5.0, tool_choice=None, return_direct=()):
     tok = CharTok()
     engine = ScriptedEngine(tok, script)
     loop = AgentLoop(engine, tok, get_tools([t if t == "calc" else f"{EX}:{t}" for t in tools]), TAGS, max_turns,
-                     timeout_s, tool_choice=tool_choice)
+                     timeout_s, tool_choice=tool_choice, return_direct=return_direct)
     return loop, engine, tok
 
 
@@ -200,6 +200,27 @@ def test_tool_choice_gives_the_opening_marker_and_the_model_writes_the_rest():
     assert out.log_probs[0][0] == 0 and out.calls["ok"] == 1
     with pytest.raises(ValueError, match="tool_choice='slow' is not one of the tools"):
         _loop(script, tool_choice="slow")
+
+
+def test_a_return_direct_tool_answers_for_the_model_and_ends_the_row():
+    # row 0: the call is answered and its result written as the answer (not trained), then <eos>: no second turn;
+    # row 1: a failed call of the same tool is an error result like any other, and the model writes its answer
+    script = {0: ["12+30</calc>", "never asked"], 1: ["1/0</calc>", "5<eos>"]}
+    loop, engine, tok = _loop(script, tool_choice="calc", return_direct=["calc"])
+    out = loop.run([torch.tensor([0]), torch.tensor([1])], _params(), [3, 4])
+    text = [tok.decode(r.tolist()) for r in out.responses]
+    assert text[0] == "<calc>12+30</calc><result>42</result>42<eos>"
+    assert final_answer(text[0].removesuffix("<eos>")) == "42"
+    assert out.loss_masks[0].tolist() == [0] + [1] * 6 + [0] * (4 + 3), "the result and the answer are not trained"
+    assert out.log_probs[0][7:].abs().max() == 0
+    assert text[1] == "<calc>1/0</calc><result>error: calc raised ValueError: calc: division by zero</result>5<eos>"
+    assert out.turns == [1, 2] and out.truncated == [False, False]
+    assert out.calls == {"ok": 1, "malformed": 0, "raised": 1, "timeout": 0}
+    # the answer cut by max_new_tokens: the row ends, truncated
+    out = loop.run([torch.tensor([0])], _params(n=10), [3])
+    assert tok.decode(out.responses[0].tolist()) == "<calc>12+30</calc><result>42" and out.truncated == [True]
+    with pytest.raises(ValueError, match=r"return_direct=\['nope'\]: \['nope'\] are not among the tools"):
+        _loop(script, return_direct=["nope"])
 
 
 def test_malformed_and_failing_calls_become_error_results_and_the_row_goes_on():

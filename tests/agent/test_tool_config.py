@@ -30,6 +30,7 @@ def test_the_tool_config_plans_the_agent_rollout():
     cfg = _cfg()
     validate_config(cfg)
     assert cfg.generate_config.agent.enable and cfg.generate_config.agent.tool_choice == "calc"
+    assert cfg.generate_config.agent.return_direct == ["calc"]
     plan = make_plan(cfg, check_files=False)
     m = {x.name: x for x in plan.order}
     assert m["actor_rollout"].fn == "agent_generate" and "loss_mask" in m["actor_rollout"].output_keys
@@ -41,6 +42,8 @@ def test_the_tool_config_plans_the_agent_rollout():
     ({"generate_config.agent.syntax": "xml"}, "generate_config.agent.syntax='xml'"),
     ({"generate_config.agent.tool_timeout_s": 0.0}, "generate_config.agent.tool_timeout_s=0.0"),
     ({"generate_config.agent.tools": []}, "generate_config.agent.tools=[]"),
+    ({"generate_config.agent.return_direct": ["search"]}, "generate_config.agent.return_direct=['search']: ['search']"),
+    ({"generate_config.agent.return_direct": "calc"}, "generate_config.agent.return_direct='calc': expected a list"),
     ({"rl_config.overlong_buffer.length": 50}, "rl_config.overlong_buffer.length=50"),
     ({"rl_config.dynamic_sampling": True, "rl_config.blocking": True}, "rl_config.blocking=false"),
     ({"rl_config.dynamic_sampling": True, "rl_config.max_oversample": 0.5}, "rl_config.max_oversample=0.5"),

@@ -135,7 +135,16 @@ def test_sum_is_real_addition_scored_after_the_tool_result():
     assert calc_digits(f"<calc>0123+4568</calc><result>4691</result>4691", ans, p) == pytest.approx(0.5 * 8 / 9)
     assert calc_digits(f"<calc>0123+4567</calc>", ans, p) == 0.0, "a call nobody answered"
     assert calc_digits("4690", ans, p) == 1.0 and calc_digits("4600", ans, p) == 0.75, "no call: final_digits"
-    assert get("calc_digits").parts["call"](f"<calc>0123</calc><result>123</result>", ans, p) == pytest.approx(4 / 9)
+    call = get("calc_digits").parts["call"]
+    # a call not of the prompt's form (two numbers joined by +) gets half its digits' credit
+    assert call(f"<calc>0123</calc><result>123</result>", ans, p) == pytest.approx(4 / 9 / 2)
+    assert call(f"<calc>012344567</calc><result>12344567</result>", ans, p) == pytest.approx(8 / 9 / 2)
+    assert call(f"<calc>0123+456</calc><result>579</result>", ans, p) == pytest.approx(8 / 9), "right form"
+    assert call(f"<calc>0123++4567</calc><result>x</result>", ans, p) == pytest.approx(5 / 10 / 2)
+    assert calc_digits(f"<calc>0123-4567</calc><result>-4444</result>", ans, p) == pytest.approx(0.5 * 8 / 9 / 2)
+    from mindspeed_rl.rewards.rules import same_form
+    assert same_form("1+22", "333+4") and not same_form("1+", "1+2") and not same_form("12", "1+2")
+    assert not same_form("1+2a", "1+2") and same_form("(1+2)*3", "(4+5)*6")
 
 
 @pytest.mark.parametrize("kind", SYNTHETIC_KINDS)
