@@ -60,13 +60,14 @@ def calc_call_digits(response: str, answer: str, prompt: str = "") -> float:
     """The last `calc` call's arguments against the prompt's expression (the prompt without its closing
     `=`): `digits`, halved when the call is not an expression of the prompt's form (two numbers joined
     by the prompt's operator, `same_form`): `12+34=` and `<calc>12+34</calc><result>46</result>...` score 1,
-    `<calc>1234</calc>` 4/5 x 1/2. Only a call the tool answered counts (its closing `</calc>` followed by
+    `<calc>12234</calc>` 4/5 x 1/2. Only a call the tool answered counts (its closing `</calc>` followed by
     `<result>`); no call scores 0.
 
-    Why the form counts: `digits` alone gives a call with its `+` copied as a digit (`1234` for `12+34`)
-    4/5 of the credit, and a randomly initialised model learns that call and stays there: the `+` is one
-    position of the call, the only one whose token the copy needs nowhere else (measured, docs/agent.md: with
-    `digits` alone 2 seeds of 3 never wrote the `+` in 300 steps; with the form counted, all 3 did)."""
+    Why the form counts: `digits` alone gives a call with its `+` written as a copy of the digit before
+    it (`12234` for `12+34`) 4/5 of the credit, and a randomly initialised model learns that call and
+    stays there: the `+` is one position of the call, the only one whose token the copy needs nowhere
+    else (measured, docs/agent.md: with `digits` alone 2 seeds of 3 never wrote the `+` in 300 steps;
+    with the form counted, all 3 did)."""
     import re
     calls = re.findall(r"<calc>([^<]*)</calc><result>", str(response))
     if not calls:
