@@ -84,8 +84,7 @@ def main(argv=None) -> None:
             raise SystemExit(f"{spec!r}: give label=output_dir")
         runs[label] = load(path)
     summary = {label: summarize(rows, args.target) for label, rows in runs.items()}
-    keys = sorted({k for s in summary.values() for k in s}, key=lambda k: list(next(iter(summary.values()))).index(k)
-                  if k in next(iter(summary.values())) else 99)
+    keys = list(dict.fromkeys(k for s in summary.values() for k in s))  # first seen first
     print("| run | " + " | ".join(keys) + " |")
     print("|---" * (len(keys) + 1) + "|")
     for label, s in summary.items():

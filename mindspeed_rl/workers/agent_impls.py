@@ -27,7 +27,8 @@ class AgentGenerate(Generate):
         from ..agent import AgentLoop, get_syntax, get_tools
         a = self.args["agent"]
         self.loop = AgentLoop(self.engine, ctx.host.tokenizer, get_tools(a["tools"]), get_syntax(a["syntax"]),
-                              a["max_turns"], a["tool_timeout_s"], tool_choice=a["tool_choice"], return_direct=a["return_direct"])
+                              a["max_turns"], a["tool_timeout_s"], tool_choice=a["tool_choice"],
+                              return_direct=a["return_direct"])
 
     def __call__(self, batch, rows):
         with self.lock.reading() if self.engine.concurrent_generate else self.lock.writing():
