@@ -87,6 +87,26 @@ class TrainerConfig:
 
 
 @dataclass
+class LoraConfig:
+    """actor_config.lora: low-rank adapters through peft (engines/lora.py); rank 0 is off."""
+    rank: int = 0                        # adapter rank r; 0: no LoRA, the whole model trains
+    alpha: float = 16.0                  # scaling alpha / rank of the adapter's output
+    target_modules: list = field(default_factory=lambda: ["all-linear"])  # module names (q_proj, ...) or
+                                         # all-linear: every linear layer but the LM head (peft's name)
+    dropout: float = 0.0                 # dropout on the adapter's input
+    lr: Optional[float] = None           # AdamW's learning rate of the adapters; null: actor_config.lr
+
+
+@dataclass
+class OffloadConfig:
+    """Where a train engine's state waits between its stages when the device is shared (engines/offload.py)."""
+    params: bool = False                 # parameters (and gradients) to pinned CPU memory after the train stage
+    optimizer: bool = False              # AdamW's moments to pinned CPU memory after the train stage
+    fsdp_cpu_offload: bool = False       # fsdp only: FSDP2's own CPUOffloadPolicy (parameters live on the CPU,
+                                         # the optimizer steps there)
+
+
+@dataclass
 class ActorConfig:
     model_path: str = "builtin:tiny-qwen2"  # local HF checkpoint dir, or builtin:tiny-qwen2
     backend: str = "torch"               # torch (DDP), fsdp (FSDP2), megatron; also the reference's and critic's
@@ -114,6 +134,14 @@ class ActorConfig:
     log_prob_micro_batch_size_per_device: int = 64  # rows per get and forward of old log-probs
     max_tokens_per_micro_batch: Optional[int] = None  # rows x padded length per forward (length-sorted split, no
                                          # compute on other rows' padding); null: a micro-batch is one forward
+    gradient_checkpointing: bool = False  # recompute each decoder layer's activations in the backward instead of
+                                         # keeping them (transformers' gradient_checkpointing_enable; megatron:
+                                         # full recompute)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    model_config: Optional[str] = None   # the memory plan's model dimensions when the weights are not on this
+                                         # machine: a config.json path or a shipped architecture (qwen2.5-7b, ...);
+                                         # null: model_path's config.json, else the name of model_path
     off_policy_correction: str = "none"  # none, tis (verl's truncated IS), decoupled (AReaL's decoupled PPO)
     tis_cap: float = 2.0                 # cap of the behaviour importance weight (tis, decoupled)
 
@@ -122,6 +150,7 @@ class ActorConfig:
 class RefConfig:
     model_path: Optional[str] = None     # null: the actor's initial checkpoint
     log_prob_micro_batch_size_per_device: int = 64  # rows per get and forward of reference log-probs
+    offload: bool = False                # the reference's weights wait in CPU memory between its passes
 
 
 @dataclass
@@ -136,6 +165,9 @@ class CriticConfig:
     cliprange_value: float = 0.5         # new values stay within +-this of the old ones in the loss
     loss_agg_mode: str = "token-mean"    # one of vocab.AGG_MODES
     forward_micro_batch_size_per_device: int = 64  # rows per get and forward of critic_values
+    max_tokens_per_micro_batch: Optional[int] = None  # as actor_config's, for the critic's forwards
+    gradient_checkpointing: bool = False  # as actor_config's
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
 
 
 @dataclass
@@ -276,6 +308,9 @@ class PlacementConfig:
     device_kind: str = "cpu"             # mode mesh: what a device is, one of device.DEVICE_KINDS: cpu (a slot of
                                          # CPUs), gpu, npu
     cpus_per_device: float = 0.5         # mode mesh: Ray CPUs per device slot (cpu) or per device (gpu/npu)
+    device_memory_gb: Optional[float] = None  # memory of one device for the memory plan; null: by device kind
+                                         # (device/kinds.py: H100 80, H200 141, 910B 64; cpu: not checked)
+    check_memory: bool = True            # refuse a plan whose estimate exceeds a device's memory (false: warn)
     ray_address: Optional[str] = None    # null: start a local Ray
     ray_num_cpus: Optional[float] = None  # local Ray only; null: all cores
 

@@ -187,6 +187,7 @@ def validate_config(cfg: Config, models: Collection[str] | None = None) -> None:
         _positive(e, "actor_config.max_tokens_per_micro_batch", a.max_tokens_per_micro_batch,
                   "or null for one forward per micro-batch")
     _positive(e, "actor_config.grad_clip", a.grad_clip)
+    _lora(e, a.lora)
     if a.tis_cap < 1:
         e.append(f"actor_config.tis_cap={a.tis_cap}: must be >= 1 (a fresh on-policy token has weight 1; a cap below "
                  "would shrink or drop it)")
@@ -214,6 +215,9 @@ def validate_config(cfg: Config, models: Collection[str] | None = None) -> None:
         _positive(e, "critic_config.cliprange_value", c.cliprange_value)
         _one_of(e, "critic_config.loss_agg_mode", c.loss_agg_mode, AGG_MODES)
         _mini_batch(e, "critic_config", c.ppo_mini_batch_size, rl.prompts_per_step)
+        if c.max_tokens_per_micro_batch is not None:
+            _positive(e, "critic_config.max_tokens_per_micro_batch", c.max_tokens_per_micro_batch,
+                      "or null for one forward per micro-batch")
     _reward_model(e, cfg, models)
     for key, value in (("rl_config.gamma", rl.gamma), ("rl_config.lam", rl.lam)):
         if not 0 <= value <= 1:
@@ -261,6 +265,9 @@ def validate_config(cfg: Config, models: Collection[str] | None = None) -> None:
     _positive(e, "data.size", d.size)
     pl = cfg.placement
     _positive(e, "placement.n_nodes", pl.n_nodes)
+    if pl.device_memory_gb is not None:
+        _positive(e, "placement.device_memory_gb", pl.device_memory_gb,
+                  "GB of memory of one device (80 for an H100), or null for the device kind's default")
     _positive(e, "placement.n_devices_per_node", pl.n_devices_per_node)
     _one_of(e, "placement.device_kind", pl.device_kind, DEVICE_KINDS)
     _positive(e, "placement.cpus_per_device", pl.cpus_per_device, "0 is fine for gpu/npu devices",
@@ -280,6 +287,24 @@ def validate_config(cfg: Config, models: Collection[str] | None = None) -> None:
         _one_of(e, f"{k}.device", grp.device, WORKER_DEVICES)
     if e:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(e))
+
+
+def _lora(e: list[str], lora) -> None:
+    """actor_config.lora: a rank > 0 turns adapters on; which backends and modules take them is the plan's
+    check (the engine registry and the model's layers)."""
+    k = "actor_config.lora"
+    _positive(e, f"{k}.rank", lora.rank, "0 turns LoRA off; 8-64 is usual", allow_zero=True)
+    if not lora.rank:
+        return
+    _positive(e, f"{k}.alpha", lora.alpha, "the adapter's output is scaled by alpha / rank (16 or 2 x rank is usual)")
+    if not 0 <= lora.dropout < 1:
+        e.append(f"{k}.dropout={lora.dropout}: must be in [0, 1)")
+    if lora.lr is not None:
+        _positive(e, f"{k}.lr", lora.lr, "or null for actor_config.lr")
+    tm = lora.target_modules
+    if not isinstance(tm, list) or not tm or not all(isinstance(t, str) and t.strip() for t in tm):
+        e.append(f"{k}.target_modules={tm!r}: must be a non-empty list of module names (e.g. [q_proj, v_proj]) or "
+                 "[all-linear]")
 
 
 def _return_direct(e: list[str], ag) -> None:
