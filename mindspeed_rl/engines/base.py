@@ -156,6 +156,15 @@ class TrainSpec:
     process_group: Any = None            # the DP group over this model's ranks (None: a single rank)
     seed: int = 0
     options: dict = field(default_factory=dict)  # backend-specific keys
+    # what the model's own config section asks of any backend (a backend lists the ones it takes in its
+    # registry row, `Backend.model_features`; the plan refuses the others before any worker starts)
+    max_tokens_per_micro_batch: int | None = None  # padded tokens per forward (length-sorted split); None: off
+    gradient_checkpointing: bool = False  # recompute each decoder layer's activations in the backward
+    lora: dict | None = None             # LoraConfig's fields (rank > 0) of a trained policy; None: no adapters
+    offload: dict | None = None          # OffloadConfig's fields (params, optimizer, fsdp_cpu_offload); None: off
+
+
+MODEL_FEATURES = ("max_tokens_per_micro_batch", "gradient_checkpointing", "lora", "offload")
 
 
 @dataclass

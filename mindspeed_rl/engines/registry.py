@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..device.kinds import ACCELERATOR_TYPES, TORCH_DEVICE_TYPES
-from .base import RolloutEngine, RolloutSpec, TrainEngine, TrainSpec
+from .base import MODEL_FEATURES, RolloutEngine, RolloutSpec, TrainEngine, TrainSpec
 from .deployment import DATA_PARALLEL, ENGINE, MESH, SHAPES, Deployment, DeployError, Slice
 
 ROLLOUT, TRAIN = "rollout", "train"
@@ -55,6 +55,9 @@ class Backend:
     user: bool = True                    # named in a config (False: chosen by the placement or the trainer)
     env: str = ""                        # "module:function(bundle_indices, resources) -> dict": the environment of
                                          # an actor holding several devices (an engine that starts its own ranks)
+    model_features: tuple[str, ...] = ()  # the TrainSpec fields of base.MODEL_FEATURES its engines implement
+                                         # (token budgets, gradient checkpointing, LoRA, offload); a config
+                                         # asking for another is refused by the plan
     doc: str = ""
 
     def __post_init__(self):
@@ -62,6 +65,9 @@ class Backend:
             raise ValueError(f"backend {self.name!r}: kind={self.kind!r}; use {ROLLOUT!r} or {TRAIN!r}")
         if self.shape not in SHAPES:
             raise ValueError(f"backend {self.name!r}: shape={self.shape!r}; use one of {SHAPES}")
+        unknown = [f for f in self.model_features if f not in MODEL_FEATURES]
+        if unknown:
+            raise ValueError(f"backend {self.name!r}: model_features {unknown} unknown; use some of {MODEL_FEATURES}")
         bad = [d for d in self.devices if d not in ALL_DEVICES]
         if bad:
             raise ValueError(f"backend {self.name!r}: devices {bad} unknown; use some of {ALL_DEVICES}")
@@ -227,20 +233,22 @@ register_rollout_backend(
 register_train_backend(
     "mesh", "mindspeed_rl.engines.mesh_train:MeshTrainEngine", shape=MESH, user=False,
     check_model="mindspeed_rl.engines.mesh_support:check_model",
+    model_features=("max_tokens_per_micro_batch", "gradient_checkpointing"),
     doc="TP (DTensor plans), PP (torch.distributed.pipelining) and FSDP2 over dp on a (pp, dp, tp) device "
         "mesh; one dock reader and writer per replica. A torch or fsdp worker group with tp or pp > 1 "
         "(placement.mode: mesh) runs on it")
 register_train_backend(
     "torch", "mindspeed_rl.engines.torch_train:TorchTrainEngine", split_backend="mesh", reward_models=True,
-    options="mindspeed_rl.engines.torch_train:TorchOptions",
+    options="mindspeed_rl.engines.torch_train:TorchOptions", model_features=MODEL_FEATURES,
     doc="plain torch AdamW, DDP over the DP ranks")
 register_train_backend(
     "fsdp", "mindspeed_rl.engines.fsdp_train:FSDPTrainEngine", split_backend="mesh", reward_models=True,
-    options="mindspeed_rl.engines.fsdp_train:FSDPOptions",
+    options="mindspeed_rl.engines.fsdp_train:FSDPOptions", model_features=MODEL_FEATURES,
     doc="FSDP2 (fully_shard per decoder layer and root), sharded optimizer, DCP checkpoints")
 register_train_backend(
     "megatron", "mindspeed_rl.engines.megatron.engine:MegatronTrainEngine", devices=ACCELERATOR_TYPES,
     needs="megatron.core", value_models=False, shape=MESH,
+    model_features=("max_tokens_per_micro_batch", "gradient_checkpointing"),
     options="mindspeed_rl.engines.megatron.engine:MegatronOptions",
     install="pip install -e .[megatron] (and transformer-engine for layer_spec: te) on a CUDA machine; on "
             "Ascend: torch_npu, megatron-core and MindSpeed's megatron adaptor",

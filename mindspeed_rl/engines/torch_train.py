@@ -368,7 +368,9 @@ class TorchTrainEngine(TrainEngine):
         stored = "float32" if spec.optim is not None else spec.dtype   # fp32 masters for a trained model
         return cls(load_model(spec, stored), spec.pad_token_id, spec.optim, temperature=spec.temperature,
                    device=spec.device, process_group=spec.process_group if spec.optim is not None else None,
-                   model_kind=spec.model_kind, dtype=spec.dtype, options=spec.options)
+                   model_kind=spec.model_kind, dtype=spec.dtype,
+                   options={**spec.options, **({"max_tokens_per_micro_batch": spec.max_tokens_per_micro_batch}
+                                               if spec.max_tokens_per_micro_batch else {})})
 
     def autocast(self):
         """Forward (and so backward) in the compute dtype when it is not the parameters' own."""

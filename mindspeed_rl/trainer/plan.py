@@ -16,6 +16,7 @@ from ..dataflow import (MFCDef, algorithm_graph, dock_columns, dock_consumers, g
                         same_step_readers, train_time_mfcs, topological_order, trained_models, weight_sync_targets)
 from ..dataflow.mfc import InterfaceType
 from ..engines.deployment import Deployment, DeployError, Slice
+from .model_features import check_features
 from ..parallel import ClusterSpec, PlacementPlan, plan_placement
 
 
@@ -300,6 +301,12 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
         if check_files and engines:
             _check_train_model(spec, p, [m for m in p.mfcs if model_kinds[m.name] in ("policy", "value")],
                                model_paths)
+        trained_in_group: dict[str, bool] = {}
+        for m in p.mfcs:
+            if model_kinds[m.name] in MODEL_ENGINES:
+                trained_in_group[m.model_name] = (trained_in_group.get(m.model_name, False)
+                                                  or InterfaceType(m.interface_type) is InterfaceType.TRAIN_STEP)
+        check_features(cfg, g, spec, trained_in_group)
         rewards = [m.name for m in p.mfcs if model_kinds[m.name] == "reward"]
         if rewards:
             _check_reward_backend(cfg, g, p, rewards)
@@ -616,8 +623,6 @@ def _deploy_groups(cfg: Config, groups: dict[str, GroupPlan], model_kinds: dict[
         if backend.name not in options:
             try:
                 opts = backend_options(cfg, backend)
-                if key == "train" and cfg.actor_config.max_tokens_per_micro_batch:
-                    opts = _with_token_budget(cfg, backend, opts)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
             options[backend.name] = opts
@@ -661,22 +666,6 @@ def _deploy_groups(cfg: Config, groups: dict[str, GroupPlan], model_kinds: dict[
             notes.append(f"worker group '{g}': {dep.actors} actors ({dep.shape}, engine_tp {dep.engine_tp}); dock readers "
                          f"{readers}, writers {writers}{turns}")
     return notes
-
-
-def _with_token_budget(cfg: Config, backend, opts: dict) -> dict:
-    """actor_config.max_tokens_per_micro_batch is an option of the train backends whose options say so."""
-    import dataclasses as dc
-    from ..engines.registry import TRAIN_BACKENDS
-    budget = cfg.actor_config.max_tokens_per_micro_batch
-
-    def takes(b) -> bool:
-        cls = b.options_class()
-        return cls is not None and "max_tokens_per_micro_batch" in {f.name for f in dc.fields(cls)}
-    if not takes(backend):
-        able = [b.name for b in TRAIN_BACKENDS.values() if b.user and takes(b)]
-        raise ValueError(f"actor_config.max_tokens_per_micro_batch={budget}: the {backend.name} train backend does not "
-                         f"split micro-batches by tokens; backends that do: {able}; set it to null or use one of them")
-    return {**opts, "max_tokens_per_micro_batch": budget}
 
 
 def _floor4(x: float) -> float:

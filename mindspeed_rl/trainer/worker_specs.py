@@ -14,6 +14,7 @@ from ..workers.engine_set import INFER, ROLLOUT, TRAIN, EngineDecl
 from ..workers.impls import PlanInfo, mfc_args
 from ..workers import compute as C
 from ..workers.worker import WorkerSpec
+from .model_features import features_of
 from .plan import GroupPlan, Plan
 
 # a model's engine kind (compute.FUNCTIONS[...].engine) -> the config section of its training and the
@@ -68,7 +69,8 @@ def engine_decls(cfg: Config, plan: Plan, gp: GroupPlan) -> list[EngineDecl]:
             model=m.model_name, role=TRAIN, backend=backend, model_path=path(m.model_name), model_kind=kind,
             dtype=dtype, options=({"costs": costs(m.model_name)} if simulated else
                                   dict(gp.train_options) if backend == gp.train_backend else {}),
-            optim=optim, temperature=g.temperature or 1.0)
+            optim=optim, temperature=g.temperature or 1.0,
+            features={} if simulated else features_of(cfg, m.model_name, trained=True))
     for m in gp.mfcs:
         f = C.check_mfc(m)
         if f.engine == "rollout" and (m.model_name, ROLLOUT) not in out:
@@ -87,7 +89,8 @@ def engine_decls(cfg: Config, plan: Plan, gp: GroupPlan) -> list[EngineDecl]:
                 model_kind=kind, dtype=dtype,
                 options=({"costs": costs(m.model_name)} if simulated else
                          dict(gp.train_options) if backend == gp.train_backend else {}),
-                temperature=g.temperature or 1.0)
+                temperature=g.temperature or 1.0,
+                features={} if simulated else features_of(cfg, m.model_name, trained=False))
     return list(out.values())
 
 

@@ -32,6 +32,7 @@ class EngineDecl:
     optim: Any = None                    # OptimConfig of a trained model
     temperature: float = 1.0             # log-probs of the sampling distribution
     max_seq_len: int = 0                 # the longest prompt + response of the run (RolloutSpec.max_seq_len)
+    features: dict = field(default_factory=dict)  # TrainSpec's model features (engines.base.MODEL_FEATURES) set
 
 
 class EngineSet:
@@ -75,7 +76,8 @@ class EngineSet:
                 model_path=path, model_kind=d.model_kind, dtype=d.dtype, device=device,
                 pad_token_id=self._pad_of(d, path, pad),
                 temperature=d.temperature, optim=optim if d.role == TRAIN else None,
-                process_group=self.process_group if d.role == TRAIN else None, seed=self.seed, options=d.options))
+                process_group=self.process_group if d.role == TRAIN else None, seed=self.seed, options=d.options,
+                **d.features))
             (self.train if d.role == TRAIN else self.infer)[d.model] = engine
         self.stop_ids = tuple(self._stop_token_ids()) if not self.simulated else ()
 
