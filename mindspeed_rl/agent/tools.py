@@ -130,3 +130,20 @@ def get_tools(specs) -> dict[str, Tool]:
                              "give each tool its own function name")
         out[name] = get_tool(spec)
     return out
+
+
+def check_tools(specs, import_module: bool = True) -> None:
+    """Resolve a config's tools before any worker starts (ValueError naming the tool and the fix): every tool,
+    built-in or your own, with `import_module`; without it (a dry run, whose workers' Python path may differ)
+    the built-in names and the duplicates only."""
+    if import_module:
+        get_tools(specs)
+        return
+    for spec in [specs] if isinstance(specs, str) else specs:
+        if isinstance(spec, str) and ":" not in spec and "." not in spec.strip():
+            get_tool(spec)
+    names = [tool_name(s) for s in ([specs] if isinstance(specs, str) else specs)]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"two tools are called {twice[0]!r} (generate_config.agent.tools={list(specs)}); give each "
+                         "tool its own function name")

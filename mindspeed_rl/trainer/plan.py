@@ -347,6 +347,12 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
             validate_reward_name(rl.reward_fn, import_module=check_files)
     except ValueError as e:
         raise ConfigError(f"rl_config.reward_fn: {e}") from None
+    if cfg.generate_config.agent.enable:
+        from ..agent.tools import check_tools
+        try:
+            check_tools(cfg.generate_config.agent.tools, import_module=check_files)
+        except ValueError as e:
+            raise ConfigError(f"generate_config.agent.tools: {e}") from None
     if check_files:
         _check_dataset(cfg)
     same_step = {t: [k for r in same_step_readers(graph, t) for k in by_name[r].output_keys]

@@ -52,3 +52,30 @@ def test_bad_agent_and_dapo_values_are_refused_by_name(over, words):
     with pytest.raises(ConfigError) as e:
         validate_config(_cfg(**over))
     assert words in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("tools, check_files, words", [
+    (["nosuch"], True, "generate_config.agent.tools: unknown tool 'nosuch'"),
+    (["nosuch"], False, "generate_config.agent.tools: unknown tool 'nosuch'"),
+    (["no_such_pkg.tools:fn"], True, "cannot import module 'no_such_pkg.tools'"),
+    (["calc", "tests.agent.tools_example:calc"], False, "two tools are called 'calc'"),
+])
+def test_an_unknown_tool_is_refused_by_the_plan(tools, check_files, words):
+    """Every tool resolves before any worker starts (a dry run checks the built-in names it can), so a typo ends
+    the run with exit 2 and this message, not inside a rollout worker after Ray has started."""
+    cfg = _cfg(**{"generate_config.agent.tools": tools, "generate_config.agent.return_direct": [],
+                  "generate_config.agent.tool_choice": None})
+    with pytest.raises(ConfigError, match=words):
+        make_plan(cfg, check_files=check_files)
+
+
+def test_an_unknown_tool_exits_2_before_ray(tmp_path):
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, str(REPO / "cli" / "train_grpo.py"), "--config-name", "grpo_tiny_tool",
+                        "generate_config.agent.tools=[nosuch]", "generate_config.agent.return_direct=[]",
+                        "generate_config.agent.tool_choice=null", f"trainer.output_dir={tmp_path}"],
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "unknown tool 'nosuch'" in r.stdout + r.stderr and "Traceback" not in r.stdout + r.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
