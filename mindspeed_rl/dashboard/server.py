@@ -48,6 +48,7 @@ HOST = "127.0.0.1"
 TIMEOUT_S = 5.0     # an idle connection, or a read/write of a request that stalls, is closed after this
 MAX_HANDLERS = 8    # requests answered at once (a page polls once a second: one or two are enough)
 MAX_WAITING = 256   # connections kept open that have not sent anything yet
+LINGER_S = 2.0      # a refused connection is read and discarded this long before it is closed (lingering close)
 ACCEPT_BATCH = 64   # connections accepted per loop turn, so that the waiting ones are served too
 MAX_HEADER_BYTES = 65536  # a request line and headers longer than this get 431 (browsers stay far below)
 _END_OF_HEADERS = re.compile(rb"\r?\n\r?\n")  # http.server also ends headers at a bare "\n" line
@@ -157,6 +158,8 @@ class DashboardServer:
         # connection -> (deadline, address, the bytes it sent so far); ordered by deadline (accept order)
         self._waiting: collections.OrderedDict[socket.socket, tuple[float, tuple, bytearray]] = \
             collections.OrderedDict()
+        # refused connections whose answer is sent: connection -> the deadline of their lingering close
+        self._closing: collections.OrderedDict[socket.socket, float] = collections.OrderedDict()
         self._listener: socket.socket | None = None
         self._wake: tuple[socket.socket, socket.socket] | None = None
         self._stopping = threading.Event()
@@ -217,6 +220,8 @@ class DashboardServer:
                         self._accept(sel)
                     elif key.data == "wake":
                         _drain(key.fileobj)
+                    elif key.data == "closing":
+                        self._read_closing(sel, key.fileobj)
                     else:
                         self._read(sel, key.fileobj)
                 self._expire(sel)
@@ -224,17 +229,19 @@ class DashboardServer:
             for conn in list(self._waiting):
                 self._unwait(sel, conn)
                 _close(conn)
+            for conn in list(self._closing):
+                self._closed(sel, conn)
             sel.close()
             _close(self._listener)
             for s in self._wake:
                 _close(s)
 
     def _next_expiry(self) -> float | None:
-        """Seconds until the oldest waiting connection times out (they all wait the same time)."""
-        if not self._waiting:
-            return None
-        deadline, _, _ = next(iter(self._waiting.values()))
-        return max(0.0, deadline - time.monotonic())
+        """Seconds until the oldest waiting or lingering connection is due (each kind waits the same time,
+        so the oldest of each is the first due)."""
+        due = [d for d in (next(iter(self._waiting.values()))[0] if self._waiting else None,
+                           next(iter(self._closing.values())) if self._closing else None) if d is not None]
+        return max(0.0, min(due) - time.monotonic()) if due else None
 
     def _accept(self, sel: selectors.BaseSelector) -> None:
         for _ in range(ACCEPT_BATCH):
@@ -277,10 +284,10 @@ class DashboardServer:
         head += data
         if _END_OF_HEADERS.search(head, max(0, len(head) - len(data) - 3)):
             self._unwait(sel, conn)
-            self._dispatch(conn, addr, bytes(head))
+            self._dispatch(sel, conn, addr, bytes(head))
         elif len(head) > MAX_HEADER_BYTES:
             self._unwait(sel, conn)
-            _refuse(conn, 431, "Request Header Fields Too Large", _LARGE)
+            self._refuse(sel, conn, 431, "Request Header Fields Too Large", _LARGE)
 
     def _unwait(self, sel: selectors.BaseSelector, conn: socket.socket) -> None:
         with self._count_lock:
@@ -298,14 +305,53 @@ class DashboardServer:
                 return
             self._unwait(sel, conn)
             if head:  # a request begun and not finished in time (a slow or stalled client): say so
-                _refuse(conn, 408, "Request Timeout", _SLOW)
+                self._refuse(sel, conn, 408, "Request Timeout", _SLOW)
             else:     # never sent anything: nothing to answer
                 _close(conn)
+        while self._closing:
+            conn, deadline = next(iter(self._closing.items()))
+            if deadline > now:
+                return
+            self._closed(sel, conn)
 
-    def _dispatch(self, conn: socket.socket, addr: tuple, head: bytes) -> None:
+    def _refuse(self, sel: selectors.BaseSelector, conn: socket.socket, code: int, reason: str, body: bytes,
+                extra: str = "") -> None:
+        """Answer `code` from the accepting thread, then close the connection lingering: a client still
+        sending (a dribbler) would otherwise be reset by the close, and a reset drops the answer it has not
+        read yet. Its bytes are read and discarded until it closes or `LINGER_S` passes."""
+        if not _refuse(conn, code, reason, body, extra):
+            _close(conn)
+            return
+        if len(self._closing) >= self.max_waiting:
+            self._closed(sel, next(iter(self._closing)))
+        self._closing[conn] = time.monotonic() + LINGER_S
+        try:
+            sel.register(conn, selectors.EVENT_READ, "closing")
+        except (KeyError, ValueError, OSError):
+            self._closed(sel, conn)
+
+    def _read_closing(self, sel: selectors.BaseSelector, conn: socket.socket) -> None:
+        try:
+            data = conn.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._closed(sel, conn)
+
+    def _closed(self, sel: selectors.BaseSelector, conn: socket.socket) -> None:
+        self._closing.pop(conn, None)
+        try:
+            sel.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        _close(conn)
+
+    def _dispatch(self, sel: selectors.BaseSelector, conn: socket.socket, addr: tuple, head: bytes) -> None:
         """A request's headers are complete: a handler thread if one is free, else 503 at once."""
         if not self._slots.acquire(blocking=False):
-            _refuse(conn, 503, "Service Unavailable", _BUSY, "Retry-After: 1\r\n")
+            self._refuse(sel, conn, 503, "Service Unavailable", _BUSY, "Retry-After: 1\r\n")
             return
         with self._count_lock:
             self._handling += 1
@@ -315,7 +361,8 @@ class DashboardServer:
                              daemon=True).start()
         except RuntimeError:  # the process cannot start a thread now
             self._release()
-            _refuse(conn, 503, "Service Unavailable", _BUSY, "Retry-After: 1\r\n")
+            conn.setblocking(False)
+            self._refuse(sel, conn, 503, "Service Unavailable", _BUSY, "Retry-After: 1\r\n")
 
     def _handle(self, conn: socket.socket, addr: tuple, head: bytes) -> None:
         try:
@@ -353,9 +400,9 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _refuse(conn: socket.socket, code: int, reason: str, body: bytes, extra: str = "") -> None:
-    """Answer `code` without a thread and close: 503 (all handlers busy), 408 (headers too slow),
-    431 (headers too large)."""
+def _refuse(conn: socket.socket, code: int, reason: str, body: bytes, extra: str = "") -> bool:
+    """Answer `code` without a thread and end the sending side: 503 (all handlers busy), 408 (headers too
+    slow), 431 (headers too large). False when the connection is already gone."""
     try:
         conn.setblocking(False)  # the accepting thread never waits on a client
         with contextlib.suppress(BlockingIOError, InterruptedError):
@@ -363,8 +410,8 @@ def _refuse(conn: socket.socket, code: int, reason: str, body: bytes, extra: str
         conn.send(_plain_response(code, reason, body, extra))
         conn.shutdown(socket.SHUT_WR)
     except OSError:
-        pass
-    _close(conn)
+        return False
+    return True
 
 
 def _drain(sock: socket.socket) -> None:

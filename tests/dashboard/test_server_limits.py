@@ -207,8 +207,9 @@ def test_slow_clients_dribbling_bytes_do_not_keep_others_from_being_answered():
             t.join(timeout_s + 15)
         assert not any(t.is_alive() for t in threads), "every dribbler was closed by its deadline"
         assert len(answers) == 10
-        # a dribbler whose connection was reset may not read the 408 it was sent; most do
-        assert sum(a.startswith(b"HTTP/1.0 408") for a in answers.values()) >= 1, answers
+        # the server closes a refused connection lingering (it reads and discards what a dribbler still sends),
+        # so no close resets a connection before its 408 is read
+        assert all(a.startswith(b"HTTP/1.0 408") for a in answers.values()), answers
         _wait_for(lambda: srv.load()["waiting"] == 0, 5, "no connection is kept")
     finally:
         stop.set()
