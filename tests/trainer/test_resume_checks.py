@@ -125,14 +125,31 @@ def test_a_damaged_file_is_named_with_the_fix(tmp_path):
         load_file(str(tmp_path / "engine.pt"))
 
 
+_FULL_DISK = """
+import os, sys, torch
+from mindspeed_rl.models.files import CheckpointFileError, save_file
+mnt = sys.argv[1]
+try:
+    save_file({"w": torch.zeros(256 * 1024)}, os.path.join(mnt, "engine.pt"))
+except CheckpointFileError as e:
+    print("ERROR", e)
+print("LEFT", os.listdir(mnt))
+"""
+
+
 def test_a_full_disk_says_so_and_leaves_no_tmp_file(tmp_path):
+    """A 64 KiB tmpfs fills up under a 1 MiB save. The tmpfs is mounted in a user and mount namespace of a
+    child (`unshare -rm`: no privileges needed, nothing to unmount), so the test runs wherever user
+    namespaces are allowed, as root or not."""
+    import shutil
+    import sys
     mnt = tmp_path / "small"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True).returncode:
-        pytest.skip("cannot mount a small tmpfs here (not root)")
-    try:
-        with pytest.raises(CheckpointFileError, match=r"disk full while writing .*engine.pt .*free space"):
-            save_file({"w": torch.zeros(256 * 1024)}, str(mnt / "engine.pt"))
-        assert os.listdir(mnt) == []
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
+    if not shutil.which("unshare"):
+        pytest.fail("unshare (util-linux) is missing: it mounts the small tmpfs this test fills")
+    script = f'mount -t tmpfs -o size=64k tmpfs "$1" && exec "{sys.executable}" -c "$2" "$1"'
+    r = subprocess.run(["unshare", "-rm", "sh", "-c", script, "sh", str(mnt), _FULL_DISK], capture_output=True,
+                       text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert r.returncode == 0, f"the child failed (user namespaces not allowed here?): {r.stderr[-2000:]}"
+    assert "ERROR" in r.stdout and "disk full while writing" in r.stdout and "engine.pt" in r.stdout, r.stdout
+    assert "free space" in r.stdout and "LEFT []" in r.stdout, r.stdout
