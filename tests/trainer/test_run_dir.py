@@ -40,9 +40,20 @@ def test_a_second_run_on_a_locked_directory_is_refused_naming_the_first(tmp_path
 
 @pytest.mark.slow
 def test_the_lock_goes_with_a_killed_process(tmp_path):
+    """A run killed with SIGKILL (no clean-up of its own) leaves no lock behind: the child holds the lock (a
+    second acquire is refused while it lives), is killed, and the directory is free again."""
+    import signal
     code = (f"from mindspeed_rl.trainer.run_dir import RunDirectory; RunDirectory({str(tmp_path)!r}).acquire(); "
-            "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
-    subprocess.run([sys.executable, "-c", code], timeout=60)
+            "print('HELD', flush=True); import time; time.sleep(120)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = child.stdout.readline()
+        assert line.strip() == "HELD", child.stderr.read() if child.poll() is not None else line
+        with pytest.raises(ConfigError, match="another run"):
+            RunDirectory(str(tmp_path)).acquire()
+    finally:
+        child.send_signal(signal.SIGKILL)
+        assert child.wait(timeout=30) == -signal.SIGKILL
     d = RunDirectory(str(tmp_path))
     d.acquire()
     d.release()
