@@ -120,8 +120,8 @@ def test_parquet_without_pyarrow_says_how_to_install(tmp_path, monkeypatch):
 
 
 def test_parquet(tmp_path):
-    pa = pytest.importorskip("pyarrow")
-    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
     path = tmp_path / "d.parquet"
     pq.write_table(pa.table({"question": ["q1", "q2"], "answer": ["#### 1", "#### 2"]}), path)
     ds = load_prompt_dataset(path, prompt_key="question")
