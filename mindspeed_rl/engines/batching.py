@@ -103,3 +103,35 @@ def token_budget_groups(prompt_lens: Sequence[int], response_lens: Sequence[int]
     if cur:
         groups.append(sorted(cur))
     return groups
+
+
+def forward_groups(prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor], micro_batch_size: int,
+                   max_tokens: int | None) -> list[list[int]]:
+    """Row indexes of each forward over these rows: `micro_batch_size` rows in order without a token
+    budget; with one (`max_tokens`), `token_budget_groups` (length-sorted, at most that many padded
+    tokens each)."""
+    if max_tokens is None:
+        n = len(prompts)
+        return [list(range(i, min(i + micro_batch_size, n))) for i in range(0, n, micro_batch_size)]
+    return token_budget_groups([int(p.numel()) for p in prompts], [int(r.numel()) for r in responses], max_tokens)
+
+
+def join_groups(groups: Sequence[Sequence[int]], outputs: Sequence, response_mask: torch.Tensor):
+    """The `ModelOutput`s of forwards over `groups` (row indexes) as one output over all the rows, in
+    row order, with `response_mask` (the rows' own [B, R] mask, as one padded forward has it): each
+    group's [b, r] tensors are right-padded with 0 to R, as one forward pads them, so a loss sees
+    the same tensors whatever its aggregation. Gradients flow back to each group's forward."""
+    from .base import ModelOutput
+
+    width = response_mask.shape[1]
+    device = response_mask.device
+    parts: dict[str, list[torch.Tensor]] = {}
+    for out in outputs:
+        for key in ("log_probs", "entropy", "values"):
+            t = getattr(out, key)
+            if t is not None:
+                parts.setdefault(key, []).append(torch.nn.functional.pad(t, (0, width - t.shape[1])))
+    order = torch.tensor([i for g in groups for i in g], device=device)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=device)
+    return ModelOutput(response_mask=response_mask, **{k: torch.cat(v)[inverse] for k, v in parts.items()})

@@ -239,8 +239,7 @@ register_train_backend(
         "(placement.mode: mesh) runs on it")
 register_train_backend(
     "torch", "mindspeed_rl.engines.torch_train:TorchTrainEngine", split_backend="mesh", reward_models=True,
-    options="mindspeed_rl.engines.torch_train:TorchOptions", model_features=MODEL_FEATURES,
-    doc="plain torch AdamW, DDP over the DP ranks")
+    model_features=MODEL_FEATURES, doc="plain torch AdamW, DDP over the DP ranks")
 register_train_backend(
     "fsdp", "mindspeed_rl.engines.fsdp_train:FSDPTrainEngine", split_backend="mesh", reward_models=True,
     options="mindspeed_rl.engines.fsdp_train:FSDPOptions", model_features=MODEL_FEATURES,

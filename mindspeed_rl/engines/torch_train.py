@@ -18,18 +18,21 @@ Three memory/compute rules (issue 25):
   weights and fp32 AdamW state and runs forward/backward under `torch.autocast(dtype)`; an
   inference-only engine (reference, reader) holds its parameters in `dtype`. Exports are cast to
   `dtype` (what rollout engines and readers hold).
-* Optional token budget (`TrainSpec.options["max_tokens_per_micro_batch"]`): rows are sorted by
-  length and split into sub-batches of at most that many padded tokens, so short rows are not
-  padded to the longest one of their micro-batch (verl's `use_dynamic_bsz`). Results come back in
-  the original order and the loss sees exactly the micro-batch it would have seen unsplit.
+* Optional token budget (`TrainSpec.max_tokens_per_micro_batch`): rows are sorted by length and
+  split into sub-batches of at most that many padded tokens, so short rows are not padded to the
+  longest one of their micro-batch (verl's `use_dynamic_bsz`). Results come back in the original
+  order and the loss sees exactly the micro-batch it would have seen unsplit.
+* Optional activation checkpointing (`TrainSpec.gradient_checkpointing`): transformers'
+  `gradient_checkpointing_enable(use_reentrant=False)`; each decoder layer of a training forward
+  keeps its input only and recomputes the rest in the backward. Inference runs under no_grad in
+  eval mode, where it does nothing.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
 import os
-from dataclasses import dataclass
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -39,25 +42,12 @@ from ..algorithms import entropy_from_logits, last_token_scores, log_probs_from_
 from ..algorithms.metrics import merge_metrics
 from .base import (Bucket, LossFn, MicroBatch, ModelOutput, NamedTensors, OptimConfig, TrainEngine, TrainSpec,
                    cast_buckets, flatten_parameters, hf_named_weights, load_named)
-from .batching import SequenceBatch, collate, right_pad, token_budget_groups, unpad_rows
+from .batching import SequenceBatch, collate, forward_groups, join_groups, right_pad, unpad_rows
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # fp32 logits of one chunk of tokens: the most `head_log_probs` holds at once (Qwen2.5's 151,936-token
 # vocabulary: 220 tokens a chunk)
 LOGITS_CHUNK_BYTES = 128 << 20
-OPTIONS = {"max_tokens_per_micro_batch"}
-
-
-@dataclass
-class TorchOptions:
-    """The torch backend's options (actor_config.backend_options; actor_config.max_tokens_per_micro_batch
-    is the same option, kept as a key of its own since every trained model reads it)."""
-    max_tokens_per_micro_batch: Optional[int] = None  # split a micro-batch into groups of at most this many tokens
-
-    def check(self) -> None:
-        n = self.max_tokens_per_micro_batch
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-            raise ValueError(f"max_tokens_per_micro_batch={n!r}: an integer >= 1, or null")
 
 
 # ---------------------------------------------------------------------------- log-probs, chunked
@@ -317,17 +307,35 @@ def cast_parameters(module: torch.nn.Module, dtype: torch.dtype) -> None:
                 p.data = p.data.to(dtype)
 
 
+def check_token_budget(budget: int | None) -> int | None:
+    """`max_tokens_per_micro_batch` as an int, None when off (None or 0)."""
+    if budget is None or budget == 0:
+        return None
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise ValueError(f"max_tokens_per_micro_batch={budget!r}: an integer >= 1 (or unset)")
+    return budget
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """transformers' activation checkpointing of every decoder layer, non-reentrant: the reentrant
+    variant drops the gradients of a layer none of whose inputs require grad, and DDP's reducer
+    refuses its second pass over the parameters. It acts in training mode only, so inference
+    passes are unchanged."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"gradient_checkpointing: {type(model).__name__} does not support activation "
+                         "checkpointing (transformers' supports_gradient_checkpointing is false); turn it off")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 class TorchTrainEngine(TrainEngine):
-    """`dtype`: the compute dtype (None: the model's). `options`: `max_tokens_per_micro_batch`
-    (padded tokens per forward; None/0: off, each micro-batch is one forward as given)."""
+    """`dtype`: the compute dtype (None: the model's). `max_tokens_per_micro_batch`: padded tokens per
+    forward (None/0: off, each micro-batch is one forward as given). `gradient_checkpointing`: recompute
+    each decoder layer in the backward of a trained model."""
 
     def __init__(self, model: torch.nn.Module, pad_token_id: int, optim: OptimConfig | None = None,
                  temperature: float = 1.0, device: torch.device | str = "cpu", process_group=None,
                  model_kind: str = "causal_lm", dtype: torch.dtype | str | None = None,
-                 options: dict | None = None):
-        unknown = set(options or {}) - OPTIONS
-        if unknown:
-            raise ValueError(f"torch backend options {sorted(unknown)} unknown; known: {sorted(OPTIONS)}")
+                 max_tokens_per_micro_batch: int | None = None, gradient_checkpointing: bool = False):
         self.device = torch.device(device)
         self.compute_dtype = compute_dtype_of(dtype, model)
         # a trained model keeps fp32 master weights (and so fp32 AdamW state) and computes in
@@ -342,16 +350,15 @@ class TorchTrainEngine(TrainEngine):
         self.pad_token_id = int(pad_token_id)
         self.temperature = float(temperature)
         self.model_kind = model_kind
-        budget = (options or {}).get("max_tokens_per_micro_batch")
-        self.max_tokens = int(budget) if budget else None
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens_per_micro_batch={budget}: must be >= 1 (or unset)")
+        self.max_tokens = check_token_budget(max_tokens_per_micro_batch)
         self.optim_config = optim
         self.optimizer = None
         self.process_group = process_group
         self.version = 0
         if optim is not None:
             self.model.train()
+            if gradient_checkpointing:   # before DDP: the layers it reaches are the model's own
+                enable_gradient_checkpointing(self.module)
             if process_group is not None:
                 from torch.nn.parallel import DistributedDataParallel
                 self.model = DistributedDataParallel(ResponseStates(self.module), process_group=process_group)
@@ -364,13 +371,15 @@ class TorchTrainEngine(TrainEngine):
 
     @classmethod
     def build(cls, spec: TrainSpec) -> "TorchTrainEngine":
+        if spec.options:
+            raise ValueError(f"torch backend options {sorted(spec.options)}: the torch backend takes none")
         torch.manual_seed(spec.seed)  # a value head is initialized from it
         stored = "float32" if spec.optim is not None else spec.dtype   # fp32 masters for a trained model
         return cls(load_model(spec, stored), spec.pad_token_id, spec.optim, temperature=spec.temperature,
                    device=spec.device, process_group=spec.process_group if spec.optim is not None else None,
                    model_kind=spec.model_kind, dtype=spec.dtype,
-                   options={**spec.options, **({"max_tokens_per_micro_batch": spec.max_tokens_per_micro_batch}
-                                               if spec.max_tokens_per_micro_batch else {})})
+                   max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch,
+                   gradient_checkpointing=spec.gradient_checkpointing)
 
     def autocast(self):
         """Forward (and so backward) in the compute dtype when it is not the parameters' own."""
@@ -409,11 +418,7 @@ class TorchTrainEngine(TrainEngine):
                micro_batch_size: int) -> list[list[int]]:
         """Row indexes of each forward: `micro_batch_size` rows in order without a token budget;
         with one, length-sorted groups of at most `max_tokens_per_micro_batch` padded tokens."""
-        if self.max_tokens is None:
-            n = len(prompts)
-            return [list(range(i, min(i + micro_batch_size, n))) for i in range(0, n, micro_batch_size)]
-        return token_budget_groups([int(p.numel()) for p in prompts], [int(r.numel()) for r in responses],
-                                   self.max_tokens)
+        return forward_groups(prompts, responses, micro_batch_size, self.max_tokens)
 
     def split_output(self, prompts, responses) -> ModelOutput:
         """`model_output` of the rows as one micro-batch, computed in token-budget groups: each group
@@ -421,21 +426,11 @@ class TorchTrainEngine(TrainEngine):
         micro-batch's own response mask, so a loss function sees exactly what the unsplit forward
         gives it (0 at padding, as there) whatever its aggregation (token-mean, seq-mean, ...)."""
         groups = self.groups(prompts, responses, len(prompts))
-        mask = right_pad(responses, self.pad_token_id)[1].to(self.device)
         if len(groups) == 1:
             return self.model_output(self.batch(prompts, responses))
-        width = mask.shape[1]
-        parts: dict[str, list[torch.Tensor]] = {}
-        for g in groups:
-            out = self.model_output(self.batch([prompts[i] for i in g], [responses[i] for i in g]))
-            for key in ("log_probs", "entropy", "values"):
-                t = getattr(out, key)
-                if t is not None:
-                    parts.setdefault(key, []).append(F.pad(t, (0, width - t.shape[1])))
-        order = torch.tensor([i for g in groups for i in g], device=self.device)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=self.device)
-        return ModelOutput(response_mask=mask, **{k: torch.cat(v)[inverse] for k, v in parts.items()})
+        mask = right_pad(responses, self.pad_token_id)[1].to(self.device)
+        outs = [self.model_output(self.batch([prompts[i] for i in g], [responses[i] for i in g])) for g in groups]
+        return join_groups(groups, outs, mask)
 
     # ---- inference
     def _infer(self, prompts, responses, micro_batch_size: int, fn) -> list[torch.Tensor]:

@@ -228,8 +228,7 @@ BUDGET_RESPONSES = random_rows(6, [9, 1, 2, 8, 3, 1], seed=22)
 
 def test_token_budget_log_probs_equal_the_padded_path_in_row_order():
     padded = TorchTrainEngine(tiny_qwen2(seed=0, initializer_range=0.1), PAD)
-    budget = TorchTrainEngine(tiny_qwen2(seed=0, initializer_range=0.1), PAD,
-                              options={"max_tokens_per_micro_batch": 24})
+    budget = TorchTrainEngine(tiny_qwen2(seed=0, initializer_range=0.1), PAD, max_tokens_per_micro_batch=24)
     groups = budget.groups(BUDGET_PROMPTS, BUDGET_RESPONSES, 6)
     assert len(groups) > 2 and sorted(i for g in groups for i in g) == list(range(6))
     want = padded.log_probs(BUDGET_PROMPTS, BUDGET_RESPONSES, micro_batch_size=6)
@@ -242,8 +241,8 @@ def test_token_budget_log_probs_equal_the_padded_path_in_row_order():
 def test_token_budget_values_equal_the_padded_path(tmp_path):
     from mindspeed_rl.engines import TrainSpec
     tiny_qwen2(seed=0).save_pretrained(tmp_path)
-    specs = [TrainSpec(model_path=str(tmp_path), model_kind="value", pad_token_id=PAD, seed=3, options=o)
-             for o in ({}, {"max_tokens_per_micro_batch": 24})]
+    specs = [TrainSpec(model_path=str(tmp_path), model_kind="value", pad_token_id=PAD, seed=3,
+                       max_tokens_per_micro_batch=budget) for budget in (None, 24)]
     padded, budget = (TorchTrainEngine.build(s) for s in specs)
     for g, w in zip(budget.values(BUDGET_PROMPTS, BUDGET_RESPONSES, 6),
                     padded.values(BUDGET_PROMPTS, BUDGET_RESPONSES, 6)):
@@ -264,8 +263,8 @@ def test_token_budget_train_step_gives_the_padded_gradient(loss_fn):
     from mindspeed_rl.engines import MicroBatch
     grads = {}
     engines = {}
-    for name, options in (("padded", {}), ("budget", {"max_tokens_per_micro_batch": 24})):
-        e = TorchTrainEngine(tiny_qwen2(seed=0), PAD, OptimConfig(lr=1e-2, eps=1e-4), options=options)
+    for name, budget in (("padded", None), ("budget", 24)):
+        e = TorchTrainEngine(tiny_qwen2(seed=0), PAD, OptimConfig(lr=1e-2, eps=1e-4), max_tokens_per_micro_batch=budget)
         e.optimizer.register_step_pre_hook(lambda opt, a, k, name=name, e=e: grads.update({name: flat_grads(e.module)}))
         mbs = [MicroBatch({"prompts": BUDGET_PROMPTS[s:s + 3], "responses": BUDGET_RESPONSES[s:s + 3]}, 0.5,
                           last=s == 3) for s in (0, 3)]
@@ -278,11 +277,13 @@ def test_token_budget_train_step_gives_the_padded_gradient(loss_fn):
     torch.testing.assert_close(flat_params(a.module), flat_params(b.module), rtol=0, atol=1e-5)
 
 
-def test_unknown_or_bad_options_are_refused():
-    with pytest.raises(ValueError, match="unknown"):
-        TorchTrainEngine(tiny_qwen2(seed=0), PAD, options={"max_tokens": 5})
-    with pytest.raises(ValueError, match=">= 1"):
-        TorchTrainEngine(tiny_qwen2(seed=0), PAD, options={"max_tokens_per_micro_batch": -3})
+def test_backend_options_or_a_bad_budget_are_refused(tmp_path):
+    from mindspeed_rl.engines import TrainSpec
+    with pytest.raises(ValueError, match="takes none"):
+        TorchTrainEngine.build(TrainSpec(model_path=str(tmp_path), options={"max_tokens_per_micro_batch": 5}))
+    for bad in (-3, 2.5, True):
+        with pytest.raises(ValueError, match=">= 1"):
+            TorchTrainEngine(tiny_qwen2(seed=0), PAD, max_tokens_per_micro_batch=bad)
 
 
 def ddp_budget_rank(rank: int, world: int, port: int, rows: tuple, budget: int) -> dict:
@@ -296,7 +297,7 @@ def ddp_budget_rank(rank: int, world: int, port: int, rows: tuple, budget: int) 
     prompts, responses = rows
     group = stateless_group(HOST, port, rank, world, timeout_s=60)
     engine = TorchTrainEngine(tiny_qwen2(seed=rank), PAD, OptimConfig(lr=1e-2, eps=1e-4),
-                              process_group=as_process_group(group), options={"max_tokens_per_micro_batch": budget})
+                              process_group=as_process_group(group), max_tokens_per_micro_batch=budget)
     split = len(engine.groups(prompts[:2], responses[:2], 2))
     engine.train_step((MicroBatch({"prompts": prompts[s:s + 2], "responses": responses[s:s + 2]}, 0.5, last=s == 2)
                        for s in (0, 2)), nll_loss_fn)

@@ -118,6 +118,15 @@ INSTALL = ("pip install megatron-core (and transformer-engine for layer_spec: te
            "Ascend: torch_npu, megatron-core and MindSpeed's megatron adaptor")
 
 
+def recompute_kwargs(gradient_checkpointing: bool) -> dict:
+    """`TransformerConfig` keywords of activation checkpointing: megatron's full recompute of every
+    transformer layer, one layer per checkpointed chunk (only each layer's input is kept), as the
+    torch and fsdp backends checkpoint each decoder layer."""
+    if not gradient_checkpointing:
+        return {}
+    return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+
+
 # --------------------------------------------------------------------------- pure-torch helpers
 @dataclass
 class RightPadded:
@@ -369,6 +378,7 @@ class MegatronTrainEngine(TrainEngine):
         first, last = opts["num_layers_in_first_pipeline_stage"], opts["num_layers_in_last_pipeline_stage"]
         kw = C.transformer_config_kwargs(dims, tp=tp, pp=pp, dtype=dtype, num_layers_in_first_pipeline_stage=first,
                                          num_layers_in_last_pipeline_stage=last)
+        kw.update(recompute_kwargs(spec.gradient_checkpointing and spec.optim is not None))
         # perform_initialization stays on: megatron marks TP-sharded params (tensor_model_parallel) in its
         # init functions, and the grad norm counts unmarked ones as TP duplicates (the weights are then
         # overwritten by the checkpoint)
