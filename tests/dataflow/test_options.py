@@ -21,9 +21,12 @@ def test_without_reference_no_ref_stage_and_train_does_not_read_it(algorithm):
 
 
 def test_every_algorithm_builds_both_ways():
+    """With a reference the graph has a ref_log_prob stage where the algorithm reads one; without, none."""
     for name in known_algorithms():
-        for use in (True, False):
-            algorithm_graph(name, AlgorithmOptions(use_reference=use))
+        with_ref = set(algorithm_graph(name, AlgorithmOptions(use_reference=True)).nodes)
+        without = set(algorithm_graph(name, AlgorithmOptions(use_reference=False)).nodes)
+        assert without and "ref_log_prob" not in without
+        assert with_ref - without <= {"ref_log_prob"}
 
 
 @pytest.mark.parametrize("use_kl_loss,coef,adaptive,expected", [

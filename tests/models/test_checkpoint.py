@@ -149,6 +149,9 @@ def test_check_model_path_accepts_builtin_and_checkpoint_dirs(builtin_dir, tmp_p
     check_model_path("actor_config.model_path", str(builtin_dir))
     (tmp_path / "config.json").write_text("{}")
     check_model_path("actor_config.model_path", str(tmp_path))
+    (tmp_path / "config.json").unlink()   # the same directory without its config.json is refused
+    with pytest.raises(ValueError, match="actor_config.model_path"):
+        check_model_path("actor_config.model_path", str(tmp_path))
 
 
 def test_resolve_non_builtin_path_is_only_expanded(monkeypatch, tmp_path):
