@@ -163,11 +163,6 @@ def load_preference_file(path: str | Path, prompt_key: str = PROMPT, chosen_key:
     return PreferenceDataset(records, source=str(path))
 
 
-def is_preference_dataset(spec: str) -> bool:
-    """Does `spec` name the built-in preference set (files are told apart by the algorithm that reads them)?"""
-    return str(spec).startswith(BUILTIN_PREFIX) and str(spec)[len(BUILTIN_PREFIX):] in BUILTIN_PAIRS
-
-
 def load_preference_dataset(spec: str | Path, prompt_key: str = PROMPT, chosen_key: str = CHOSEN,
                             rejected_key: str = REJECTED, num_digits: int = 3, size: int = 10000,
                             seed: int = 0) -> PreferenceDataset:

@@ -373,20 +373,6 @@ def cast_buckets(named: NamedTensors, dtype: torch.dtype, bucket_bytes: int) -> 
         yield cast_bucket(bucket, dtype)
 
 
-def tied_names(model: torch.nn.Module) -> dict[str, str]:
-    """name -> the name it shares storage with, for parameters `named_parameters()` hides as tied
-    (Qwen2's `lm_head.weight` is `model.embed_tokens.weight` when `tie_word_embeddings`)."""
-    first: dict[int, str] = {}
-    out: dict[str, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        key = id(p)
-        if key in first:
-            out[name] = first[key]
-        else:
-            first[key] = name
-    return out
-
-
 def hf_named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Every weight a reader of the HF checkpoint needs, tied ones under each of their names."""
     yield from ((n, p.detach()) for n, p in model.named_parameters(remove_duplicate=False))

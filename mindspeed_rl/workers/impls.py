@@ -16,7 +16,7 @@ names it in an MFC (`fn="my_fn"`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ..dataflow.mfc import MFCDef
 from . import compute as C
@@ -314,10 +314,3 @@ def build_impl(ctx: StageContext, simulated: bool) -> Impl:
     if simulated and not f.engine:
         return Simulated(ctx)
     return impl_class(ctx.mfc)(ctx)
-
-
-def is_train(mfc: MFCDef) -> bool:
-    return impl_class(mfc).kind == TRAIN
-
-
-Builder = Callable[[StageContext], Impl]

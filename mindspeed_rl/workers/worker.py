@@ -274,9 +274,6 @@ class Worker:
         return save_pretrained(self.engines.engine_for(model, "reward"), decl.model_path, self.engines.tokenizer,
                                directory, self.spec.rank)
 
-    def train_versions(self) -> dict[str, int]:
-        return {m: e.version for m, e in self.engines.train.items()}
-
     def close_rollout(self) -> None:
         """Shut this actor's rollout engines down before the driver kills it: vLLM with
         tensor_parallel_size > 1 ends its worker processes and removes its shared-memory queues, which
