@@ -140,7 +140,7 @@ class HFRolloutEngine(RolloutEngine):
             keep = responses.compaction()
             if responses.complete:
                 return responses.rollout()
-            if keep is not None:  # drop the rows that have ended: the rest sample exactly as before
+            if keep is not None:  # drop the rows that have ended: the rest sample as they would in the full batch
                 nxt, attn, last_pos, draws = nxt[keep], attn[keep], last_pos[keep], draws[keep]
                 cache.batch_select_indices(keep)
             attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=1)

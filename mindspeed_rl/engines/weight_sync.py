@@ -488,9 +488,9 @@ def receive_weights(group: SyncGroup, readers: Sequence, version: int, digest: "
     every bucket `src` sends and have `readers` serve `version`.
 
     The first reader whose `receive_targets()` is not None gets the big tensors straight into its
-    own (`receive_buckets(targets=...)`): on a CPU the copy out of the receive buffer was a third of
+    own (`receive_buckets(targets=...)`): on a CPU the copy out of a receive buffer is a third of
     the sync. Every reader loads the rest a bucket at a time (`update_weights`); the other readers
-    then load the tensors that went in place from that reader's (a copy in this process, as before),
+    then load the tensors that went in place from that reader's (a copy in this process),
     and that reader is told `update_weights((), version)`. `digest` hashes what arrived: the yielded
     buckets and then the in-place tensors themselves, so it equals the sender's digest only if every
     byte arrived, and `weight_sync.verify` still compares it (and each reader's `state_checksum`)

@@ -1,8 +1,8 @@
 """A run's output directory: one run at a time, and never over another run's results.
 
 Why: `trainer.output_dir` has a default (`outputs/grpo_tiny`), so running the same command twice
-used to cut the first run's `metrics.jsonl` to the second's steps and leave its newer checkpoints
-beside the second run's, where pruning never reached them; two runs at once interleaved both.
+would cut the first run's `metrics.jsonl` to the second's steps and leave its newer checkpoints
+beside the second run's, where pruning never reaches them; two runs at once would interleave both.
 Hugging Face's Trainer refuses a non-empty output directory unless told to overwrite it
 (`overwrite_output_dir`); we do the same, before Ray starts:
 

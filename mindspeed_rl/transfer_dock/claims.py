@@ -1,11 +1,11 @@
 """Local claims: a consumer on the dock's node takes its rows in shared memory, with no round
 trip to the dock actor.
 
-Why: with several consumers asking at once, every get was a request to the one dock actor
-process, and on a loaded machine each waited for that process to be scheduled (0.4-1.5 ms
-between requests on 2 shared cores, for ~0.13 ms of work each; docs/benchmarks.md, "One
-micro-batch to 4 consumers"). Plain Ray's gets go to its object store instead, in parallel. Here
-the consumer claims its rows itself, so gets of different consumers no longer queue anywhere.
+Why: with several consumers asking at once, a get that is a request to the one dock actor process
+waits on a loaded machine for that process to be scheduled (0.4-1.5 ms between requests on 2 shared
+cores, for ~0.13 ms of work each; docs/benchmarks.md, "One micro-batch to 4 consumers"). Plain Ray's
+gets go to its object store instead, in parallel. Here the consumer claims its rows itself, so gets
+of different consumers queue nowhere.
 
 What lives in shared memory (files beside the dock's segments, removed with them):
 - `msrl-<tag>-claims-<pid>` (the *table*): per column and row, where the cell lies (segment
@@ -23,7 +23,7 @@ Who writes what, and why each row still goes to each consumer exactly once:
   or a take by the actor (`SharedDock._take`, always after the actor has read the claim log,
   under the same lock). A claim takes only rows whose bit is clear and sets them before it
   lets go, so no two callers get the same row, whichever path each takes.
-- The actor stays the owner of everything else. Puts are checked by the actor as before; it
+- The actor stays the owner of everything else. Puts are checked by the actor; it
   writes the cells' places into the table, then appends the rows that became ready to each
   ready list under that consumer's lock. A row is in a ready list only once its cells can be
   read. Clear, load_state_dict, state_dict, status calls, metrics and the event log first read
@@ -33,16 +33,16 @@ Who writes what, and why each row still goes to each consumer exactly once:
   cell names it, and never changed after (numbers are not reused while the dock lives); a cell's
   place and kind are written before its row enters a ready list (the flock around that append,
   and around the claim that reads the list, orders the writes before the reads); a cell that a
-  claim may already read (overwrite=True) is rewritten only under every consumer's lock. Why:
-  the kind used to be one record per column, zeroed and rewritten by every put of that column
-  while other processes' claims read it for rows put earlier; a claim between the zeroing and the
-  write read dtype '' (a TypeError) or no torch dtype (torch rows handed out as numpy arrays:
-  silently wrong data for the trainer).
+  claim may already read (overwrite=True) is rewritten only under every consumer's lock. Why: a
+  kind kept as one record per column, zeroed and rewritten by every put of that column while other
+  processes' claims read it for rows put earlier, lets a claim between the zeroing and the write
+  read dtype '' (a TypeError) or no torch dtype (torch rows handed out as numpy arrays: silently
+  wrong data for the trainer).
 - A client claims only what the actor would hand out to the same call: `count` rows (fewer only
   at the step's tail) of a consumer whose sampler is `AnyReadySampler`, without `indexes` or
   `get_n_samples`, for a column set the actor has made a ready list for (its first get does),
   every cell in shared memory. Anything else, and a get that finds too few rows, is sent to the
-  actor as before, which waits for puts, raises for bad input, times out, and answers the tail.
+  actor, which waits for puts, raises for bad input, times out, and answers the tail.
 - A client that dies holding the lock releases it (the kernel drops a dead process's flocks),
   so no crash can wedge the dock; rows it had claimed are lost to it, as rows the actor had
   sent to a process that then died.

@@ -4,10 +4,10 @@ A DP group's train step (DDP's all-reduces; FSDP's gathers, reduce-scatters and 
 a sharded model's inference and every MFC of a split model are collective over the group's ranks. Two
 of them at once in two threads could issue their collectives in different orders on different ranks
 and wait on each other crosswise (and, on one FSDP module, reshard the parameters the other's forward
-is using). Without it an FSDP group with dp=2 died every few dozen steps (issue 24): a rank's
-actor_train took rows its peer's actor_log_prob had just written, and its forward's all-gathers started
-while its own actor_log_prob was still in its last forward; gloo aborted on a message of another size,
-or a forward met a resharded parameter (`aten.mm got mixed torch.Tensor and DTensor`).
+is using). Without turns an FSDP group with dp=2 dies every few dozen steps: a rank's actor_train takes
+rows its peer's actor_log_prob has just written, and its forward's all-gathers start while its own
+actor_log_prob is still in its last forward; gloo aborts on a message of another size, or a forward meets
+a resharded parameter (`aten.mm got mixed torch.Tensor and DTensor`).
 
 The trainer starts every collective MFC of a group for each step it runs, in the group's order
 (`actor_log_prob` then `actor_train`; a critic's values and training; a split reference's one MFC): so
