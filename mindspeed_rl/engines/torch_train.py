@@ -335,18 +335,27 @@ class TorchTrainEngine(TrainEngine):
     def __init__(self, model: torch.nn.Module, pad_token_id: int, optim: OptimConfig | None = None,
                  temperature: float = 1.0, device: torch.device | str = "cpu", process_group=None,
                  model_kind: str = "causal_lm", dtype: torch.dtype | str | None = None,
-                 max_tokens_per_micro_batch: int | None = None, gradient_checkpointing: bool = False):
+                 max_tokens_per_micro_batch: int | None = None, gradient_checkpointing: bool = False,
+                 lora: dict | None = None):
         self.device = torch.device(device)
         self.compute_dtype = compute_dtype_of(dtype, model)
-        # a trained model keeps fp32 master weights (and so fp32 AdamW state) and computes in
-        # `dtype` under autocast; an inference-only one holds `dtype` itself
-        cast_parameters(model, torch.float32 if optim is not None else self.compute_dtype)
+        # LoRA (engines/lora.py): the base frozen in `dtype`, fp32 adapters the only masters
+        self.lora = None
+        if lora:
+            from .lora import apply_lora
+            self.lora = apply_lora(model, lora, self.compute_dtype)
+        else:
+            # a trained model keeps fp32 master weights (and so fp32 AdamW state) and computes in
+            # `dtype` under autocast; an inference-only one holds `dtype` itself
+            cast_parameters(model, torch.float32 if optim is not None else self.compute_dtype)
         self.model = model.to(self.device)
         self.module = model  # the bare model, also when wrapped in DDP
         # parameters in one buffer, in HF order (before DDP and the optimizer see them): weight sync
         # sends each bucket as one broadcast straight from it, and an inference copy receives into
         # it the same way. Checkpoints are torch.save of the state dict, which views do not hurt.
-        flatten_parameters(self.module)
+        # A LoRA engine sends merged transients instead: nothing to lay out.
+        if self.lora is None:
+            flatten_parameters(self.module)
         self.pad_token_id = int(pad_token_id)
         self.temperature = float(temperature)
         self.model_kind = model_kind
@@ -362,7 +371,10 @@ class TorchTrainEngine(TrainEngine):
             if process_group is not None:
                 from torch.nn.parallel import DistributedDataParallel
                 self.model = DistributedDataParallel(ResponseStates(self.module), process_group=process_group)
-            self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=optim.lr, betas=optim.betas,
+            # only what trains has AdamW state: with LoRA, the adapters (at lora.lr, else the actor's lr)
+            trained = [p for p in self.module.parameters() if p.requires_grad]
+            lr = (lora.get("lr") if lora else None) or optim.lr
+            self.optimizer = torch.optim.AdamW(trained, lr=lr, betas=optim.betas,
                                                eps=optim.eps, weight_decay=optim.weight_decay)
         else:
             self.module.eval()
@@ -374,16 +386,18 @@ class TorchTrainEngine(TrainEngine):
         if spec.options:
             raise ValueError(f"torch backend options {sorted(spec.options)}: the torch backend takes none")
         torch.manual_seed(spec.seed)  # a value head is initialized from it
-        stored = "float32" if spec.optim is not None else spec.dtype   # fp32 masters for a trained model
+        # fp32 masters for a trained model; a LoRA base stays in `dtype` (its adapters are the masters)
+        stored = "float32" if spec.optim is not None and not spec.lora else spec.dtype
         return cls(load_model(spec, stored), spec.pad_token_id, spec.optim, temperature=spec.temperature,
                    device=spec.device, process_group=spec.process_group if spec.optim is not None else None,
                    model_kind=spec.model_kind, dtype=spec.dtype,
                    max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch,
-                   gradient_checkpointing=spec.gradient_checkpointing)
+                   gradient_checkpointing=spec.gradient_checkpointing, lora=spec.lora)
 
     def autocast(self):
-        """Forward (and so backward) in the compute dtype when it is not the parameters' own."""
-        held = next(self.module.parameters()).dtype
+        """Forward (and so backward) in the compute dtype when it is not the parameters' own (a LoRA
+        model's fp32 adapters compute in it too)."""
+        held = torch.float32 if self.lora is not None else next(self.module.parameters()).dtype
         if self.compute_dtype == held:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
@@ -433,11 +447,16 @@ class TorchTrainEngine(TrainEngine):
         return join_groups(groups, outs, mask)
 
     # ---- inference
+    def adapters_in_use(self):
+        """Held around the policy's forwards (and backwards): a LoRA reference pass, which turns the
+        adapters off model-wide, waits for it (engines/lora.py); nothing without LoRA."""
+        return self.lora.in_use() if self.lora is not None else contextlib.nullcontext()
+
     def _infer(self, prompts, responses, micro_batch_size: int, fn) -> list[torch.Tensor]:
         out: list[torch.Tensor | None] = [None] * len(prompts)
         for g in self.groups(prompts, responses, micro_batch_size):
             b = self.batch([prompts[i] for i in g], [responses[i] for i in g])
-            with self.autocast():
+            with self.autocast(), self.adapters_in_use():
                 vals = fn(b)
             for i, r in zip(g, unpad_rows(vals, b.response_mask)):
                 out[i] = r.cpu()
@@ -490,7 +509,7 @@ class TorchTrainEngine(TrainEngine):
         metrics: dict[str, float] = {}
         count = 0
         for mb in micro_batches:
-            with self.no_sync(mb.last):
+            with self.no_sync(mb.last), self.adapters_in_use():
                 loss, m = loss_fn(self.train_output(mb.data), mb)
                 (loss * mb.loss_scale).backward()
             merge_metrics(metrics, m)  # _max maxed, _min minned, the rest summed
@@ -513,16 +532,22 @@ class TorchTrainEngine(TrainEngine):
         return [p.data for _, p in self.module.named_parameters()]
 
     # ---- weights
-    def export_weights(self, bucket_bytes: int) -> Iterator[Bucket]:
+    def export_weights(self, bucket_bytes: int, adapters: bool = True) -> Iterator[Bucket]:
         """Buckets in the compute dtype (what readers hold): fp32 masters are cast a bucket at a
-        time, each bucket into one buffer laid out as on the wire (still one broadcast)."""
+        time, each bucket into one buffer laid out as on the wire (still one broadcast). A LoRA model
+        exports its merged weights under the base's HF names, made a bucket at a time
+        (`adapters=False`: the base alone, what the LoRA reference runs)."""
+        if self.lora is not None:
+            from .lora import merged_buckets
+            return merged_buckets(self.module, self.compute_dtype, bucket_bytes, adapters)
         return cast_buckets(hf_named_weights(self.module), self.compute_dtype, bucket_bytes)
 
     def ipc_shareable_module(self) -> torch.nn.Module:
         """The module whose own (unsharded) parameters `export_weights` hands out, so colocated IPC
         weight sync may share their memory with readers instead of packing a copy
-        (`ipc_sync.IPCSender.adopt`; sharded engines, which export gathered transients, lack this)."""
-        return self.module
+        (`ipc_sync.IPCSender.adopt`; sharded engines, which export gathered transients, lack this).
+        None with LoRA: its exports are merged transients too."""
+        return self.module if self.lora is None else None
 
     def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
         load_named(self.module, named_tensors)
@@ -545,11 +570,18 @@ class TorchTrainEngine(TrainEngine):
 
     # ---- checkpoints
     def state_dict(self) -> dict:
-        return {"model": self.module.state_dict(), "version": self.version,
+        """With LoRA the model's part is the adapters alone: the base is the checkpoint it was loaded from."""
+        from .lora import adapter_state
+        model = adapter_state(self.module) if self.lora is not None else self.module.state_dict()
+        return {"model": model, "version": self.version,
                 "optimizer": self.optimizer.state_dict() if self.optimizer else None}
 
     def load_state_dict(self, state: dict) -> None:
-        self.module.load_state_dict(state["model"])
+        if self.lora is not None:
+            from .lora import load_adapter_state
+            load_adapter_state(self.module, state["model"])
+        else:
+            self.module.load_state_dict(state["model"])
         self.version = int(state["version"])
         if self.optimizer is not None and state.get("optimizer") is not None:
             # a copy: torch keeps the given moment tensors, so two engines would share them
