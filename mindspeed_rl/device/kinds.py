@@ -22,13 +22,17 @@ class DeviceKind:
     ray_keyword: str | None  # Ray's own .options() keyword for it; None: a custom resource (`resources`)
     dist_backend: str        # DDP, FSDP and weight broadcasts
     visible_env: str | None  # the variable Ray sets to the accelerators it gave an actor
+    memory_gb: float | None = None  # one device's memory for the memory plan when placement.device_memory_gb
+                                    # is null (GB, 1e9 bytes); None: the plan is not checked (the CPU)
 
 
 DEVICE_TABLE = (
     DeviceKind("cpu", "cpu", "CPU", "num_cpus", "num_cpus", "gloo", None),
-    DeviceKind("gpu", "cuda", "GPU", "num_gpus", "num_gpus", "nccl", "CUDA_VISIBLE_DEVICES"),
-    DeviceKind("npu", "npu", "NPU", "num_npus", None, "hccl", "ASCEND_RT_VISIBLE_DEVICES"),
+    DeviceKind("gpu", "cuda", "GPU", "num_gpus", "num_gpus", "nccl", "CUDA_VISIBLE_DEVICES", 80.0),  # H100
+    DeviceKind("npu", "npu", "NPU", "num_npus", None, "hccl", "ASCEND_RT_VISIBLE_DEVICES", 64.0),   # Ascend 910B
 )
+# other devices' memory, for placement.device_memory_gb (GB)
+KNOWN_DEVICE_MEMORY_GB = {"H100": 80.0, "H200": 141.0, "A100-80GB": 80.0, "A100-40GB": 40.0, "910B": 64.0}
 DEVICE_KINDS = tuple(k.name for k in DEVICE_TABLE)                 # placement.device_kind: cpu, gpu, npu
 TORCH_DEVICE_TYPES = tuple(k.torch_type for k in DEVICE_TABLE)     # cpu, cuda, npu
 WORKER_DEVICES = (*TORCH_DEVICE_TYPES, "auto")                     # placement.groups.<name>.device
@@ -47,6 +51,15 @@ def device_spec(kind: str) -> DeviceKind:
     if row is None:
         raise ValueError(f"device kind {kind!r}; use one of {sorted(_BY_SPELLING)}")
     return row
+
+
+def device_memory_gb(kind: str, configured: float | None = None) -> float | None:
+    """The memory of one device of `kind` the memory plan checks against: `configured`
+    (placement.device_memory_gb) when given, else the kind's default (gpu 80, an H100; npu 64, a 910B);
+    None for the CPU, whose plan is not checked unless a figure is configured."""
+    if configured is not None:
+        return float(configured)
+    return device_spec(kind).memory_gb
 
 
 def torch_device_type(kind: str) -> str:

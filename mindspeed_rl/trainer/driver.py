@@ -525,7 +525,9 @@ class Trainer:
     # ------------------------------------------------------------------ start-up and shutdown
     def describe(self) -> str:
         from ..dataflow import describe
-        return ("dataflow graph\n" + describe(self.plan.graph) + "\n\nplacement plan\n" + format_plan(self.plan))
+        memory = "\n".join(self.plan.memory.lines()) if self.plan.memory is not None else ""
+        return ("dataflow graph\n" + describe(self.plan.graph) + "\n\nplacement plan\n" + format_plan(self.plan)
+                + ("\n\n" + memory if memory else ""))
 
     def _start_ray(self) -> None:
         import ray

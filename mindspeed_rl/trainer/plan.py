@@ -16,6 +16,7 @@ from ..dataflow import (MFCDef, algorithm_graph, dock_columns, dock_consumers, g
                         same_step_readers, train_time_mfcs, topological_order, trained_models, weight_sync_targets)
 from ..dataflow.mfc import InterfaceType
 from ..engines.deployment import Deployment, DeployError, Slice
+from .memory import MemoryPlan, plan_memory
 from .model_features import check_features
 from ..parallel import ClusterSpec, PlacementPlan, plan_placement
 
@@ -74,6 +75,7 @@ class Plan:
     size_notes: list[str] = field(default_factory=list)  # row sizes rounded to what they must divide
     ahead: tuple[str, ...] = ()                   # MFCs that may run ahead of their step's training (staleness)
     tokenizer_model: str = "actor"                # whose tokenizer the run tokenizes with (reward modeling: reward)
+    memory: MemoryPlan | None = None              # bytes per device and MFC, checked against the devices (memory.py)
 
     def group_of(self, mfc_name: str) -> str:
         return next(g for g, p in self.groups.items() if any(m.name == mfc_name for m in p.mfcs))
@@ -369,12 +371,13 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
                                            if (p.tp > 1 or p.pp > 1) and n in by_name and _generates(by_name[n])})
             except ConfigError as e:
                 notes.append(f"planned, not run: {e}")
+    memory = plan_memory(cfg, groups, model_kinds, model_paths, rows)
     return Plan(graph=graph, order=order, columns=dock_columns(graph), consumers=dock_consumers(graph),
                 dataset_keys=tuple(dataset_keys), groups=groups, trained=trained,
                 sync_targets=weight_sync_targets(graph), same_step_outputs=same_step, model_paths=model_paths,
                 rows_per_step=rows, notes=notes, placement=placement, size_notes=size_notes,
                 ahead=tuple(m.name for m in order if m.name not in train_time_mfcs(graph)),
-                tokenizer_model="reward" if "reward" in trained else "actor")
+                tokenizer_model="reward" if "reward" in trained else "actor", memory=memory)
 
 
 def _fold_own_process_group(cfg: Config, order: list[MFCDef], rollout_spec, assign: dict[str, str],
@@ -741,7 +744,8 @@ def plan_dict(plan: Plan) -> dict:
             "consumers": list(plan.consumers), "rows_per_step": plan.rows_per_step,
             "weight_sync": {model: {"trained_by": plan.trained[model], "readers": targets}
                             for model, targets in plan.sync_targets.items()},
-            "model_paths": dict(plan.model_paths), "notes": list(plan.notes), "batch_sizes": list(plan.size_notes)}
+            "model_paths": dict(plan.model_paths), "notes": list(plan.notes), "batch_sizes": list(plan.size_notes),
+            "memory": plan.memory.as_dict() if plan.memory is not None else None}
 
 
 def write_plan_json(plan: Plan, directory: str) -> str:
