@@ -31,6 +31,24 @@ def default_check_every(device: torch.device) -> int:
     return 1 if torch.device(device).type == "cpu" else 8
 
 
+def prompt_mask(attn: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The prefill's 4D additive attention mask [B, 1, P, P] of left-padded prompts: a token sees the real
+    tokens at or before it (0), nothing else (the dtype's lowest value). A padding position sees itself, so
+    no row of the softmax is empty (an all-masked row is NaN, and NaN times a zero weight is still NaN in
+    the next layer). Built here because transformers, given a 2D mask, asks on every forward whether any
+    row is padded (`masking_utils.fast_all`), a host sync per token; a 4D mask it takes as it is."""
+    P = attn.shape[1]
+    causal = torch.ones((P, P), dtype=torch.bool, device=attn.device).tril()
+    seen = causal[None] & attn.bool()[:, None, :]
+    seen |= torch.eye(P, dtype=torch.bool, device=attn.device)[None]
+    return decode_mask_values(seen, dtype)[:, None]
+
+
+def decode_mask_values(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where `seen`, the dtype's lowest value elsewhere (an additive mask)."""
+    return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, torch.finfo(dtype).min)
+
+
 def last_logits_only(model: torch.nn.Module) -> dict:
     """The forward keyword that computes the prompt's logits at its last position only (the prefill
     of 64 rows x 128 tokens would otherwise hold 2.5 GB of bf16 logits at a 151,936-token vocabulary):
@@ -97,15 +115,17 @@ class ResponseBuilder:
 
     def rollout(self) -> Rollout:
         resp, lp = self.tokens.cpu(), self.log_probs.cpu()
-        n = self.lengths.tolist()
+        n = self.lengths.cpu().numpy().tolist()   # one copy to the host, then no per-element reads
         return Rollout([resp[i, :k].clone() for i, k in enumerate(n)], [lp[i, :k].clone() for i, k in enumerate(n)])
 
 
 class HFRolloutEngine(RolloutEngine):
     concurrent_generate = True  # each call has its own cache and draws; the weights are only read
 
-    def __init__(self, model: torch.nn.Module, pad_token_id: int, device: torch.device | str = "cpu"):
+    def __init__(self, model: torch.nn.Module, pad_token_id: int, device: torch.device | str = "cpu",
+                 check_every: int | None = None):
         self.device = torch.device(device)
+        self.check_every = check_every   # tokens between the loop's host syncs; None: by device
         self.model = model.to(self.device).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -131,21 +151,28 @@ class HFRolloutEngine(RolloutEngine):
         draws = row_uniforms(seeds, params.max_new_tokens, self.device)
         cache = DynamicCache()
         pos = positions(attn)
-        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
-                         use_cache=True, **self._last_only)
+        dtype = next(self.model.parameters()).dtype
+        out = self.model(input_ids=ids, attention_mask=prompt_mask(attn, dtype), position_ids=pos,
+                         past_key_values=cache, use_cache=True, **self._last_only)
         last_pos = pos[:, -1:]
-        responses = ResponseBuilder(ids.shape[0], params, self.pad_token_id, self.device)
+        # the decode steps' mask, [B, 1, 1, P + max_new_tokens], allocated once: the prompt's padding masked,
+        # every new token's column opened (set to 0) in place before the forward that first reads it
+        P = attn.shape[1]
+        mask = decode_mask_values(torch.cat([attn.bool(), attn.new_zeros((attn.shape[0], params.max_new_tokens),
+                                                                         dtype=torch.bool)], 1), dtype)[:, None, None]
+        responses = ResponseBuilder(ids.shape[0], params, self.pad_token_id, self.device, self.check_every)
         while True:
             nxt = responses.add(*sample_next(out.logits[:, -1, :], params, draws[:, responses.t]))
             keep = responses.compaction()
             if responses.complete:
                 return responses.rollout()
             if keep is not None:  # drop the rows that have ended: the rest sample as they would in the full batch
-                nxt, attn, last_pos, draws = nxt[keep], attn[keep], last_pos[keep], draws[keep]
+                nxt, mask, last_pos, draws = nxt[keep], mask[keep], last_pos[keep], draws[keep]
                 cache.batch_select_indices(keep)
-            attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=1)
+            width = P + responses.t
+            mask[..., width - 1] = 0
             last_pos = last_pos + 1
-            out = self.model(input_ids=nxt[:, None], attention_mask=attn, position_ids=last_pos,
+            out = self.model(input_ids=nxt[:, None], attention_mask=mask[..., :width], position_ids=last_pos,
                              past_key_values=cache, use_cache=True)
 
     def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
