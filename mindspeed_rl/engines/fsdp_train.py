@@ -45,8 +45,9 @@ import torch.distributed as dist
 
 from ..algorithms.metrics import merge_metrics
 from .base import Bucket, LossFn, MicroBatch, ModelOutput, NamedTensors, TrainEngine, TrainSpec, bucketed
-from .batching import SequenceBatch, collate, unpad_rows
-from .torch_train import pair_rows, response_log_probs, response_values, sequence_scores
+from .batching import SequenceBatch, collate, forward_groups, join_groups, right_pad, unpad_rows
+from .torch_train import (check_token_budget, enable_gradient_checkpointing, pair_rows, response_log_probs,
+                          response_values, sequence_scores)
 
 OPTIONS = {"reshard_after_forward"}   # TrainSpec.options keys this backend reads
 
@@ -130,6 +131,9 @@ class FSDPTrainEngine(TrainEngine):
                 p.requires_grad_(False)
         else:
             model.train()
+            if spec.gradient_checkpointing:   # before fully_shard: each layer's recompute gathers it again
+                enable_gradient_checkpointing(model)
+        self.max_tokens = check_token_budget(spec.max_tokens_per_micro_batch)
         if self.mesh is None:   # one rank, no process group: the plain module, same members
             self.model = model.to(self.device)
         else:
@@ -231,22 +235,52 @@ class FSDPTrainEngine(TrainEngine):
     def _infer(self, prompts, responses, micro_batch_size: int, column: str) -> list[torch.Tensor]:
         if micro_batch_size <= 0:
             raise ValueError(f"micro_batch_size={micro_batch_size}: must be > 0")
-        starts = range(0, len(prompts), micro_batch_size)
+        groups = forward_groups(prompts, responses, micro_batch_size, self.max_tokens)
         # every rank runs the same number of forwards (each gathers parameters): pad with dummies
-        total = self._max_over_ranks(len(starts))
-        out: list[torch.Tensor] = []
-        for s in starts:
-            b = self.batch(prompts[s:s + micro_batch_size], responses[s:s + micro_batch_size])
+        total = self._max_over_ranks(len(groups))
+        out: list[torch.Tensor | None] = [None] * len(prompts)
+        for g in groups:
+            b = self.batch([prompts[i] for i in g], [responses[i] for i in g])
             o = self.forward(b, with_entropy=False)
             if column == "scores":  # one per row
-                out.extend(v.reshape(1).float().cpu() for v in o.scores)
+                rows = [v.reshape(1).float().cpu() for v in o.scores]
             else:
-                out.extend(r.float().cpu() for r in unpad_rows(getattr(o, column), b.response_mask))
-        pad = torch.tensor([self.pad_token_id])
-        for _ in range(total - len(starts)):
-            self.forward(self.batch([pad], [pad]), with_entropy=False)
+                rows = [r.float().cpu() for r in unpad_rows(getattr(o, column), b.response_mask)]
+            for i, r in zip(g, rows):
+                out[i] = r
+        for _ in range(total - len(groups)):
+            self.forward(self._dummy_batch(), with_entropy=False)
         self._reshard()
         return out
+
+    def _dummy_batch(self) -> SequenceBatch:
+        """One pad token of prompt and of response: the forward a rank with fewer groups makes so that
+        its parameter gathers pair up with the other ranks'."""
+        pad = torch.tensor([self.pad_token_id])
+        return self.batch([pad], [pad])
+
+    def _train_output(self, data: dict) -> tuple[ModelOutput, torch.Tensor | None]:
+        """A training micro-batch's output (a reward model's over its pairs) and, where the DP ranks split
+        theirs into different numbers of token-budget forwards, a zero that depends on this rank's dummy
+        forwards (None without any): added to the loss, it takes them through the backward as well, so
+        every rank gathers and reduces as many times. The split forwards are joined before the loss
+        (`join_groups`), which sees exactly the micro-batch it would see from one padded forward."""
+        if self.model_kind == "reward":
+            return self.forward(self.batch(*pair_rows(data))), None
+        prompts, responses = data["prompts"], data["responses"]
+        if self.max_tokens is None:
+            return self.forward(self.batch(prompts, responses)), None
+        groups = forward_groups(prompts, responses, len(prompts), self.max_tokens)
+        total = self._max_over_ranks(len(groups))
+        outs = [self.forward(self.batch([prompts[i] for i in g], [responses[i] for i in g])) for g in groups]
+        out = (outs[0] if len(groups) == 1 else
+               join_groups(groups, outs, right_pad(responses, self.pad_token_id)[1].to(self.device)))
+        zero = None
+        for _ in range(total - len(groups)):
+            o = self.forward(self._dummy_batch())
+            t = (o.values if o.values is not None else o.log_probs + o.entropy).sum() * 0.0
+            zero = t if zero is None else zero + t
+        return out, zero
 
     def log_probs(self, prompts, responses, micro_batch_size: int) -> list[torch.Tensor]:
         if self.model_kind != "causal_lm":
@@ -276,10 +310,10 @@ class FSDPTrainEngine(TrainEngine):
             if self.mesh is not None:
                 # gradients stay unsharded and accumulate locally; reduce-scatter on the last one
                 self.model.set_requires_gradient_sync(bool(mb.last))
-            b = (self.batch(*pair_rows(mb.data)) if self.model_kind == "reward" else
-                 self.batch(mb.data["prompts"], mb.data["responses"]))
-            loss, metrics = loss_fn(self.forward(b), mb)
-            (loss * mb.loss_scale).backward()
+            out, zero = self._train_output(mb.data)
+            loss, metrics = loss_fn(out, mb)
+            loss = loss * mb.loss_scale
+            (loss if zero is None else loss + zero).backward()
             unsynced = not mb.last
             merge_metrics(sums, metrics)  # _max maxed, _min minned, the rest summed
             n += 1

@@ -89,7 +89,7 @@ from torch import nn
 
 from ..algorithms.metrics import merge_metrics
 from .base import Bucket, LossFn, MicroBatch, ModelOutput, NamedTensors, TrainEngine, TrainSpec, bucketed
-from .batching import SequenceBatch, collate, positions, unpad_rows
+from .batching import SequenceBatch, collate, forward_groups, join_groups, positions, right_pad, unpad_rows
 
 OPTIONS = {"tp", "pp", "dp", "pp_microbatches", "pp_schedule", "dp_shard"}
 SCHEDULES = ("1f1b", "gpipe")
@@ -155,6 +155,7 @@ class StageModule(nn.Module):
         self.response_slice: tuple[int, int] | None = None
         self.temperature = 1.0
         self.with_entropy = True   # log-probs mode: compute entropies too (training)
+        self.checkpoint_layers = False   # activation checkpointing of each decoder layer (training forwards)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                 labels: torch.Tensor | None = None) -> torch.Tensor:
@@ -169,8 +170,13 @@ class StageModule(nn.Module):
         if "sliding_attention" in layer_types:
             masks["sliding_attention"] = create_sliding_window_causal_mask(**kw)
         pe = self.model.rotary_emb(h, position_ids)
+        recompute = self.checkpoint_layers and self.training and torch.is_grad_enabled()
         for i, layer in self.model.layers.items():
-            h = layer(h, attention_mask=masks[layer_types[int(i)]], position_embeddings=pe, position_ids=position_ids)
+            kw = dict(attention_mask=masks[layer_types[int(i)]], position_embeddings=pe, position_ids=position_ids)
+            if recompute:   # keep the layer's input only; the backward runs it again (TP and FSDP hooks too)
+                h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False, **kw)
+            else:
+                h = layer(h, **kw)
         if not self.last:
             return h
         p, r = self.response_slice
@@ -235,6 +241,9 @@ class MeshTrainEngine(TrainEngine):
         stage = StageModule(model, ranges[self.pp_rank], self.pp_rank == 0, self.pp_rank == self.pp - 1,
                             self.model_kind)
         stage.temperature = float(spec.temperature)
+        stage.checkpoint_layers = bool(spec.gradient_checkpointing) and spec.optim is not None
+        from .torch_train import check_token_budget
+        self.max_tokens = check_token_budget(spec.max_tokens_per_micro_batch)
         del model
         stage.to(self.device)
         if self.tp > 1:
@@ -500,43 +509,61 @@ class MeshTrainEngine(TrainEngine):
             raise ValueError(f"micro_batch_size={micro_batch_size}: must be > 0")
         data = self._bcast_batch({"prompts": list(prompts), "responses": list(responses)} if self.is_dock_reader else None)
         prompts, responses = data["prompts"], data["responses"]
-        starts = list(range(0, len(prompts), micro_batch_size))
-        chunks = [collate(prompts[s:s + micro_batch_size], responses[s:s + micro_batch_size], self.pad_token_id)
-                  for s in starts]
+        # the replica's ranks share the reader's rows, so they make the same groups
+        groups = forward_groups(prompts, responses, micro_batch_size, self.max_tokens)
+        chunks = [collate([prompts[i] for i in g], [responses[i] for i in g], self.pad_token_id) for g in groups]
         real = len(chunks)
-        if self.fsdp:  # FSDP gathers at every forward: every replica runs as many
-            t = torch.tensor([real], dtype=torch.long, device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.dp_group)
-            pad = torch.tensor([self.pad_token_id])
-            chunks += [collate([pad], [pad], self.pad_token_id) for _ in range(int(t.item()) - real)]
-        outs: list[torch.Tensor] = []
+        chunks += [self._dummy_batch() for _ in range(self._max_over_replicas(real) - real)]
         self.stage.with_entropy = False
-        if self.pp == 1:
-            for b in chunks:
-                outs.append(self._run_local(self._to_device(b)))
-        else:
-            step = self.pp_microbatches
-            for k in range(0, len(chunks), step):
-                rnd = chunks[k:k + step]
-                ids, masks, pos, P, R, rows = self._padded_round(rnd)
-                self.stage.response_slice = (P, R)
-                sched = self._pipeline(len(rnd), rows, ids.shape[1], R, has_backward=False, head="log_probs")
-                ids, masks, pos = self._dev(ids, masks, pos)
-                args = (ids,) if self.is_first else ()
-                with self.autocast():
-                    merged = sched.eval(*args, attention_mask=masks, position_ids=pos, **self._round_labels(ids, P))
-                if self.is_last:
-                    for j, b in enumerate(rnd):
-                        outs.append(merged[j * rows:j * rows + b.input_ids.shape[0], :b.responses.shape[1]])
+        outs = self._forward_chunks(chunks)
         self._reshard()
         if not self.is_last:
             return None
-        result: list[torch.Tensor] = []
-        for b, o in zip(chunks[:real], outs[:real]):
+        result: list[torch.Tensor | None] = [None] * len(prompts)
+        for g, b, o in zip(groups, chunks[:real], outs[:real]):
             b = self._to_device(b)
             vals = o if self.model_kind == "value" else o[..., 0]
-            result.extend(r.float().cpu() for r in unpad_rows(vals, b.response_mask))
+            for i, r in zip(g, unpad_rows(vals, b.response_mask)):
+                result[i] = r.float().cpu()
         return result
+
+    @torch.no_grad()
+    def _forward_chunks(self, chunks: list[SequenceBatch]) -> list[torch.Tensor]:
+        """Forward-only over `chunks` (pp > 1: through the pipeline in rounds of `pp_microbatches`): the last
+        stage's output of each, cut to its rows and response width (nothing on the other stages)."""
+        outs: list[torch.Tensor] = []
+        if self.pp == 1:
+            for b in chunks:
+                outs.append(self._run_local(self._to_device(b)))
+            return outs
+        step = self.pp_microbatches
+        for k in range(0, len(chunks), step):
+            rnd = chunks[k:k + step]
+            ids, masks, pos, P, R, rows = self._padded_round(rnd)
+            self.stage.response_slice = (P, R)
+            sched = self._pipeline(len(rnd), rows, ids.shape[1], R, has_backward=False, head="log_probs")
+            ids, masks, pos = self._dev(ids, masks, pos)
+            args = (ids,) if self.is_first else ()
+            with self.autocast():
+                merged = sched.eval(*args, attention_mask=masks, position_ids=pos, **self._round_labels(ids, P))
+            if self.is_last:
+                for j, b in enumerate(rnd):
+                    outs.append(merged[j * rows:j * rows + b.input_ids.shape[0], :b.responses.shape[1]])
+        return outs
+
+    def _dummy_batch(self) -> SequenceBatch:
+        """One pad token of prompt and of response: the forward a replica with fewer forwards makes so that
+        its FSDP gathers pair up with the other replicas'."""
+        pad = torch.tensor([self.pad_token_id])
+        return collate([pad], [pad], self.pad_token_id)
+
+    def _max_over_replicas(self, n: int) -> int:
+        """The most forwards any replica makes (FSDP over dp gathers at every forward: all make as many)."""
+        if not self.fsdp:
+            return n
+        t = torch.tensor([n], dtype=torch.long, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.dp_group)
+        return int(t.item())
 
     def log_probs(self, prompts, responses, micro_batch_size: int) -> list[torch.Tensor] | None:
         if self.model_kind == "value":
@@ -585,7 +612,9 @@ class MeshTrainEngine(TrainEngine):
             sums = self._bcast_obj(sums, self.writer_rank, self.replica_group)
         return {**sums, "micro_batches": n, "grad_norm": grad_norm}
 
-    def _train_round(self, rnd: list[MicroBatch], loss_fn: LossFn) -> list[dict]:
+    def _train_round(self, rnd: list[MicroBatch], loss_fn: LossFn, split: bool = True) -> list[dict]:
+        if split and self.pp > 1 and self.max_tokens is not None:
+            return self._train_round_split(rnd, loss_fn)
         cpu = [collate(mb.data["prompts"], mb.data["responses"], self.pad_token_id) for mb in rnd]
         batches = [self._to_device(b) for b in cpu]
         self.stage.with_entropy = True
@@ -594,8 +623,10 @@ class MeshTrainEngine(TrainEngine):
             for mb, b in zip(rnd, batches):
                 if self.fsdp:
                     self.stage.set_requires_gradient_sync(bool(mb.last))
-                loss, m = loss_fn(self._output(self._run_local(b), b), mb)
-                (loss * mb.loss_scale).backward()
+                o, zero = self._local_output(mb, b)
+                loss, m = loss_fn(o, mb)
+                loss = loss * mb.loss_scale
+                (loss if zero is None else loss + zero).backward()
                 out.append(m)
             return out
         ids, masks, pos, P, R, rows = self._padded_round(cpu)
@@ -633,6 +664,70 @@ class MeshTrainEngine(TrainEngine):
                 else:
                     p.grad.add_(g)
         return metrics
+
+    def _train_round_split(self, rnd: list[MicroBatch], loss_fn: LossFn) -> list[dict]:
+        """pp > 1 with a token budget. A pipeline schedule runs each pipeline micro-batch's backward right
+        after its loss, but the loss must see the whole micro-batch, whose token-budget groups are separate
+        pipeline micro-batches. So the groups first run forward-only; the last stage computes each
+        micro-batch's loss on its joined outputs (`join_groups`) and the loss's gradient with respect to
+        them; then the groups run the training schedule with the loss sum(output * that gradient), whose
+        parameter gradients are the micro-batch loss's (the chain rule through the same forwards, same
+        shapes, same values). The price of exact losses is one forward-only pass more per update. Dummy
+        groups (zero gradient) give every FSDP replica as many pipeline micro-batches."""
+        pad = self.pad_token_id
+        flat: list[tuple[int, list[int]]] = []   # (micro-batch, its rows) of each group
+        for j, mb in enumerate(rnd):
+            p, r = mb.data["prompts"], mb.data["responses"]
+            flat += [(j, g) for g in forward_groups(p, r, len(p), self.max_tokens)]
+        rows = [([rnd[j].data["prompts"][i] for i in g], [rnd[j].data["responses"][i] for i in g]) for j, g in flat]
+        dummy = [torch.tensor([pad])]
+        rows += [(dummy, dummy)] * (self._max_over_replicas(len(rows)) - len(rows))
+        self.stage.with_entropy = True
+        outs = self._forward_chunks([collate(p, r, pad) for p, r in rows])
+        self._reshard()
+        grads: list[torch.Tensor | None] = [None] * len(rows)
+        metrics: list[dict] = [{} for _ in rnd]
+        if self.is_last:
+            for j, mb in enumerate(rnd):
+                ks = [k for k, (owner, _) in enumerate(flat) if owner == j]
+                leaves = [outs[k].detach().requires_grad_() for k in ks]
+                parts = [self._output(leaf, self._to_device(collate(*rows[k], pad))) for leaf, k in zip(leaves, ks)]
+                mask = right_pad(mb.data["responses"], pad)[1].to(self.device)
+                loss, metrics[j] = loss_fn(join_groups([flat[k][1] for k in ks], parts, mask), mb)
+                for k, g in zip(ks, torch.autograd.grad(loss * mb.loss_scale, leaves, allow_unused=True)):
+                    grads[k] = torch.zeros_like(outs[k]) if g is None else g
+            for k in range(len(flat), len(rows)):
+                grads[k] = torch.zeros_like(outs[k])
+
+        def surrogate(o: ModelOutput, group: MicroBatch) -> tuple[torch.Tensor, dict]:
+            head = o.values if o.values is not None else torch.stack([o.log_probs, o.entropy], dim=-1)
+            return (head * grads[group.data["index"]]).sum(), {}
+
+        groups = [MicroBatch({"prompts": p, "responses": r, "index": k}, 1.0) for k, (p, r) in enumerate(rows)]
+        for k in range(0, len(groups), self.pp_microbatches):
+            self._train_round(groups[k:k + self.pp_microbatches], surrogate, split=False)
+        return metrics
+
+    def _local_output(self, mb: MicroBatch, b: SequenceBatch) -> tuple[ModelOutput, torch.Tensor | None]:
+        """pp=1: a training micro-batch's output, in token-budget forwards joined before the loss when a
+        budget is set (`join_groups`: the loss sees what one padded forward gives it); with FSDP over dp, a
+        zero that depends on this replica's dummy forwards, so its backward gathers and reduces as often
+        as the replica with the most forwards (None when it ran none)."""
+        if self.max_tokens is None:
+            return self._output(self._run_local(b), b), None
+        prompts, responses = mb.data["prompts"], mb.data["responses"]
+        groups = forward_groups(prompts, responses, len(prompts), self.max_tokens)
+        total = self._max_over_replicas(len(groups))
+        outs = []
+        for g in groups:
+            gb = self._to_device(collate([prompts[i] for i in g], [responses[i] for i in g], self.pad_token_id))
+            outs.append(self._output(self._run_local(gb), gb))
+        out = outs[0] if len(groups) == 1 else join_groups(groups, outs, b.response_mask)
+        zero = None
+        for _ in range(total - len(groups)):
+            t = self._run_local(self._to_device(self._dummy_batch())).sum() * 0.0
+            zero = t if zero is None else zero + t
+        return out, zero
 
     def _clip(self) -> float:
         """Global grad norm over TP shards, FSDP shards and pipeline stages; clip all by it."""

@@ -288,7 +288,9 @@ def test_backend_options_or_a_bad_budget_are_refused(tmp_path):
 
 def ddp_budget_rank(rank: int, world: int, port: int, rows: tuple, budget: int) -> dict:
     """One DDP `train_step` (a worker process): each micro-batch runs as several token-budget
-    forwards before its one backward, which DDP's reducer must take as one iteration."""
+    forwards before its one backward, which DDP's reducer must take as one iteration; then the same
+    step again with activation checkpointing (DDP's hooks must fire once per parameter through the
+    recompute)."""
     from mindspeed_rl.engines import MicroBatch
     from mindspeed_rl.engines.weight_sync import stateless_group
 
@@ -296,14 +298,19 @@ def ddp_budget_rank(rank: int, world: int, port: int, rows: tuple, budget: int) 
     from ._mp_workers import HOST, as_process_group
     prompts, responses = rows
     group = stateless_group(HOST, port, rank, world, timeout_s=60)
-    engine = TorchTrainEngine(tiny_qwen2(seed=rank), PAD, OptimConfig(lr=1e-2, eps=1e-4),
-                              process_group=as_process_group(group), max_tokens_per_micro_batch=budget)
-    split = len(engine.groups(prompts[:2], responses[:2], 2))
-    engine.train_step((MicroBatch({"prompts": prompts[s:s + 2], "responses": responses[s:s + 2]}, 0.5, last=s == 2)
-                       for s in (0, 2)), nll_loss_fn)
-    return {"params": flat_params(engine.module), "split": split}
+    out = {}
+    for checkpointing in (False, True):
+        engine = TorchTrainEngine(tiny_qwen2(seed=rank), PAD, OptimConfig(lr=1e-2, eps=1e-4),
+                                  process_group=as_process_group(group), max_tokens_per_micro_batch=budget,
+                                  gradient_checkpointing=checkpointing)
+        out["split"] = len(engine.groups(prompts[:2], responses[:2], 2))
+        engine.train_step((MicroBatch({"prompts": prompts[s:s + 2], "responses": responses[s:s + 2]}, 0.5,
+                                      last=s == 2) for s in (0, 2)), nll_loss_fn)
+        out["checkpointed" if checkpointing else "params"] = flat_params(engine.module)
+    return out
 
 
+@pytest.mark.slow
 def test_token_budget_under_ddp_equals_one_process_on_the_union(tmp_path):
     from mindspeed_rl.engines import MicroBatch
     from mindspeed_rl.engines.weight_sync import free_port
@@ -319,6 +326,8 @@ def test_token_budget_under_ddp_equals_one_process_on_the_union(tmp_path):
     ref.train_step([MicroBatch({"prompts": prompts, "responses": responses}, 1.0, last=True)], nll_loss)
     assert torch.equal(results[0]["params"], results[1]["params"])
     torch.testing.assert_close(results[0]["params"], flat_params(ref.module), rtol=0, atol=1e-6)
+    for r in results:
+        torch.testing.assert_close(r["checkpointed"], r["params"], rtol=0, atol=1e-7)
 
 
 @pytest.mark.parametrize("backend", ["torch", "fsdp"])

@@ -68,6 +68,11 @@ make_vocab_size_divisible_by (128), use_distributed_optimizer (True),
 num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage (None), npu_adaptor
 (the module to import first on NPU; default tries `mindspeed.megatron_adaptor`, then `megatron_adaptor`).
 
+Model features (`TrainSpec` fields): `gradient_checkpointing` is megatron's full recompute of every layer
+(`recompute_kwargs`); `max_tokens_per_micro_batch` makes each forward a token-budget group of rows, for
+log-probs and for training (`_train_step_split`). Both are written against megatron-core's API and have
+not run: only the recompute options' mapping is tested here.
+
 Not built here: value models (a critic needs a 1-wide output head megatron's GPTModel does not have;
 use backend torch, fsdp or mesh for the critic), virtual pipeline stages, sequence/context
 parallelism, fp16 loss scaling.
@@ -86,6 +91,7 @@ import torch.distributed as dist
 
 from ...algorithms.metrics import merge_metrics
 from ..base import Bucket, LossFn, MicroBatch, ModelOutput, NamedTensors, TrainEngine, TrainSpec, bucketed
+from ..batching import forward_groups, join_groups, right_pad
 from . import convert as C
 
 OPTIONS = {"tp": 1, "pp": 1, "dp": None, "layer_spec": C.LOCAL, "make_vocab_size_divisible_by": 128,
@@ -321,6 +327,10 @@ class MegatronTrainEngine(TrainEngine):
         self.own_group = own_group
         self.version = 0
         self._pending: dict[int, dict[str, torch.Tensor]] = {}
+        from ..torch_train import check_token_budget
+        # at most this many tokens per forward, counted as `batching.padded_tokens` does (an upper bound of
+        # the right-padded layout's rows x longest row)
+        self.max_tokens = check_token_budget(spec.max_tokens_per_micro_batch)
 
     # ------------------------------------------------------------------------------ build
     @classmethod
@@ -510,18 +520,18 @@ class MegatronTrainEngine(TrainEngine):
         prompts, responses = data["prompts"], data["responses"]
         if not prompts:
             return [] if self.last_stage else None
-        batches = [(self._rows(prompts[i:i + micro_batch_size], responses[i:i + micro_batch_size]), i)
-                   for i in range(0, len(prompts), micro_batch_size)]
+        batches = [(self._rows([prompts[i] for i in g], [responses[i] for i in g]), g)
+                   for g in forward_groups(prompts, responses, micro_batch_size, self.max_tokens)]
         lengths = [int(r.numel()) for r in responses]
         flat = torch.zeros(sum(lengths), dtype=torch.float32, device=self.device)
         starts = [0]
         for n in lengths:
             starts.append(starts[-1] + n)
 
-        def on_output(rows: RightPadded, first_row: int, output: torch.Tensor):
+        def on_output(rows: RightPadded, group: list[int], output: torch.Tensor):
             logp, _ = self._token_log_probs(output, rows, with_entropy=False)
-            for j in range(rows.rows):
-                a, b = starts[first_row + j], starts[first_row + j + 1]
+            for j, i in enumerate(group):
+                a, b = starts[i], starts[i + 1]
                 flat[a:b] = logp[j, :b - a].float()
             return output.new_zeros((), dtype=torch.float32), {}
 
@@ -544,6 +554,8 @@ class MegatronTrainEngine(TrainEngine):
         if self.optimizer is None:
             raise RuntimeError("train_step on an inference-only engine (built without OptimConfig)")
         mbs = self._micro_batches(micro_batches)   # megatron's schedule needs the count up front
+        if self.max_tokens is not None:
+            return self._train_step_split(mbs, loss_fn)
         batches = [(self._rows(mb.data["prompts"], mb.data["responses"]), mb) for mb in mbs]
         n = len(batches)
         sums: dict[str, float] = {}
@@ -560,6 +572,62 @@ class MegatronTrainEngine(TrainEngine):
             self._run(batches, on_output, forward_only=False)
         metrics = self._metrics_from_last_stage(sums)
         metrics["micro_batches"] = float(n)
+        metrics.update(self.optimizer_step())
+        return metrics
+
+    def _train_step_split(self, mbs: list[MicroBatch], loss_fn: LossFn) -> dict[str, float]:
+        """`train_step` with a token budget: each micro-batch's rows in token-budget groups, each group a
+        micro-batch of megatron's schedule. The schedule runs a micro-batch's backward right after its
+        loss, but the loss must see the whole micro-batch (its aggregation, its metrics). So the groups
+        first run forward-only; the last stage joins each micro-batch's log-probs and entropies
+        (`join_groups`), computes its loss and the loss's gradient with respect to them; then the
+        groups run the training schedule with the loss sum(outputs * that gradient), whose parameter
+        gradients are the micro-batch loss's. One forward-only pass more per update; replicas may run
+        different group counts (megatron reduces DP gradients once, after the schedule)."""
+        flat: list[tuple[int, list[int]]] = []   # (micro-batch, its rows) of each group
+        for j, mb in enumerate(mbs):
+            p, r = mb.data["prompts"], mb.data["responses"]
+            flat += [(j, g) for g in forward_groups(p, r, len(p), self.max_tokens)]
+        batches = [(self._rows([mbs[j].data["prompts"][i] for i in g], [mbs[j].data["responses"][i] for i in g]), k)
+                   for k, (j, g) in enumerate(flat)]
+        outs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def record(rows: RightPadded, k: int, output: torch.Tensor):
+            outs[k] = self._token_log_probs(output, rows, with_entropy=True)
+            return output.new_zeros((), dtype=torch.float32), {}
+
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        if batches:
+            with torch.no_grad():
+                self._run(batches, record, forward_only=True)
+        sums: dict[str, float] = {}
+        grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        if self.last_stage:
+            for j, mb in enumerate(mbs):
+                ks = [k for k, (owner, _) in enumerate(flat) if owner == j]
+                leaves = [tuple(t.clone().requires_grad_() for t in outs[k]) for k in ks]
+                parts = [ModelOutput(response_mask=batches[k][0].response_mask, log_probs=lp, entropy=ent)
+                         for k, (lp, ent) in zip(ks, leaves)]
+                mask = right_pad(mb.data["responses"], self.pad_token_id)[1].to(self.device)
+                loss, m = loss_fn(join_groups([flat[k][1] for k in ks], parts, mask), mb)
+                merge_metrics(sums, m)
+                wrt = [t for pair in leaves for t in pair]
+                got = torch.autograd.grad(loss * mb.loss_scale, wrt, allow_unused=True)
+                for i, k in enumerate(ks):
+                    grads[k] = tuple(torch.zeros_like(wrt[2 * i + c]) if got[2 * i + c] is None else got[2 * i + c]
+                                     for c in (0, 1))
+        n = len(batches)
+
+        def surrogate(rows: RightPadded, k: int, output: torch.Tensor):
+            logp, ent = self._token_log_probs(output, rows, with_entropy=True)
+            g_lp, g_ent = grads[k]
+            return ((logp * g_lp).sum() + (ent * g_ent).sum()) * n, {}   # the schedule divides by n
+
+        if batches:
+            self._run(batches, surrogate, forward_only=False)
+        metrics = self._metrics_from_last_stage(sums)
+        metrics["micro_batches"] = float(len(mbs))
         metrics.update(self.optimizer_step())
         return metrics
 
