@@ -10,11 +10,13 @@ Sources (`data.dataset` when `rl_config.algorithm: reward_modeling`):
   can be trained on the CPU from nothing. A response ends with the built-in tokenizer's `<eos>` half
   of the time, as the policy's responses do when they stop before `max_new_tokens`.
 
-`split_held_out` sets aside the evaluation records (accuracy and margin each eval), a pure function
-of (records, count, seed); `PreferenceLoader` is the prompt loader's resumable stream, tokenizing
+`split_held_out` sets aside the evaluation records (accuracy and margin each eval) by whole prompts, a
+pure function of (records, count, seed); `PreferenceLoader` is the prompt loader's resumable stream, tokenizing
 pairs into the dock columns of `PREFERENCE_KEYS`.
 """
 from __future__ import annotations
+
+import json
 
 from pathlib import Path
 from typing import Any, Sequence
@@ -179,20 +181,33 @@ def load_preference_dataset(spec: str | Path, prompt_key: str = PROMPT, chosen_k
 
 
 def split_held_out(dataset: PromptDataset, count: int, seed: int = 0) -> tuple[PreferenceDataset, PreferenceDataset]:
-    """(training records, `count` held-out records): a seeded choice of `count` records, both parts in
-    dataset order. `count` 0 holds nothing out; it must leave at least one record to train on."""
+    """(training records, held-out records): whole prompts, drawn in a seeded order, are held out with every
+    pair of theirs until at least `count` pairs are, both parts in dataset order. Held out by prompt, not by
+    pair: a reward model evaluated on pairs of prompts it trained on (other pairs of the same prompt) is
+    scored on what it has half seen, and its held-out accuracy overstates what it does on new prompts.
+    `count` 0 holds nothing out; at least one prompt must remain to train on."""
     n = len(dataset)
     if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
         raise ValueError(f"data.eval_size={count!r}: must be an integer >= 0 (records held out for evaluation)")
-    if count >= n:
-        raise ValueError(f"data.eval_size={count} leaves nothing to train on: {dataset.source} has {n} records; "
-                         f"hold out fewer")
-    held = set(np.random.default_rng([int(seed), 1]).choice(n, size=int(count), replace=False).tolist()) \
-        if count else set()
+    groups: dict[str, list[int]] = {}
+    for i in range(n):
+        groups.setdefault(json.dumps(dataset[i][PROMPT], sort_keys=True), []).append(i)
+    prompts = list(groups)
+    held: set[int] = set()
+    if count:
+        for k in np.random.default_rng([int(seed), 1]).permutation(len(prompts)).tolist():
+            if len(held) >= count:
+                break
+            held.update(groups[prompts[k]])
+    if count and len(held) >= n:
+        raise ValueError(f"data.eval_size={count} leaves nothing to train on: {dataset.source} has {n} records over "
+                         f"{len(prompts)} prompts, and whole prompts are held out; hold out fewer")
     train = [dataset[i] for i in range(n) if i not in held]
     evals = [dataset[i] for i in sorted(held)]
     return (PreferenceDataset(train, f"{dataset.source} (training part)"),
-            PreferenceDataset(evals, f"{dataset.source} (held out: {count})"))
+            PreferenceDataset(evals, f"{dataset.source} (held out: {len(evals)} pairs of "
+                                     f"{len(prompts) - len({json.dumps(r[PROMPT], sort_keys=True) for r in train})} "
+                                     "prompts)"))
 
 
 # ------------------------------------------------------------------ tokenized batches

@@ -104,7 +104,9 @@ def test_jsonl_errors_name_the_file_line_and_key(tmp_path):
 def test_held_out_split_is_seeded_and_disjoint():
     ds = copy_pairs(3, 100, seed=0)
     train, held = split_held_out(ds, 10, seed=3)
-    assert len(train) == 90 and len(held) == 10
+    assert len(held) >= 10 and len(train) + len(held) == 100
+    # whole prompts: no held-out pair's prompt is trained on, and at least 10 pairs are held out
+    assert {r["prompt"] for r in held.records}.isdisjoint({r["prompt"] for r in train.records})
     key = lambda r: (r["prompt"], r["chosen"], r["rejected"])  # noqa: E731
     assert sorted(map(key, train.records + held.records)) == sorted(map(key, ds.records))
     assert split_held_out(ds, 10, seed=3)[1].records == held.records
