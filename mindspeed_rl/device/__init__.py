@@ -32,9 +32,10 @@ from .kinds import (ACCELERATOR_OPTION_KEYS, ACCELERATOR_TYPES, DEVICE_KINDS, DE
 
 __all__ = ["ACCELERATOR_OPTION_KEYS", "ACCELERATOR_TYPES", "DEVICE_KINDS", "DEVICE_TABLE", "RAY_RESOURCES",
            "TORCH_DEVICE_TYPES", "TORCH_NPU_INSTALL", "VISIBLE_DEVICES_ENV", "WORKER_DEVICES", "DeviceKind",
-           "accelerator_share", "device_spec", "device_type", "dist_backend", "group_actor_options", "group_field",
-           "group_resources", "ray_actor_options", "ray_resource", "ray_resource_key", "require_torch_npu",
-           "resolve_device", "set_device", "torch_device_type"]
+           "accelerator_share", "device_spec", "device_type", "dist_backend", "empty_cache", "group_actor_options",
+           "group_field", "group_resources", "host_empty", "is_accelerator", "ray_actor_options", "ray_resource",
+           "ray_resource_key", "require_torch_npu", "resolve_device", "set_device", "synchronize",
+           "torch_device_type"]
 
 TORCH_NPU_INSTALL = ("install torch_npu (Ascend Extension for PyTorch) matching your torch and CANN on an "
                      "Ascend machine: pip install torch-npu, or the project's `npu` extra")
@@ -108,3 +109,42 @@ def set_device(device: torch.device | str) -> None:
         torch.npu.set_device(torch.device(device))
     else:
         torch.cuda.set_device(torch.device(device))
+
+
+def is_accelerator(device: torch.device | str) -> bool:
+    """Is `device` a cuda or npu device (memory of its own, apart from the host's)?"""
+    return device_type(device) != "cpu"
+
+
+def _accelerator_module(device: torch.device | str):
+    """torch.cuda or torch.npu for an accelerator device; None on the CPU."""
+    import torch
+    kind = device_type(device)
+    if kind == "cpu":
+        return None
+    if kind == "npu":
+        require_torch_npu()
+    return getattr(torch, kind)
+
+
+def empty_cache(device: torch.device | str) -> None:
+    """Give the caching allocator's free blocks back to the driver, so another process sharing the
+    device (a colocated vLLM waking from sleep) can take them; nothing on the CPU."""
+    mod = _accelerator_module(device)
+    if mod is not None and mod.is_initialized():
+        mod.empty_cache()
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the device's queued work (non-blocking copies included); nothing on the CPU."""
+    mod = _accelerator_module(device)
+    if mod is not None and mod.is_initialized():
+        mod.synchronize()
+
+
+def host_empty(nbytes: int, device: torch.device | str) -> torch.Tensor:
+    """A host byte buffer that holds what `device` offloads: page-locked (pinned) where `device` is an
+    accelerator, so copies to and from it run asynchronously at full bus speed; plain memory where the
+    device is the CPU (pinning needs an accelerator runtime: torch without one refuses it)."""
+    import torch
+    return torch.empty(int(nbytes), dtype=torch.uint8, pin_memory=is_accelerator(device))

@@ -13,6 +13,7 @@ last micro-batch), clipping and the optimizer step.
 from __future__ import annotations
 
 import abc
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -75,6 +76,9 @@ class ReplicaRoles:
         return self.replica_group is not None and self.reader_rank != self.writer_rank
 
 
+WAKE_TAGS = ("weights", "kv_cache")   # what a sleeping rollout engine can wake, one without the other (vLLM's tags)
+
+
 class RolloutEngine(ReplicaRoles, abc.ABC):
     """Generates responses; holds its own copy of the policy weights, refreshed by weight sync."""
 
@@ -111,10 +115,13 @@ class RolloutEngine(ReplicaRoles, abc.ABC):
 
     def sleep(self) -> None:
         """Free device memory between rollouts when it shares a device with training (vLLM's
-        sleep mode); a no-op where there is nothing to free."""
+        sleep mode: its weights and its KV cache); a no-op where there is nothing to free."""
 
-    def wake_up(self) -> None:
-        """Take the memory back before the next rollout; a no-op where `sleep` is one."""
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Take back the memory `sleep` freed: `tags` names which (WAKE_TAGS; None: all). A weight
+        update needs only the weights (a sync wakes `("weights",)` before writing them: loading into
+        memory the engine gave away corrupts it or fails), generation needs both. A no-op for what is
+        awake and where `sleep` is one."""
 
     def close(self) -> None:
         """Release processes and memory; the engine is unusable afterwards."""
@@ -200,6 +207,16 @@ class TrainEngine(ReplicaRoles, abc.ABC):
     """
 
     version: int = 0
+    offloader: Any = None   # engines/offload.Offloader where TrainSpec.offload moves state between stages
+
+    def holding(self, for_training: bool, why: str) -> "contextlib.AbstractContextManager[None]":
+        """The state a caller needs on the device while it runs: the parameters, and the optimizer
+        state `for_training`. Where the engine offloads (`offloader`), what went to the host comes back
+        and leaves again after the last holder; otherwise nothing moves. Callers: each stage of an MFC
+        (workers/stage.py), the weight export of a sync, a checkpoint."""
+        if self.offloader is None:
+            return contextlib.nullcontext()
+        return self.offloader.holding(for_training, why)
 
     # ---- inference
     @abc.abstractmethod

@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from ..algorithms.metrics import merge_metrics
 from .base import Bucket, LossFn, MicroBatch, ModelOutput, NamedTensors, TrainEngine, TrainSpec, bucketed
+from .offload import OffloadOptions, Offloader
 from .batching import SequenceBatch, collate, forward_groups, join_groups, right_pad, unpad_rows
 from .torch_train import (check_token_budget, enable_gradient_checkpointing, pair_rows, response_log_probs,
                           response_values, sequence_scores)
@@ -134,25 +135,37 @@ class FSDPTrainEngine(TrainEngine):
             if spec.gradient_checkpointing:   # before fully_shard: each layer's recompute gathers it again
                 enable_gradient_checkpointing(model)
         self.max_tokens = check_token_budget(spec.max_tokens_per_micro_batch)
+        offload = OffloadOptions.of(spec.offload, "fsdp")
+        if offload.fsdp_cpu_offload and self.mesh is None:
+            raise ValueError("offload.fsdp_cpu_offload=true: FSDP2's CPUOffloadPolicy applies to sharded modules, and "
+                             "one rank without a process group trains the plain module; use offload.params and "
+                             "offload.optimizer there")
         if self.mesh is None:   # one rank, no process group: the plain module, same members
             self.model = model.to(self.device)
         else:
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+            from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
             compute = self.export_dtype if self.device.type != "cpu" else torch.float32
             stored = next(model.parameters()).dtype
             mp = (MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
                   if compute != stored else MixedPrecisionPolicy())
             reshard = spec.options.get("reshard_after_forward", True)
+            # shards, gradients and the optimizer step on the host; pinned only where there is a device
+            policy = (CPUOffloadPolicy(pin_memory=self.device.type != "cpu") if offload.fsdp_cpu_offload
+                      else OffloadPolicy())
             for layer in decoder_layers(model):
-                fully_shard(layer, mesh=self.mesh, mp_policy=mp, reshard_after_forward=reshard)
-            fully_shard(model, mesh=self.mesh, mp_policy=mp)  # root: auto (kept gathered for backward)
+                fully_shard(layer, mesh=self.mesh, mp_policy=mp, reshard_after_forward=reshard,
+                            offload_policy=policy)
+            # root: auto (kept gathered for backward)
+            fully_shard(model, mesh=self.mesh, mp_policy=mp, offload_policy=policy)
             self.model = model
         self.optimizer = None
         if spec.optim is not None:
             o = spec.optim
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas),
                                                eps=o.eps, weight_decay=o.weight_decay)
+        # between stages (engines/offload.py): the parameters and AdamW state wait on the host
+        self.offloader = Offloader.for_engine(offload, lambda: self.model, lambda: self.optimizer, self.device)
 
     # ------------------------------------------------------------------ construction
     @classmethod

@@ -247,6 +247,11 @@ class BaseReference(TrainEngine):
         self.engine = engine
         self.collective_forward = engine.collective_forward
 
+    def holding(self, for_training: bool, why: str):
+        """The policy's parameters on the device for a pass of its base (engines/offload.py: a policy that
+        offloads between stages brings them back here too)."""
+        return self.engine.holding(False, why)
+
     def log_probs(self, prompts, responses, micro_batch_size: int) -> list[torch.Tensor]:
         with self.engine.lora.disabled():
             return self.engine.log_probs(prompts, responses, micro_batch_size)

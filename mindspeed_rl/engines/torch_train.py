@@ -388,11 +388,16 @@ class TorchTrainEngine(TrainEngine):
         torch.manual_seed(spec.seed)  # a value head is initialized from it
         # fp32 masters for a trained model; a LoRA base stays in `dtype` (its adapters are the masters)
         stored = "float32" if spec.optim is not None and not spec.lora else spec.dtype
-        return cls(load_model(spec, stored), spec.pad_token_id, spec.optim, temperature=spec.temperature,
-                   device=spec.device, process_group=spec.process_group if spec.optim is not None else None,
-                   model_kind=spec.model_kind, dtype=spec.dtype,
-                   max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch,
-                   gradient_checkpointing=spec.gradient_checkpointing, lora=spec.lora)
+        engine = cls(load_model(spec, stored), spec.pad_token_id, spec.optim, temperature=spec.temperature,
+                     device=spec.device, process_group=spec.process_group if spec.optim is not None else None,
+                     model_kind=spec.model_kind, dtype=spec.dtype,
+                     max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch,
+                     gradient_checkpointing=spec.gradient_checkpointing, lora=spec.lora)
+        # between stages (engines/offload.py): the parameters and AdamW state wait on the host
+        from .offload import OffloadOptions, Offloader
+        engine.offloader = Offloader.for_engine(OffloadOptions.of(spec.offload, "torch"), lambda: engine.model,
+                                                lambda: engine.optimizer, engine.device)
+        return engine
 
     def autocast(self):
         """Forward (and so backward) in the compute dtype when it is not the parameters' own (a LoRA

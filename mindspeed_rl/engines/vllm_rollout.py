@@ -40,11 +40,17 @@ Weights (`update_weights`)
     nothing is held back (`pending_weight_names()` lists what is). Held-back names of an older
     version are dropped (with a warning) when a newer version's first bucket arrives.
 
-Sleep mode (`sleep` / `wake_up`)
-    With `enable_sleep_mode: true` (CUDA only): `LLM(enable_sleep_mode=True)`, `llm.sleep(level)`
-    (level 1 offloads the weights to CPU memory and drops the KV cache; level 2 drops the weights
-    too, so the next `update_weights` must send all of them) and `llm.wake_up()`. Not runnable on
-    the CPU build (vLLM's CPU worker ignores sleep): a no-op there and whenever the option is off.
+Sleep mode (`sleep` / `wake_up(tags)`)
+    With `enable_sleep_mode: true` (CUDA): `LLM(enable_sleep_mode=True)`, `llm.sleep(level)` (level
+    1 offloads the weights to CPU memory and drops the KV cache; level 2 drops the weights too, so
+    the next `update_weights` must send all of them) and `llm.wake_up(tags)`, one tag at a time as
+    vLLM's colocation example does: a sync wakes "weights" before it writes them, a generate stage
+    then wakes "kv_cache" (workers/engine_set.py). `asleep` holds the tags that sleep;
+    `update_weights` refuses to run while the weights sleep, `generate` while anything does (vLLM
+    would write into memory it gave away). vLLM's CPU build refuses the option ("Sleep mode is not
+    supported on current platform", `current_platform.is_sleep_mode_available()`): there the engine
+    logs a warning and runs with sleep mode off, `sleep` and `wake_up` doing nothing. Written against
+    vLLM's API; the sleeping path has not run here (no GPU).
 
 Tensor parallelism (`tensor_parallel_size` > 1)
     vLLM starts one worker process per TP rank (its multiprocessing executor, `mp`; the engine core
@@ -120,7 +126,7 @@ from typing import Any, Sequence
 import torch
 
 from ..device import accelerator_share
-from .base import NamedTensors, Rollout, RolloutEngine, RolloutSpec, SamplingParams
+from .base import WAKE_TAGS, NamedTensors, Rollout, RolloutEngine, RolloutSpec, SamplingParams
 from .shm_cleanup import ShmRecorder
 
 logger = logging.getLogger(__name__)
@@ -309,9 +315,9 @@ class VLLMRolloutEngine(RolloutEngine):
         self._workers_elsewhere = self.tensor_parallel_size > 1  # weights go by /dev/shm, not as tensors
         self._files = 0
         self.weight_version = 0
-        self._sleep_mode = sleep_mode
+        self.sleep_mode = sleep_mode
         self._sleep_level = int(sleep_level)
-        self._asleep = False
+        self.asleep: set[str] = set()   # WAKE_TAGS that sleep now
         self._restore = restore or {}
         self._closed = False
         path = Path(spec.model_path)
@@ -373,6 +379,12 @@ class VLLMRolloutEngine(RolloutEngine):
             if key in opts:
                 kwargs[key] = opts[key]
         sleep_mode = bool(opts.get("enable_sleep_mode", False))
+        if sleep_mode and not current_platform.is_sleep_mode_available():
+            # vLLM refuses the option where it cannot sleep ("Sleep mode is not supported on current
+            # platform": its CPU build); the engine stays awake and sleep / wake_up do nothing
+            logger.warning("vllm rollout: enable_sleep_mode is ignored on %s (vLLM has no sleep mode there)",
+                           current_platform.device_type)
+            sleep_mode = False
         if sleep_mode:
             kwargs["enable_sleep_mode"] = True
         if tp > 1:
@@ -420,6 +432,7 @@ class VLLMRolloutEngine(RolloutEngine):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         if not prompts:
             return Rollout(responses=[], log_probs=[])
+        self._awake_for("generate", WAKE_TAGS)
         inputs = [TokensPrompt(prompt_token_ids=[int(t) for t in torch.as_tensor(p).tolist()]) for p in prompts]
         sps = [self._sampling_params(params, s) for s in seeds]
         with self._tp_guard("generate"):
@@ -459,6 +472,7 @@ class VLLMRolloutEngine(RolloutEngine):
         return f"{parent}.{fused}" if parent else fused
 
     def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
+        self._awake_for("update_weights", ("weights",))
         if self._pending and self._pending_version != version:
             logger.warning("vllm rollout: dropping %d weight(s) of version %s never completed "
                            "(a module's names were not all sent): %s", len(self._pending),
@@ -573,15 +587,32 @@ class VLLMRolloutEngine(RolloutEngine):
 
     # ---- memory
     def sleep(self) -> None:
-        if self._sleep_mode and not self._asleep:
+        if self.sleep_mode and not self.asleep:
             self.llm.sleep(level=self._sleep_level)
-            self._asleep = True
+            self.asleep = set(WAKE_TAGS)
 
-    def wake_up(self) -> None:
-        if self._sleep_mode and self._asleep:
-            self.llm.wake_up()
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """vLLM's `wake_up(tags)` for what of `tags` (None: all) sleeps; a fresh KV cache starts with
+        no cached prefixes."""
+        wanted = set(WAKE_TAGS if tags is None else tags)
+        unknown = wanted - set(WAKE_TAGS)
+        if unknown:
+            raise ValueError(f"vllm rollout: wake_up tags {sorted(unknown)} unknown; known: {list(WAKE_TAGS)}")
+        waking = [t for t in WAKE_TAGS if t in wanted & self.asleep]
+        if not waking:
+            return
+        self.llm.wake_up(tags=waking)
+        self.asleep -= set(waking)
+        if "kv_cache" in waking:
             self.llm.reset_prefix_cache()
-            self._asleep = False
+
+    def _awake_for(self, what: str, tags: Sequence[str]) -> None:
+        """Refuse `what` while memory it needs sleeps (vLLM would write into memory it gave away)."""
+        sleeping = [t for t in tags if t in self.asleep]
+        if sleeping:
+            raise RuntimeError(f"vllm rollout: {what} while its {' and '.join(sleeping)} sleep(s); wake_up(tags="
+                               f"{sleeping}) first (EngineSet.awake around generate stages, wake_weights before a "
+                               f"sync)")
 
     def close(self) -> None:
         if self._closed:

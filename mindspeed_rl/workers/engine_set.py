@@ -134,19 +134,59 @@ class EngineSet:
         """The rollout engine holds its device memory while a generate stage runs and gives it back when
         the last one ends (vLLM's sleep mode, `generate_config.vllm.enable_sleep_mode`; a no-op otherwise),
         so a trainer sharing the device gets the memory between rollouts. Counted: ReMax runs two
-        generate stages on one engine at once."""
+        generate stages on one engine at once.
+
+        Each transition holds the model's weights lock for writing: the engine never falls asleep or
+        wakes while a sync writes its weights (`wake_weights`) or a micro-batch generates. Waking wakes
+        what is still asleep (after a sync, only the KV cache), after this process's trainer gave its
+        cached device memory back."""
         engine = self.rollout[model]
-        with self._lock:
-            self._awake[model] = self._awake.get(model, 0) + 1
-            if self._awake[model] == 1:
+        lock = self.weights_lock(model)
+        with lock.writing():
+            with self._lock:
+                self._awake[model] = self._awake.get(model, 0) + 1
+                first = self._awake[model] == 1
+            if first:
+                self.release_cache()
                 engine.wake_up()
         try:
             yield
         finally:
-            with self._lock:
-                self._awake[model] -= 1
-                if self._awake[model] == 0:
+            with lock.writing():
+                with self._lock:
+                    self._awake[model] -= 1
+                    last = self._awake[model] == 0
+                if last:
                     engine.sleep()
+
+    def wake_weights(self, model: str) -> None:
+        """A sleeping rollout engine's weights back before a sync writes them, its KV cache left asleep
+        until a generate stage wakes it (vLLM's colocation order: wake_up(tags=["weights"]), load,
+        wake_up(tags=["kv_cache"])). The caller holds the model's weights lock for writing."""
+        if model in self.rollout:
+            self.release_cache()
+            self.rollout[model].wake_up(tags=("weights",))
+
+    @contextlib.contextmanager
+    def holding(self, mfc, training: bool):
+        """The state an MFC's train or inference engine needs on the device while its stage runs
+        (`TrainEngine.holding`: what offload put on the host comes back, and leaves after the stage;
+        engines/offload.py). After a train stage the cached device memory goes back to the driver, so a
+        rollout sharing the device in another process (vLLM waking from sleep) finds it free."""
+        from .compute import check_mfc
+        kind = check_mfc(mfc).engine
+        if not kind or kind == ROLLOUT:
+            yield
+            return
+        with self.engine_for(mfc.model_name, kind).holding(training, mfc.name):
+            yield
+        if training:
+            self.release_cache()
+
+    def release_cache(self) -> None:
+        """This process's cached device memory back to the driver (nothing on the CPU)."""
+        from ..device import empty_cache, resolve_device
+        empty_cache(resolve_device(self.device_name))
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, directory: str, rank: int) -> list[str]:
@@ -156,7 +196,8 @@ class EngineSet:
         written = []
         for model, engine in self.train.items():
             where = os.path.join(directory, model)
-            written += engine.save_checkpoint(where)
+            with engine.holding(True, "checkpoint"):
+                written += engine.save_checkpoint(where)
             if rank == 0:
                 written.append(save_file({"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
                                           "python": random.getstate()}, os.path.join(where, "rng.pt")))
@@ -167,7 +208,8 @@ class EngineSet:
         loaded = []
         for model, engine in self.train.items():
             where = os.path.join(directory, model)
-            engine.load_checkpoint(where)
+            with engine.holding(True, "checkpoint"):
+                engine.load_checkpoint(where)
             rng = load_file(os.path.join(where, "rng.pt"), what="RNG state")
             torch.set_rng_state(rng["torch"])
             np.random.set_state(rng["numpy"])

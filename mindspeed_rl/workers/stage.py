@@ -144,29 +144,37 @@ def run_stage(dock, impl, roles: LoopRoles, *, stage: str, rank: int, step: int,
     train = getattr(impl, "kind", "forward") == "train"
     units = (_mini_batches(dock, impl, roles, reading, before_optimizer_step) if train else
              _micro_batches(dock, impl, roles, reading, get_n_samples))
-    for unit, rows in units:
-        t1, get_before = time.perf_counter(), rep.get_s
-        if roles.share_group is not None and not train:
-            from ..parallel import broadcast_micro_batch
-            unit, rows = broadcast_micro_batch(unit if roles.reads else None, rows if roles.reads else None,
-                                               src=roles.share_src, group=roles.share_group, device=roles.device)
-        out = impl.run(unit, rows)
-        t2 = time.perf_counter()
-        rep.compute_s += t2 - t1 - (rep.get_s - get_before)   # a train unit reads while it computes
-        if roles.writes and out is not None:
-            if out.columns and rows:
-                dock.put_experience(out.columns, rows, producer=stage, wait=False)
-            add_metrics(rep.metrics, out.metrics)
-        t3 = time.perf_counter()
-        rep.put_s += t3 - t2
-        if not train:
-            rep.mb_put_s.append(t3 - t2)
+    with _on_device(impl, train):   # the engine's state on the device for the stage
+        for unit, rows in units:
+            t1, get_before = time.perf_counter(), rep.get_s
+            if roles.share_group is not None and not train:
+                from ..parallel import broadcast_micro_batch
+                unit, rows = broadcast_micro_batch(unit if roles.reads else None, rows if roles.reads else None,
+                                                   src=roles.share_src, group=roles.share_group, device=roles.device)
+            out = impl.run(unit, rows)
+            t2 = time.perf_counter()
+            rep.compute_s += t2 - t1 - (rep.get_s - get_before)   # a train unit reads while it computes
+            if roles.writes and out is not None:
+                if out.columns and rows:
+                    dock.put_experience(out.columns, rows, producer=stage, wait=False)
+                add_metrics(rep.metrics, out.metrics)
+            t3 = time.perf_counter()
+            rep.put_s += t3 - t2
+            if not train:
+                rep.mb_put_s.append(t3 - t2)
     t4 = time.perf_counter()
     if roles.reads or roles.writes:
         dock.flush()
     rep.put_s += time.perf_counter() - t4
     rep.t_end = time.time()
     return rep
+
+
+def _on_device(impl, train: bool):
+    """The one place every MFC's engine calls go through: its engine's state on the device while the stage
+    runs, the optimizer state too for training (an engine that offloads between stages brings it back
+    here and puts it away after: engines/offload.py, `EngineSet.holding`)."""
+    return impl.ctx.host.holding(impl.ctx.mfc, train)
 
 
 def _micro_batches(dock, impl, roles: LoopRoles, reading: dict, get_n_samples: bool):

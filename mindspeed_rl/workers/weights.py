@@ -57,9 +57,12 @@ class WeightHost:
             sender = IPCSender(self.sync_cfg.bucket_mb << 20, dev)
             # zero copy: an engine whose exported tensors are its own, unsharded parameters declares
             # the module holding them (`ipc_shareable_module`); sharded engines gather into transients
-            shareable = getattr(self.engines.train[model], "ipc_shareable_module", None)
+            # parameters: an engine that offloads them between stages (engines/offload.py) frees that memory,
+            # which a registered handle would keep alive; it sends packed copies instead
+            engine = self.engines.train[model]
+            shareable = getattr(engine, "ipc_shareable_module", None)
             module = shareable() if callable(shareable) else None
-            if module is not None:
+            if module is not None and not _offloads_params(engine):
                 sender.adopt(module)
             self.ipc_senders[model], self.ipc_peers[model] = sender, list(peers)
         elif role == "read":
@@ -103,6 +106,7 @@ class WeightHost:
         digest = Checksum() if self.sync_cfg.verify else None
         out: dict[str, Any] = {"received": [], "readers": len(readers)}
         with self.engines.weights_lock(model).writing():  # between the rollout's micro-batches, never inside one
+            self.engines.wake_weights(model)   # a sleeping rollout's weights back before they are written
             self._sync(model, version, readers, digest, out)
         if digest is not None:
             out["received"] += [c for c in (r.state_checksum() for r in readers) if c is not None]
@@ -110,23 +114,15 @@ class WeightHost:
         return out
 
     def _sync(self, model: str, version: int, readers: list, digest, out: dict) -> None:
-        from ..engines.weight_sync import receive_weights, send_buckets, tee_buckets
+        from ..engines.weight_sync import receive_weights
         group = self.sync_groups.get(model)
         if model in self.engines.train:
-            stream = tee_buckets(self.engines.train[model].export_weights(self.sync_cfg.bucket_mb << 20),
-                                 readers, version, digest)
-            if model in self.ipc_senders and self.rank == 0:
-                import ray
-
-                from ..engines.ipc_sync import CallChannel, send_ipc
-                chans = [CallChannel(lambda x, p=p: p.ipc_deliver.remote(model, x),
-                                     lambda ref, t: ray.get(ref, timeout=t)) for p in self.ipc_peers[model]]
-                out["transfer"] = send_ipc(self.ipc_senders[model], stream, chans, self._ipc_timeout())
-            elif group is not None and self.rank == 0:
-                out["transfer"] = send_buckets(group, stream)
-            else:
-                for _ in stream:  # a sharded engine's other ranks take part in each bucket's gather
-                    pass
+            engine = self.engines.train[model]
+            # the export reads device tensors (an FSDP gather, a CUDA IPC handle): parameters that wait on the
+            # host between stages come back for it and leave after; then the cache goes back to the driver
+            with engine.holding(False, "sync"):
+                self._send(model, engine, version, readers, digest, out, group)
+            self.engines.release_cache()
             if digest is not None and self.rank == 0:
                 out["sent"] = digest.hexdigest()
         elif model in self.ipc_mailboxes:  # mapped from the trainer's memory into a reader's own
@@ -142,4 +138,26 @@ class WeightHost:
                 out["received"].append(digest.hexdigest())
         else:
             raise StageError(f"worker group '{self.group}' has no way to get weights of '{model}'")
+
+    def _send(self, model: str, engine, version: int, readers: list, digest, out: dict, group) -> None:
+        """The trainer's side: export, hand each bucket to the local readers, and on rank 0 send it on."""
+        from ..engines.weight_sync import send_buckets, tee_buckets
+        stream = tee_buckets(engine.export_weights(self.sync_cfg.bucket_mb << 20), readers, version, digest)
+        if model in self.ipc_senders and self.rank == 0:
+            import ray
+
+            from ..engines.ipc_sync import CallChannel, send_ipc
+            chans = [CallChannel(lambda x, p=p: p.ipc_deliver.remote(model, x),
+                                 lambda ref, t: ray.get(ref, timeout=t)) for p in self.ipc_peers[model]]
+            out["transfer"] = send_ipc(self.ipc_senders[model], stream, chans, self._ipc_timeout())
+        elif group is not None and self.rank == 0:
+            out["transfer"] = send_buckets(group, stream)
+        else:
+            for _ in stream:  # a sharded engine's other ranks take part in each bucket's gather
+                pass
+
+
+def _offloads_params(engine) -> bool:
+    from ..engines.offload import PARAMS
+    return engine.offloader is not None and PARAMS in engine.offloader.parts
 
