@@ -135,6 +135,13 @@ class FSDPTrainEngine(TrainEngine):
             if spec.gradient_checkpointing:   # before fully_shard: each layer's recompute gathers it again
                 enable_gradient_checkpointing(model)
         self.max_tokens = check_token_budget(spec.max_tokens_per_micro_batch)
+        # LoRA (engines/lora.py) before fully_shard, which shards the adapters with their layers; the
+        # adapters' lock is the one-call lock, so a reference pass and the policy's calls never overlap
+        self.lora = None
+        if spec.lora:
+            from .lora import apply_lora
+            base = self.export_dtype if self.device.type != "cpu" else torch.float32
+            self.lora = apply_lora(model, spec.lora, base, lock=self._lock)
         offload = OffloadOptions.of(spec.offload, "fsdp")
         if offload.fsdp_cpu_offload and self.mesh is None:
             raise ValueError("offload.fsdp_cpu_offload=true: FSDP2's CPUOffloadPolicy applies to sharded modules, and "
@@ -147,8 +154,9 @@ class FSDPTrainEngine(TrainEngine):
 
             compute = self.export_dtype if self.device.type != "cpu" else torch.float32
             stored = next(model.parameters()).dtype
+            # a LoRA model holds two dtypes (base, fp32 adapters): FSDP2 gathers one, the compute dtype
             mp = (MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
-                  if compute != stored else MixedPrecisionPolicy())
+                  if compute != stored or self.lora is not None else MixedPrecisionPolicy())
             reshard = spec.options.get("reshard_after_forward", True)
             # shards, gradients and the optimizer step on the host; pinned only where there is a device
             policy = (CPUOffloadPolicy(pin_memory=self.device.type != "cpu") if offload.fsdp_cpu_offload
@@ -162,7 +170,10 @@ class FSDPTrainEngine(TrainEngine):
         self.optimizer = None
         if spec.optim is not None:
             o = spec.optim
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas),
+            # only what trains has AdamW state: with LoRA, the adapters (at lora.lr, else the actor's lr)
+            trained = [p for p in self.model.parameters() if p.requires_grad]
+            lr = (spec.lora.get("lr") if spec.lora else None) or o.lr
+            self.optimizer = torch.optim.AdamW(trained, lr=lr, betas=tuple(o.betas),
                                                eps=o.eps, weight_decay=o.weight_decay)
         # between stages (engines/offload.py): the parameters and AdamW state wait on the host
         self.offloader = Offloader.for_engine(offload, lambda: self.model, lambda: self.optimizer, self.device)
@@ -175,8 +186,10 @@ class FSDPTrainEngine(TrainEngine):
         device = torch.device(spec.device)
         if device.type != "cpu" and device.index is not None:
             getattr(torch, device.type).set_device(device)  # torch.cuda / torch.npu
-        # trained models keep fp32 master weights; a device computes in `dtype` (mixed precision)
-        stored = "float32" if spec.optim is not None or device.type == "cpu" else spec.dtype
+        # trained models keep fp32 master weights; a device computes in `dtype` (mixed precision); a LoRA
+        # base is held in `dtype` (the fp32 adapters are the masters)
+        stored = ("float32" if (spec.optim is not None and not spec.lora) or device.type == "cpu"
+                  else spec.dtype)
         torch.manual_seed(spec.seed)  # a value or reward model's fresh head: the same on every rank
         return cls(load_model(spec, stored), spec)
 
@@ -222,9 +235,16 @@ class FSDPTrainEngine(TrainEngine):
         under autocast on a device, as the policy makes a mesh's do. The CPU computes in fp32 either way."""
         if self.mesh is not None or self.device.type == "cpu" or self.export_dtype == torch.float32:
             return contextlib.nullcontext()
-        if next(self.model.parameters()).dtype == self.export_dtype:  # an inference engine holds dtype itself
+        if self.lora is None and next(self.model.parameters()).dtype == self.export_dtype:  # an inference
+            # engine holds dtype itself (a LoRA base does too, but its fp32 adapters compute in dtype)
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.export_dtype)
+
+    def adapters_in_use(self):
+        """Held around each forward (and backward) of the policy: a LoRA reference pass, which turns the
+        adapters off model-wide, waits for it (engines/lora.py). On a mesh `_one_call` holds it already;
+        without one it is what keeps a reference pass and the policy's forwards apart."""
+        return self.lora.in_use() if self.lora is not None else contextlib.nullcontext()
 
     def _one_call(self):
         """The lock of a sharded engine (FSDP2's state is per module); nothing without a mesh."""
@@ -254,7 +274,8 @@ class FSDPTrainEngine(TrainEngine):
         out: list[torch.Tensor | None] = [None] * len(prompts)
         for g in groups:
             b = self.batch([prompts[i] for i in g], [responses[i] for i in g])
-            o = self.forward(b, with_entropy=False)
+            with self.adapters_in_use():
+                o = self.forward(b, with_entropy=False)
             if column == "scores":  # one per row
                 rows = [v.reshape(1).float().cpu() for v in o.scores]
             else:
@@ -323,10 +344,11 @@ class FSDPTrainEngine(TrainEngine):
             if self.mesh is not None:
                 # gradients stay unsharded and accumulate locally; reduce-scatter on the last one
                 self.model.set_requires_gradient_sync(bool(mb.last))
-            out, zero = self._train_output(mb.data)
-            loss, metrics = loss_fn(out, mb)
-            loss = loss * mb.loss_scale
-            (loss if zero is None else loss + zero).backward()
+            with self.adapters_in_use():
+                out, zero = self._train_output(mb.data)
+                loss, metrics = loss_fn(out, mb)
+                loss = loss * mb.loss_scale
+                (loss if zero is None else loss + zero).backward()
             unsynced = not mb.last
             merge_metrics(sums, metrics)  # _max maxed, _min minned, the rest summed
             n += 1
@@ -347,23 +369,45 @@ class FSDPTrainEngine(TrainEngine):
         return {**sums, "micro_batches": n, "grad_norm": grad_norm}
 
     # ------------------------------------------------------------------ weights
-    def export_weights(self, bucket_bytes: int) -> Iterator[Bucket]:
+    def export_weights(self, bucket_bytes: int, adapters: bool = True) -> Iterator[Bucket]:
         """Buckets are planned on the parameters' global shapes in the export dtype (the same
         buckets `bucketed` makes of the full tensors), then gathered a bucket at a time: at most
         one bucket's full tensors are alive per bucket pulled. A tied parameter in one bucket is
         gathered once and yielded under both names; in two buckets it is gathered in each. The engine's
-        lock is held while a bucket is gathered, not while the caller has it."""
+        lock is held while a bucket is gathered, not while the caller has it. A LoRA model yields its
+        merged weights under the base's HF names (`adapters=False`: the base alone, the LoRA reference's)."""
         with self._one_call():
             self._reshard()
             params = dict(self.model.named_parameters(remove_duplicate=False))
+        if self.lora is not None:
+            yield from self._export_merged(params, bucket_bytes, adapters)
+            return
         plan = ((n, torch.empty(p.shape, dtype=self.export_dtype, device="meta")) for n, p in params.items())
         for planned in bucketed(plan, bucket_bytes):
             with self._one_call():
                 bucket = self._gather_bucket([(n, params[n]) for n, _ in planned])
             yield bucket
 
-    def _gather_bucket(self, named: list[tuple[str, torch.Tensor]]) -> Bucket:
-        """(HF name, full tensor in the export dtype) of each parameter, every rank taking part.
+    def _export_merged(self, params: dict, bucket_bytes: int, adapters: bool) -> Iterator[Bucket]:
+        """LoRA's export: per bucket, its base weights gathered in the export dtype and their adapters in
+        fp32, merged into one buffer (`lora.write_bucket`) before the next bucket is gathered."""
+        from .lora import export_plan, write_bucket
+
+        plan = export_plan(self.model, adapters)
+        by_name = {e.name: e for e in plan}
+        meta = ((e.name, torch.empty(params[e.source].shape, dtype=self.export_dtype, device="meta")) for e in plan)
+        for planned in bucketed(meta, bucket_bytes):
+            entries = [by_name[n] for n, _ in planned]
+            sources = dict.fromkeys(e.source for e in entries)
+            factors = dict.fromkeys(n for e in entries if e.lora for n in e.lora)
+            with self._one_call():
+                full = dict(self._gather_bucket([(n, params[n]) for n in sources]))
+                full.update(self._gather_bucket([(n, params[n]) for n in factors], torch.float32))
+                bucket = write_bucket(entries, full.__getitem__, self.export_dtype, next(iter(full.values())).device)
+            yield bucket
+
+    def _gather_bucket(self, named: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> Bucket:
+        """(HF name, full tensor in `dtype`, default the export dtype) of each parameter, every rank taking part.
 
         Over gloo each row-sharded parameter is gathered by broadcasts: every rank casts its rows
         straight into its part of the full tensor and broadcasts that part, all of a bucket's
@@ -371,6 +415,7 @@ class FSDPTrainEngine(TrainEngine):
         broadcasts moved the same bytes at 0.89 (`DTensor.full_tensor` is an all-gather), and this
         needs no padded gather buffer nor an unpadding copy. NCCL/HCCL keep `full_tensor` (cast
         the shard first, so the gather moves the export dtype): their all-gather is the fast one."""
+        dtype = dtype or self.export_dtype
         out: Bucket = []
         done: dict[int, torch.Tensor] = {}
         works = []
@@ -379,12 +424,12 @@ class FSDPTrainEngine(TrainEngine):
                 t = done.get(id(p))
                 if t is None:
                     if not _is_dtensor(p):
-                        t = p.detach().to(self.export_dtype)
+                        t = p.detach().to(dtype)
                     elif self._broadcast_gather(p):
-                        t = torch.empty(p.shape, dtype=self.export_dtype, device=p.to_local().device)
+                        t = torch.empty(p.shape, dtype=dtype, device=p.to_local().device)
                         works += self._broadcast_rows(p, t)
                     else:
-                        t = (p.to(self.export_dtype) if p.dtype != self.export_dtype else p).full_tensor()
+                        t = (p.to(dtype) if p.dtype != dtype else p).full_tensor()
                     done[id(p)] = t
                 out.append((name, t))
             for w in works:
@@ -438,11 +483,20 @@ class FSDPTrainEngine(TrainEngine):
         self.version = int(version)
 
     # ------------------------------------------------------------------ checkpoints
+    def _state_options(self):
+        """A LoRA model's checkpoint holds its adapters only (the base is the checkpoint it was loaded from);
+        loading leaves the frozen base as it is."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+        return StateDictOptions(ignore_frozen_params=True, strict=False) if self.lora is not None else None
+
     def _state(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict, get_model_state_dict
 
         if self.optimizer is not None:
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._state_options())
+            if self.lora is not None:   # a tied frozen weight (lm_head.weight) escapes ignore_frozen_params
+                trained = {n for n, p in self.model.named_parameters() if p.requires_grad}
+                model_sd = {k: v for k, v in model_sd.items() if k in trained}
             return {"model": model_sd, "optim": optim_sd, "version": self.version}
         return {"model": get_model_state_dict(self.model), "version": self.version}
 
@@ -470,7 +524,7 @@ class FSDPTrainEngine(TrainEngine):
             dcp.load(state, checkpoint_id=directory, process_group=self.group, no_dist=self.group is None)
         if self.optimizer is not None:
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"])
+                           optim_state_dict=state["optim"], options=self._state_options())
         else:
             set_model_state_dict(self.model, state["model"])
         self.version = int(state["version"])

@@ -316,6 +316,7 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
         if values and not spec.value_models:
             raise ConfigError(f"actor_config.backend={train_spec.name}: cannot run a critic ({values}: a value head); "
                               "use torch or fsdp for algorithms with a critic")
+    _check_lora_targets(cfg, model_paths, trained)
     engine_backends(cfg, check_files)  # a backend's package missing: said once the placement is known good
     if check_files:
         _check_rollout_model(cfg, rollout_spec, [p for p in groups.values() if any(_generates(m) for m in p.mfcs)])
@@ -437,6 +438,22 @@ def _model_config(path: str) -> dict | None:
         return json.loads((Path(path).expanduser() / "config.json").read_text())
     except (OSError, KeyError, ValueError):
         return None
+
+
+def _check_lora_targets(cfg: Config, model_paths: dict[str, str], trained) -> None:
+    """actor_config.lora.target_modules against the policy's linear layers, before any worker starts, when its
+    config.json is readable here (the model is built on the meta device: no weights read)."""
+    lora = cfg.actor_config.lora
+    if not lora.rank or "actor" not in trained or cfg.trainer.simulate_cost_s_per_row:
+        return
+    config = _model_config(model_paths.get("actor", cfg.actor_config.model_path))
+    if config is None:
+        return
+    from ..engines.lora import check_target_modules_of_config
+    try:
+        check_target_modules_of_config(config, lora.target_modules)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_split(mfc: str, placement, model_path: str, path_key: str) -> None:

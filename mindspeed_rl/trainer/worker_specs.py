@@ -84,14 +84,27 @@ def engine_decls(cfg: Config, plan: Plan, gp: GroupPlan) -> list[EngineDecl]:
               and (m.model_name, INFER) not in out):
             _, kind = SECTIONS[f.engine]
             backend, dtype = _backend_dtype(cfg, kind, gp)
+            base_of = lora_base_of(cfg, m.model_name, out)
             out[(m.model_name, INFER)] = EngineDecl(
                 model=m.model_name, role=INFER, backend=backend, model_path=path(m.model_name),
                 model_kind=kind, dtype=dtype,
-                options=({"costs": costs(m.model_name)} if simulated else
+                options=({} if base_of else {"costs": costs(m.model_name)} if simulated else
                          dict(gp.train_options) if backend == gp.train_backend else {}),
                 temperature=g.temperature or 1.0,
-                features={} if simulated else features_of(cfg, m.model_name, trained=False))
+                features={} if simulated or base_of else features_of(cfg, m.model_name, trained=False),
+                base_of=base_of)
     return list(out.values())
+
+
+def lora_base_of(cfg: Config, model: str, decls: dict) -> str:
+    """The trained model whose engine `model` runs as its base with the LoRA adapters off, or "": the
+    reference, when it is the initial policy (ref_config.model_path null) and the actor trains LoRA in this
+    same worker group (its engine is declared here). A reference in another group loads the base itself."""
+    actor = decls.get(("actor", TRAIN))
+    if (model != "ref" or cfg.ref_config.model_path is not None or actor is None
+            or not actor.features.get("lora")):
+        return ""
+    return "actor"
 
 
 def worker_specs(cfg: Config, plan: Plan, gp: GroupPlan, docks: list, env_of) -> list[WorkerSpec]:

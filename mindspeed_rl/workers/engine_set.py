@@ -33,6 +33,8 @@ class EngineDecl:
     temperature: float = 1.0             # log-probs of the sampling distribution
     max_seq_len: int = 0                 # the longest prompt + response of the run (RolloutSpec.max_seq_len)
     features: dict = field(default_factory=dict)  # TrainSpec's model features (engines.base.MODEL_FEATURES) set
+    base_of: str = ""                    # INFER only: the model trained here with LoRA whose base (adapters off)
+                                         # this engine is; no weights of its own are loaded (engines/lora.py)
 
 
 class EngineSet:
@@ -70,6 +72,10 @@ class EngineSet:
                 self.rollout[d.model] = make_rollout_engine(d.backend, RolloutSpec(
                     model_path=path, dtype=d.dtype, device=device, pad_token_id=pad, seed=self.seed, options=d.options,
                     max_seq_len=d.max_seq_len))
+                continue
+            if d.base_of:   # the LoRA policy's own engine with its adapters off: no second copy of the weights
+                from ..engines.lora import BaseReference
+                self.infer[d.model] = BaseReference(self.train[d.base_of])
                 continue
             optim = OptimConfig(**d.optim) if isinstance(d.optim, dict) else d.optim
             engine = make_train_engine(d.backend, TrainSpec(
@@ -110,6 +116,11 @@ class EngineSet:
 
     def trains(self, model: str) -> bool:
         return model in self.train
+
+    def on_dp_group(self, model: str) -> bool:
+        """Does `model`'s engine here run over the worker group's DP ranks: trained here, or the LoRA base
+        (adapters off) of a model trained here, whose engine it is."""
+        return model in self.train or any(d.model == model and d.base_of for d in self.decls)
 
     def readers(self, model: str) -> list[Any]:
         """The engines here that read `model` without training it: its rollout, an inference copy."""

@@ -194,7 +194,7 @@ class Worker:
         """This group's MFCs whose engine calls are collective over its ranks, in the graph's order: every MFC
         of a split model; with dp > 1 a model trained here: its train step and, when its forwards are collective
         (sharded weights), its inference. A model only read here (a frozen reference) has an engine of its own,
-        on no group of the DP ranks."""
+        on no group of the DP ranks, unless it is the LoRA base of a model trained here (that model's engine)."""
         if self._collective_names is None:
             names = []
             for m in self.spec.mfcs:
@@ -203,10 +203,10 @@ class Worker:
                     if self._split(m):
                         names.append(m.name)
                     continue
-                if self.spec.dp == 1 or self.spec.simulated or not self.engines.trains(m.model_name):
+                if self.spec.dp == 1 or self.spec.simulated or not self.engines.on_dp_group(m.model_name):
                     continue
                 if kind is InterfaceType.TRAIN_STEP or (kind is InterfaceType.INFERENCE
-                                                         and self.engines.train[m.model_name].collective_forward):
+                                                         and self._engine(m).collective_forward):
                     names.append(m.name)
             self._collective_names = names
         return self._collective_names
