@@ -191,14 +191,6 @@ def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device 
     return moved
 
 
-def _is_fsdp(module: torch.nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
-        return False
-    return isinstance(module, FSDPModule)
-
-
 # ---------------------------------------------------------------------------------------- the state machine
 class Offloader:
     """Where one engine's parameters and optimizer state are, and the moves between stages.
@@ -209,10 +201,9 @@ class Offloader:
     the counters and the moves."""
 
     def __init__(self, module: Callable[[], torch.nn.Module], optimizer: Callable[[], torch.optim.Optimizer | None],
-                 device: torch.device | str, *, params: bool, optimizer_state: bool, name: str = ""):
+                 device: torch.device | str, *, params: bool, optimizer_state: bool):
         self._module, self._optimizer = module, optimizer
         self.device = torch.device(device)
-        self.name = name
         self.parts = tuple(p for p, on in ((PARAMS, params), (OPTIMIZER, optimizer_state)) if on)
         self.where: dict[str, str] = {p: ON_DEVICE for p in self.parts}
         self.log: list[Move] = []
@@ -223,12 +214,12 @@ class Offloader:
 
     @classmethod
     def for_engine(cls, options: OffloadOptions, module: Callable[[], torch.nn.Module],
-                   optimizer: Callable[[], torch.optim.Optimizer | None], device: torch.device | str,
-                   name: str = "") -> "Offloader | None":
+                   optimizer: Callable[[], torch.optim.Optimizer | None],
+                   device: torch.device | str) -> "Offloader | None":
         """The engine's offloader, its state already on the host (None when the options move nothing)."""
         if not options.moves:
             return None
-        out = cls(module, optimizer, device, params=options.params, optimizer_state=options.optimizer, name=name)
+        out = cls(module, optimizer, device, params=options.params, optimizer_state=options.optimizer)
         out.offload("built")
         return out
 
@@ -245,6 +236,7 @@ class Offloader:
         nbytes = 0
         if self.real:
             if part == PARAMS:
+                from .torch_train import _is_fsdp
                 target = self.device if to == ON_DEVICE else torch.device("cpu")
                 module = self._module()
                 if _is_fsdp(module):
