@@ -71,6 +71,7 @@ def test_lora_on_a_backend_without_it_is_refused():
         make_plan(cfg, check_files=False)
 
 
+@pytest.mark.slow   # a CLI process: ~10 s of imports on this CPU
 def test_target_modules_matching_nothing_exit_2_before_any_worker_starts():
     out = subprocess.run([sys.executable, "cli/train_grpo.py", "actor_config.lora.rank=8",
                           "actor_config.lora.target_modules=[q_proj,qkv]", "trainer.dry_run=true"],
