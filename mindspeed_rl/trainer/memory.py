@@ -151,6 +151,13 @@ def state_bytes(n_params: int, bytes_per_param: float, shards: int = 1) -> float
     return n_params * bytes_per_param / max(1, shards)
 
 
+def optimizer_step_bytes(trainable: int, shards: int, foreach: bool, largest: int) -> float:
+    """AdamW's step beyond its state: torch's foreach implementation (the default on accelerators) makes one
+    fp32 temporary of every moment at once (sqrt of exp_avg_sq: 4 x trainable / shards); the per-tensor loop
+    (the CPU's) two of the largest tensor's size at a time (its sqrt, then the division)."""
+    return 4 * trainable / max(1, shards) if foreach else 2 * 4 * largest
+
+
 def lora_params(d: ModelDims, rank: int, targets: list[str] | tuple[str, ...]) -> int:
     """Adapter parameters: r x (in + out) per targeted linear layer (A: in x r, B: r x out; LoRA, Hu et al.
     2021). "all-linear" (peft's name) targets every linear layer but the LM head."""
@@ -201,18 +208,30 @@ def train_activation_bytes(d: ModelDims, tokens: int, compute_bytes: int, fp32_r
 
 def inference_activation_bytes(d: ModelDims, tokens: int, compute_bytes: int) -> float:
     """A forward without grad keeps nothing between layers: its peak is one layer's working set, the
-    residual and norm output (about 4 h) and the MLP's gate, up and their product (3 I) per token."""
+    residual and norm output (about 4 h) and the MLP's silu(gate), up and their product (3 I) per token."""
     return tokens * compute_bytes * (4 * d.hidden + 3 * d.intermediate)
 
 
-def chunked_logits_bytes(d: ModelDims, response_tokens: int, train: bool,
+def log_prob_pass_bytes(layers_peak: float, logits_peak: float, tokens: int, d: ModelDims,
+                        compute_bytes: int) -> float:
+    """A log-prob pass runs the layers, then the head on the last hidden states: its peak is the larger
+    of the two working sets, over the hidden states it keeps (tokens x h)."""
+    return max(layers_peak, logits_peak) + tokens * d.hidden * compute_bytes
+
+
+def chunked_logits_bytes(d: ModelDims, response_tokens: int, train: bool, compute_bytes: int = 4,
                          chunk_bytes: int = LOGITS_CHUNK_BYTES) -> float:
     """The LM head a chunk of tokens at a time (engines/torch_train.py head_log_probs): at most
-    `chunk_bytes` of fp32 logits per chunk (fewer when the micro-batch's response tokens are fewer). Peak:
-    the fp32 logits, their log-softmax and the compute-dtype logits (3 chunks); with grad the chunk is
-    recomputed in the backward and adds its gradient (4)."""
+    `chunk_bytes` of fp32 logits per chunk (fewer when the micro-batch's response tokens are fewer).
+    Without grad: the fp32 logits and their log-softmax (2 chunks), and the 16-bit logits they were cast
+    from (half a chunk more). With grad: 4 chunks (the chunk recomputed in the backward with its gradient),
+    and with more than one chunk each chunk's gradient of the head's weight is made whole before it is added
+    to the one accumulated (4 x vocab x hidden more). Measured on the CPU: benchmarks/single_device.py."""
     chunk = min(chunk_bytes, 4 * d.vocab * max(1, response_tokens))
-    return chunk * (4 if train else 3)
+    if not train:
+        return chunk * (2 + (0.5 if compute_bytes < 4 else 0))
+    several = 4 * d.vocab * response_tokens > chunk_bytes
+    return chunk * 4 + (4 * d.vocab * d.hidden if several else 0)
 
 
 def full_logits_bytes(d: ModelDims, rows: int, response_len: int, compute_bytes: int, train: bool) -> float:
@@ -224,9 +243,11 @@ def full_logits_bytes(d: ModelDims, rows: int, response_len: int, compute_bytes:
 
 
 def kv_cache_bytes(d: ModelDims, rows: int, seq_len: int, compute_bytes: int) -> float:
-    """The hf engine's KV cache: keys and values of every layer for rows x (prompt + response) tokens:
-    2 x layers x kv_heads x head_dim x bytes per token."""
-    return 2 * d.layers * d.kv_dim * compute_bytes * rows * seq_len
+    """The hf engine's KV cache: keys and values of every layer for rows x (prompt + response) tokens, 2 x
+    layers x kv_heads x head_dim x bytes per token; transformers' DynamicCache appends by concatenation, so
+    while a step appends, one layer's keys (or values) exist twice: x (1 + 1 / (2 layers))."""
+    full = 2 * d.layers * d.kv_dim * compute_bytes * rows * seq_len
+    return full * (1 + 1 / (2 * d.layers))
 
 
 def decode_logits_bytes(d: ModelDims, rows: int) -> float:
@@ -476,8 +497,9 @@ def _logits(d: ModelDims, lay: Layout, who: str, rows: int, seq_len: int, respon
         b = full_logits_bytes(d, rows_fwd, seq_len, lay.compute_bytes + 4, train) / lay.tp
         how = f"{rows_fwd} rows x {seq_len} x {d.vocab} / tp {lay.tp}, 16-bit + fp32"
     else:
-        b = chunked_logits_bytes(d, rows_fwd * response_len, train)
-        how = f"chunks of {LOGITS_CHUNK_BYTES >> 20} MiB fp32 x {4 if train else 3}"
+        b = chunked_logits_bytes(d, rows_fwd * response_len, train, lay.compute_bytes)
+        how = (f"chunks of {LOGITS_CHUNK_BYTES >> 20} MiB fp32" + (" x 4, the head's gradient once more" if train
+                                                                  else ""))
     return Term(f"{who} logits", b, how, (f"a smaller {rows_key} (now {rows})",
                                            "actor_config.max_tokens_per_micro_batch (a token budget per forward)"))
 
@@ -485,13 +507,32 @@ def _logits(d: ModelDims, lay: Layout, who: str, rows: int, seq_len: int, respon
 def _infer_working_set(d: ModelDims, lay: Layout, who: str, rows: int, seq_len: int, response_len: int,
                        budget: int | None, head: str, rows_key: str) -> list[Term]:
     tokens = tokens_per_forward(rows, seq_len, budget)
-    out = [Term(f"{who} forward", inference_activation_bytes(d, tokens, lay.compute_bytes) / lay.tp,
-                f"{tokens} tokens, one layer's working set",
-                (f"a smaller {rows_key} (now {rows})",
-                 "actor_config.max_tokens_per_micro_batch (a token budget per forward)"))]
-    if head == "lm":
-        out.append(_logits(d, lay, who, rows, seq_len, response_len, budget, False, rows_key))
-    return out
+    layers = inference_activation_bytes(d, tokens, lay.compute_bytes) / lay.tp
+    logits = _logits(d, lay, who, rows, seq_len, response_len, budget, False, rows_key).bytes if head == "lm" else 0.0
+    b = log_prob_pass_bytes(layers, logits, tokens, d, lay.compute_bytes)
+    return [Term(f"{who} forward", b, f"{tokens} tokens: the larger of one layer's working set "
+                 f"({layers / GB:.2f} GB) and the head's ({logits / GB:.2f} GB), over the hidden states",
+                 (f"a smaller {rows_key} (now {rows})",
+                  "actor_config.max_tokens_per_micro_batch (a token budget per forward)"))]
+
+
+def _reduced(grads: list[Term], d: ModelDims, lay: Layout, trainable: int) -> list[Term]:
+    """The gradients at the optimizer step: FSDP2 has reduce-scattered what it accumulated unsharded."""
+    if not lay.sharded:
+        return grads
+    shards = lay.dp * lay.tp * lay.pp
+    return [Term(t.name, state_bytes(trainable, 4, shards), f"{trainable / 1e9:.3f}B x 4 B / {shards}", t.knobs)
+            if t.name.endswith(" grads") else t for t in grads]
+
+
+def _step_term(d: ModelDims, lay: Layout, who: str, trainable: int, lora_rank: int) -> Term:
+    foreach = lay.kind != "cpu"
+    shards = lay.tp * lay.pp * (lay.dp if lay.sharded else 1)
+    largest = (max(lora_rank * max(a, b) for a, b in d.linear_shapes().values()) if lora_rank else
+               max(d.vocab * d.hidden, max(a * b for a, b in d.linear_shapes().values())))
+    return Term(f"{who} optimizer step", optimizer_step_bytes(trainable, shards, foreach, largest),
+                f"{'foreach: 4 B x ' + format(trainable / 1e9, '.3f') + 'B / ' + str(shards) if foreach else 'per tensor: 2 x 4 B x ' + format(largest / 1e6, '.0f') + 'M'}",
+                ("actor_config.offload.optimizer",))
 
 
 def _off(terms: list[Term], why: str) -> list[Term]:
@@ -555,6 +596,11 @@ def _model_load(cfg, d: ModelDims, lay: Layout, model: str, kind: str, mfcs: lis
                              bool(getattr(sec, "gradient_checkpointing", False)), lora_rank, rows_key)]
             if head == "lm":
                 terms.append(_logits(d, lay, who, micro_rows, seq_len, resp, budget, True, rows_key))
+            busy[m.name] = terms
+            if lay.backend != "megatron" and not offload.get("fsdp_cpu_offload"):
+                busy[f"{m.name} (optimizer step)"] = weights + _reduced(grads, d, lay, trainable) + opt + [
+                    _step_term(d, lay, who, trainable, lora_rank)]
+            continue
         else:
             if model == "ref":
                 rows_key, rows = ("ref_config.log_prob_micro_batch_size_per_device",

@@ -97,11 +97,16 @@ def test_activation_terms_by_hand():
 
 def test_logits_kv_and_token_terms():
     d = dims("qwen2.5-7b")
-    assert M.chunked_logits_bytes(d, 10_000, train=True) == 4 * M.LOGITS_CHUNK_BYTES
-    assert M.chunked_logits_bytes(d, 10, train=False) == 3 * 4 * 152064 * 10      # fewer tokens than a chunk
+    # several chunks with grad: 4 chunks, and the head's weight gradient of a chunk (fp32 152064 x 3584) once more
+    assert M.chunked_logits_bytes(d, 10_000, train=True) == 4 * M.LOGITS_CHUNK_BYTES + 4 * 152064 * 3584
+    assert M.chunked_logits_bytes(d, 100, train=True) == 4 * 4 * 152064 * 100     # one chunk: no second gradient
+    assert M.chunked_logits_bytes(d, 10, train=False) == 2 * 4 * 152064 * 10      # fewer tokens than a chunk
+    assert M.chunked_logits_bytes(d, 10, False, 2) == 2.5 * 4 * 152064 * 10       # and the 16-bit logits
+    # a log-prob pass: the larger of the layers' and the head's working sets, over the hidden states
+    assert M.log_prob_pass_bytes(5.0, 7.0, 10, d, 2) == 7.0 + 10 * 3584 * 2
     assert M.full_logits_bytes(d, 2, 9, 2, train=True) == 2 * 10 * 152064 * 2 * 2 + 2 * M.LOGITS_CHUNK_BYTES
-    # keys and values: 2 x 28 layers x 4 kv heads x 128 x 2 B per token
-    assert M.kv_cache_bytes(d, 3, 100, 2) == 2 * 28 * 512 * 2 * 300
+    # keys and values: 2 x 28 layers x 4 kv heads x 128 x 2 B per token, one layer's keys twice while appending
+    assert M.kv_cache_bytes(d, 3, 100, 2) == pytest.approx(2 * 28 * 512 * 2 * 300 * (1 + 1 / 56))
     assert M.vllm_bytes(0.5, 80 * GB) == 40 * GB
     assert M.tokens_per_forward(4, 3072, None) == 4 * 3072
     assert M.tokens_per_forward(4, 3072, 8192) == 8192
