@@ -223,13 +223,13 @@ def check_prompt_file(spec: str | Path, prompt_key: str = PROMPT, answer_key: st
 
 
 def load_prompt_dataset(spec: str | Path, prompt_key: str = PROMPT, answer_key: str = ANSWER,
-                        num_digits: int = 3, size: int = 10000, seed: int = 0) -> PromptDataset:
+                        num_digits: int = 3, size: int = 10000, seed: int = 0, split: str = "train") -> PromptDataset:
     """The dataset named by `spec`.
 
     `builtin:copy` / `builtin:reverse` / `builtin:sort` / `builtin:add`: a synthetic task
-    (`num_digits`, `size`, `seed` apply); otherwise a file chosen by suffix: `.jsonl` / `.json`
-    (JSON lines, or one JSON array), `.parquet`; a preprocessed JSONL is recognised by its
-    `prompt_ids`.
+    (`num_digits`, `size`, `seed` apply; `split` "train" or "val", its held-out prompts: disjoint, see
+    data/synthetic.py); otherwise a file chosen by suffix: `.jsonl` / `.json` (JSON lines, or one JSON
+    array), `.parquet`; a preprocessed JSONL is recognised by its `prompt_ids`. A file is the split it is.
     """
     spec_str = str(spec)
     if spec_str.startswith(BUILTIN_PREFIX):
@@ -239,7 +239,7 @@ def load_prompt_dataset(spec: str | Path, prompt_key: str = PROMPT, answer_key: 
         if kind not in KINDS:
             raise ValueError(f"unknown built-in dataset {spec_str!r}; built-in datasets are "
                              f"{[BUILTIN_PREFIX + k for k in KINDS]}")
-        return SyntheticPromptDataset(SyntheticTask(kind, num_digits), size=size, seed=seed)
+        return SyntheticPromptDataset(SyntheticTask(kind, num_digits), size=size, seed=seed, split=split)
     path = Path(spec_str).expanduser()
     suffix = path.suffix.lower()
     if suffix not in SUFFIXES:

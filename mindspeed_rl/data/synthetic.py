@@ -29,8 +29,18 @@ calculator: it calls the `calc` tool with the operands (`<calc>1234+5678</calc>`
 (`<result>6912</result>`) and copies it, or, with the tool answering for it (`return_direct`,
 `configs/grpo_tiny_tool.yaml`, docs/agent.md), the result is its answer. Its reward
 is `final_digits`: `digits` on the text after the last tool result (`calc_digits` adds credit for the call).
+
+## Train and held-out splits
+Every task's prompts are split by a hash of the prompt text (`is_held_out`: CRC-32 mod 10 == 0, about
+one prompt in ten), so the split is a property of the prompt, not of a seed or a dataset size: the
+training split (`split="train"`, what `data.dataset` loads) never holds a held-out prompt, and the
+held-out split (`split="val"`, what `data.val_dataset` loads for validation) holds only those. The two
+are disjoint by construction for every seed, size and kind, and training draws the same prompts whether
+validation is on or not.
 """
 from __future__ import annotations
+
+import zlib
 
 import numpy as np
 
@@ -40,6 +50,15 @@ KINDS = ("copy", "reverse", "sort", "add", "sum")
 ALPHABET = "0123456789+="  # every character a synthetic prompt may hold
 REWARD = "digits"
 REWARDS = {"sum": "final_digits"}  # kinds whose reward is not REWARD
+SPLITS = ("train", "val")
+HELD_OUT_MODULUS = 10      # one prompt in ten is held out
+VAL_STREAM = 0x76616C      # the held-out split's draws: their own generator, seeded by (seed, VAL_STREAM)
+MAX_DRAW_ROUNDS = 64       # draws of a split: rounds of sampling before a split too small for `size` gives up
+
+
+def is_held_out(prompt: str) -> bool:
+    """Is `prompt` in the held-out split of its task? A pure function of the text (see the module doc)."""
+    return zlib.crc32(prompt.encode("utf-8")) % HELD_OUT_MODULUS == 0
 
 
 class SyntheticTask:
@@ -115,17 +134,55 @@ def _is_digits(text: str) -> bool:
 
 
 class SyntheticPromptDataset(PromptDataset):
-    """`size` records `{"prompt", "answer"}` of `task`, a pure function of (task, size, seed)."""
+    """`size` records `{"prompt", "answer"}` of `task`'s `split`, a pure function of (task, size, seed, split).
+
+    `train`: drawn i.i.d. from the task, held-out prompts dropped (`size` records, repeats allowed).
+    `val`: distinct held-out prompts in a seeded order, `size` of them, or all the task has when it
+    has fewer (copy with 3 digits holds out about 100 of its 1000 prompts); a task with none is refused.
+    """
 
     def __init__(self, task: SyntheticTask | str = "copy", size: int = 10000, seed: int = 0,
-                 num_digits: int = 3):
+                 num_digits: int = 3, split: str = "train"):
         if isinstance(task, str):
             task = SyntheticTask(task, num_digits)
         if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
             raise ValueError(f"size must be a positive integer, got {size!r}")
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {list(SPLITS)}, got {split!r}")
         self.task = task
         self.seed = seed
-        pairs = task.sample_many(np.random.default_rng(seed), int(size))
+        self.split = split
+        pairs = _draw_train(task, int(size), seed) if split == "train" else _draw_held_out(task, int(size), seed)
         super().__init__([{PROMPT: p, ANSWER: a} for p, a in pairs],
                          source=f"builtin:{task.kind} (num_digits={task.num_digits}, "
-                                f"size={size}, seed={seed})")
+                                f"size={size}, seed={seed}{', held-out split' if split == 'val' else ''})")
+
+
+def _draw_train(task: SyntheticTask, size: int, seed: int) -> list[tuple[str, str]]:
+    rng = np.random.default_rng(seed)
+    out: list[tuple[str, str]] = []
+    for _ in range(MAX_DRAW_ROUNDS):
+        out += [(p, a) for p, a in task.sample_many(rng, size - len(out) if out else size) if not is_held_out(p)]
+        if len(out) >= size:
+            return out[:size]
+    raise ValueError(f"{task!r}: almost every prompt is held out for validation; use more num_digits")
+
+
+def _draw_held_out(task: SyntheticTask, size: int, seed: int) -> list[tuple[str, str]]:
+    rng = np.random.default_rng([seed, VAL_STREAM])
+    seen: dict[str, str] = {}
+    idle = 0
+    for _ in range(MAX_DRAW_ROUNDS):
+        before = len(seen)
+        for p, a in task.sample_many(rng, max(4096, 4 * size)):
+            if is_held_out(p) and p not in seen:
+                seen[p] = a
+                if len(seen) == size:
+                    return list(seen.items())
+        idle = idle + 1 if seen and len(seen) == before else 0
+        if idle == 3:  # 12k draws found nothing new: the task has no more held-out prompts
+            break
+    if not seen:
+        raise ValueError(f"{task!r} has no held-out prompts (one prompt in {HELD_OUT_MODULUS} is held out, by "
+                         "its hash); use more num_digits for a validation set")
+    return list(seen.items())
