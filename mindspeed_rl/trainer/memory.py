@@ -411,8 +411,9 @@ def _state_terms(d: ModelDims, lay: Layout, who: str, section: str, head: str, t
                      (f"{'ref_config' if who == 'ref' else section}.offload", more_dp))], [], []
     lora = lora_params(d, lora_rank, lora_targets) if lora_rank else 0
     trainable = lora or p
-    w_knobs = (f"{section}.offload.params", f"{section}.lora.rank (a frozen 16-bit base)"
-               if section == "actor_config" else "", more_dp)
+    w_knobs = (f"{section}.offload.params (off the device between its stages)", f"{section}.lora.rank (a frozen "
+               f"16-bit base, only adapters train)" if section == "actor_config" else "", more_dp,
+               f"{section}.offload.fsdp_cpu_offload (the sharded states on the CPU)" if lay.sharded else "")
     w_knobs = tuple(k for k in w_knobs if k)
     if lay.backend == "megatron":
         dist_opt = True
@@ -434,8 +435,8 @@ def _state_terms(d: ModelDims, lay: Layout, who: str, section: str, head: str, t
     g_shard = 1 if accumulate else s * dp_shard
     g_how = (f"{trainable / 1e9:.3f}B x 4 B unsharded: FSDP2 accumulates {n_micro} micro-batches without "
              f"reduce-scatter" if accumulate else f"{trainable / 1e9:.3f}B x 4 B / {g_shard}")
-    g_knobs = ((f"{section}.lora.rank (adapters only train)",) if section == "actor_config" else ()) + (
-        () if accumulate else (more_dp,))
+    g_knobs = ((f"{section}.lora.rank (a frozen 16-bit base, only adapters train)",) if section == "actor_config"
+               else ()) + (() if accumulate else (more_dp,))
     grads = [Term(f"{who} grads", state_bytes(trainable, 4, g_shard), g_how, g_knobs)]
     if lay.backend == "torch" and lay.dp > 1:
         grads.append(Term(f"{who} DDP buckets", state_bytes(trainable, 4), f"{trainable / 1e9:.3f}B x 4 B",
@@ -443,8 +444,10 @@ def _state_terms(d: ModelDims, lay: Layout, who: str, section: str, head: str, t
     opt = [Term(f"{who} optimizer", state_bytes(trainable, 8, s * dp_shard),
                 f"{trainable / 1e9:.3f}B x 2 x 4 B / {s * dp_shard}",
                 tuple(k for k in (f"{section}.offload.optimizer (off the device between train stages)",
-                                  f"{section}.lora.rank (adapters only train)" if section == "actor_config" else "",
-                                  more_dp) if k))]
+                                  f"{section}.lora.rank (a frozen 16-bit base, only adapters train)"
+                                  if section == "actor_config" else "", more_dp,
+                                  f"{section}.offload.fsdp_cpu_offload (the sharded states on the CPU)"
+                                  if lay.sharded else "") if k))]
     if offload.get("fsdp_cpu_offload"):
         weights = [Term(t.name, 0.0, "on the CPU (fsdp_cpu_offload)") for t in weights]
         opt = [Term(t.name, 0.0, "on the CPU (fsdp_cpu_offload)") for t in opt]
@@ -535,6 +538,13 @@ def _step_term(d: ModelDims, lay: Layout, who: str, trainable: int, lora_rank: i
                 ("actor_config.offload.optimizer",))
 
 
+def _running(terms: list[Term]) -> list[Term]:
+    """The terms of an engine while its own MFC runs: moving state off between stages does not shrink them."""
+    return [Term(t.name, t.bytes, t.how, tuple(k for k in t.knobs if not (".offload." in k and "fsdp_cpu" not in k)
+                                              and not k.endswith(".offload")))
+            for t in terms]
+
+
 def _off(terms: list[Term], why: str) -> list[Term]:
     return [Term(t.name, 0.0, why, t.knobs) for t in terms]
 
@@ -596,10 +606,10 @@ def _model_load(cfg, d: ModelDims, lay: Layout, model: str, kind: str, mfcs: lis
                              bool(getattr(sec, "gradient_checkpointing", False)), lora_rank, rows_key)]
             if head == "lm":
                 terms.append(_logits(d, lay, who, micro_rows, seq_len, resp, budget, True, rows_key))
-            busy[m.name] = terms
+            busy[m.name] = _running(terms)
             if lay.backend != "megatron" and not offload.get("fsdp_cpu_offload"):
-                busy[f"{m.name} (optimizer step)"] = weights + _reduced(grads, d, lay, trainable) + opt + [
-                    _step_term(d, lay, who, trainable, lora_rank)]
+                busy[f"{m.name} (optimizer step)"] = _running(weights + _reduced(grads, d, lay, trainable) + opt + [
+                    _step_term(d, lay, who, trainable, lora_rank)])
             continue
         else:
             if model == "ref":
@@ -617,7 +627,7 @@ def _model_load(cfg, d: ModelDims, lay: Layout, model: str, kind: str, mfcs: lis
             kept_opt = _off(opt, "offloaded between train stages") if offload.get("optimizer") else opt
             terms = weights + kept_opt + copy + _infer_working_set(d, lay, who, rows, seq_len, resp, budget, head,
                                                                    rows_key)
-        busy[m.name] = terms
+        busy[m.name] = _running(terms)
     label = f"{model} ({lay.backend}{f' dp {lay.dp}' if lay.dp > 1 else ''}{f' tp {lay.tp}' if lay.tp > 1 else ''}" \
             f"{f' pp {lay.pp}' if lay.pp > 1 else ''})"
     return Load(label, idle, busy)
@@ -800,7 +810,10 @@ def refusal(cfg, plan: MemoryPlan) -> str | None:
     dev = over[0]
     mfc, total, terms = dev.peak()
     top = terms[:3]
-    knobs = list(dict.fromkeys(k for t in top for k in t.knobs))
+    knobs: dict[str, str] = {}
+    for k in (k for t in top for k in t.knobs):
+        knobs.setdefault(k.split(" ")[0], k)    # one hint per key (the first term's wording)
+    knobs = list(knobs.values())
     cap_key = ("placement.device_memory_gb" if cfg.placement.device_memory_gb is not None else
                f"placement.device_memory_gb=null: the {dev.kind} default")
     return (f"placement: the memory plan puts {total / GB:.1f} GB on {dev.label} ({', '.join(dev.groups)}) at {mfc}, "
