@@ -32,6 +32,38 @@ def refuse_renamed_overrides(argv: list[str]) -> None:
     if found:
         print("config error: " + "; ".join(found) + " (see docs/configs.md)", file=sys.stderr)
         sys.exit(2)
+    refuse_unknown_keys(argv)
+
+
+def refuse_unknown_keys(argv: list[str]) -> None:
+    """Exit 2 naming an override's unknown key and the keys of its section (`generate_config.val.temprature=0`),
+    where Hydra would stop with exit 1 and no list of what the section has. Keys under a mapping field
+    (placement.groups.<name>, backend_options) are the loader's to check."""
+    import yaml
+
+    from .config import ConfigError, config_from_dict
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        if not eq or key.startswith(("+", "~", "hydra.", "-")) or "." not in key:
+            continue
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError:
+            continue
+        tree: dict = {}
+        node = tree
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = parsed
+        try:
+            config_from_dict(tree)
+        except ConfigError as e:
+            if "unknown key" in str(e):
+                print(f"config error: {e}", file=sys.stderr)
+                sys.exit(2)
+        except Exception:  # a value the loader reads otherwise than Hydra would: Hydra's to judge
+            continue
 
 
 def train_main(raw_cfg, algorithm: str | None = None) -> list[dict]:

@@ -84,6 +84,8 @@ class TrainerConfig:
     simulate_generate_slots: int = 0
     simulate_generate_sigma: float = 0.0
     eval_interval: int = 0               # reward modeling: held-out accuracy and margin every N steps (0: at the end)
+    val_interval: int = 0                # validation on data.val_dataset every N steps and after the last (0: off)
+    val_before_train: bool = False       # also validate the starting weights before the first step
 
 
 @dataclass
@@ -217,6 +219,16 @@ class AgentConfig:
 
 
 @dataclass
+class ValGenerateConfig:
+    """generate_config.val: how validation samples (trainer.val_interval, cli/evaluate.py); null: training's."""
+    temperature: Optional[float] = None  # 0: greedy; null: generate_config.temperature
+    top_p: Optional[float] = None        # null: generate_config.top_p
+    top_k: Optional[int] = None          # null: generate_config.top_k
+    n: int = 1                           # responses per prompt: val/pass@1 over them, val/pass@<n>
+    max_new_tokens: Optional[int] = None  # null: generate_config.max_new_tokens
+
+
+@dataclass
 class GenerateConfig:
     backend: str = "hf"                  # hf (transformers, KV cache) or vllm (generate_config.vllm)
     backend_options: dict = field(default_factory=dict)  # a plugin rollout backend's options (vllm: the vllm section)
@@ -228,6 +240,7 @@ class GenerateConfig:
     micro_batch_size_per_device: int = 64  # rows per generate call; rounded down to whole prompt groups
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
+    val: ValGenerateConfig = field(default_factory=ValGenerateConfig)
 
 
 @dataclass
@@ -284,6 +297,10 @@ class DataConfig:
     chosen_key: str = "chosen"           # reward modeling: a preference file's fields (with prompt_key)
     rejected_key: str = "rejected"
     eval_size: int = 0                   # reward modeling: records held out of the dataset for evaluation
+    val_dataset: Optional[str] = None    # validation prompts: a .jsonl/.parquet path, or builtin:<kind> (its held-out
+                                         # split, disjoint from training's); null: no validation
+    val_size: int = 128                  # built-in val_dataset only: distinct held-out prompts (fewer if the task
+                                         # has fewer)
 
 
 @dataclass

@@ -285,8 +285,38 @@ def validate_config(cfg: Config, models: Collection[str] | None = None) -> None:
             _positive(e, f"{k}.{field}", getattr(grp, field), allow_zero=True)
         _positive(e, f"{k}.torch_threads", grp.torch_threads)
         _one_of(e, f"{k}.device", grp.device, WORKER_DEVICES)
+    _validation(e, cfg)
     if e:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(e))
+
+
+def _validation(e: list[str], cfg: Config) -> None:
+    """trainer.val_interval, val_before_train, data.val_dataset / val_size and generate_config.val (the set's
+    file itself is read by the plan: trainer/validation.py check_val_dataset)."""
+    t, v, d = cfg.trainer, cfg.generate_config.val, cfg.data
+    _positive(e, "trainer.val_interval", t.val_interval, "0 turns validation off", allow_zero=True)
+    on = t.val_interval > 0 or t.val_before_train
+    if on and d.val_dataset is None:
+        e.append(f"trainer.val_interval={t.val_interval}, val_before_train={t.val_before_train}: validation needs "
+                 "data.val_dataset (a .jsonl/.parquet file of prompts and answers, or builtin:<kind> for a built-in "
+                 "task's held-out split); or set trainer.val_interval=0 and val_before_train=false")
+    if on and cfg.rl_config.algorithm == "reward_modeling":
+        e.append("trainer.val_interval / val_before_train: reward modeling generates nothing to validate; its "
+                 "held-out pairs are data.eval_size and trainer.eval_interval")
+    if d.val_dataset is not None and (not isinstance(d.val_dataset, str) or not d.val_dataset.strip()):
+        e.append(f"data.val_dataset={d.val_dataset!r}: must be a path or builtin:<kind>, or null for none")
+    _positive(e, "data.val_size", d.val_size)
+    _positive(e, "generate_config.val.n", v.n, "responses per validation prompt (1: pass@1 only)")
+    if v.temperature is not None and not v.temperature >= 0:
+        e.append(f"generate_config.val.temperature={v.temperature}: must be >= 0 (0: greedy), or null for "
+                 "generate_config.temperature")
+    if v.top_p is not None and not 0 < v.top_p <= 1:
+        e.append(f"generate_config.val.top_p={v.top_p}: must be in (0, 1], or null for generate_config.top_p")
+    if v.top_k is not None and v.top_k < 0:
+        e.append(f"generate_config.val.top_k={v.top_k}: must be >= 0 (0: off), or null for generate_config.top_k")
+    if v.max_new_tokens is not None:
+        _positive(e, "generate_config.val.max_new_tokens", v.max_new_tokens,
+                  "or null for generate_config.max_new_tokens")
 
 
 def _lora(e: list[str], lora) -> None:

@@ -112,6 +112,7 @@ class Trainer:
         self.dashboard_server = None
         self.log: RunLog | None = None
         self.evaluate = lambda step: {}    # reward modeling: trainer/reward_modeling.py Evaluation, set at start
+        self.validation = None             # trainer/validation.py Validation (data.val_dataset), set at start
         self.worker_info: dict[tuple[str, int], dict] = {}  # (group, rank) -> its ping: pid, host, node id
         self.step = 0             # the step running (or about to), for an interrupted run's message
         self.steps_done = 0
@@ -211,12 +212,14 @@ class Trainer:
                 self.dashboard.attach(self.docks, start_step,
                                       step_of=lambda j, own: self._dock_steps.get((j, own), own + start_step))
             self._sync_weights()
+            self.validation.before_train(start_step)   # trainer.val_before_train: the starting weights
             bar = self._progress(start_step)
             for step in range(start_step, cfg.trainer.total_steps):
                 self.step = step
                 self._check_signal()
                 record = self.train_step(step, bar)
                 record.update(self.evaluate(step))   # reward modeling: held-out accuracy and margin when due
+                record.update(self.validation.after_step(step))  # val/* when due, at the weights just synced
                 line = self.log.log(record)
                 if self.dashboard is not None:
                     self.dashboard.add_record(record)
@@ -599,6 +602,8 @@ class Trainer:
         # prompts, or preference pairs with a held-out part when the graph trains a reward model
         self.loader, held = make_loader(cfg, plan, tokenizer)
         self.evaluate = Evaluation(self, held, tokenizer)
+        from .validation import Validation
+        self.validation = Validation(self, tokenizer)
         truncation = self.loader.truncation_warning()  # once, at start: the count over the whole dataset
         if truncation:
             print(truncation, file=sys.stderr, flush=True)
@@ -717,6 +722,8 @@ class Trainer:
             except Exception:
                 pass
         self.docks = []
+        if self.validation is not None:
+            self.validation.close()
         if self.dock_calls is not None:
             self.dock_calls.close()
             self.dock_calls = None

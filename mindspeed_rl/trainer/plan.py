@@ -358,6 +358,8 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
             raise ConfigError(f"generate_config.agent.tools: {e}") from None
     if check_files:
         _check_dataset(cfg)
+    from .validation import check_validation
+    check_validation(cfg, graph, check_files)   # the stages it runs; data.val_dataset's file (trainer/validation.py)
     same_step = {t: [k for r in same_step_readers(graph, t) for k in by_name[r].output_keys]
                  for t in trained.values()}
     if placement is not None:

@@ -11,7 +11,8 @@ CONSOLE_KEYS = (("reward/mean", "reward", ".3f"), ("reward/rule_mean", "rule", "
                 ("reward/loss", "rm_loss", ".4f"), ("reward/accuracy", "rm_acc", ".3f"), ("eval/accuracy", "eval_acc", ".3f"),
                 ("actor/pg_loss", "pg_loss", "+.4f"), ("actor/kl", "kl", ".4f"),
                 ("actor/entropy", "entropy", ".3f"), ("response_length/mean", "resp_len", ".2f"),
-                ("timing/step", "step_s", ".2f"), ("throughput/tokens_per_s", "tok/s", ".0f"))
+                ("timing/step", "step_s", ".2f"), ("throughput/tokens_per_s", "tok/s", ".0f"),
+                ("val/reward_mean", "val_reward", ".3f"), ("val/pass@1", "val_pass@1", ".3f"))
 
 
 class MetricsFileError(ValueError):

@@ -84,6 +84,7 @@ class Worker:
         self.turns = CollectiveTurns()
         self._by_name = {m.name: m for m in spec.mfcs}
         self._collective_names: list[str] | None = None
+        self._val: tuple | None = None   # (validation dock, MFC -> arguments, rows): attach_validation
 
     def ping(self) -> dict:
         import ray
@@ -129,34 +130,46 @@ class Worker:
         return {}
 
     # ------------------------------------------------------------------ stages
-    def run_stage(self, mfc_name: str, step: int, policy_version: int, kl_coef: float = 0.0) -> dict:
-        """Run one MFC's loop for one step; returns its report (rows, times, metric sums)."""
+    def run_stage(self, mfc_name: str, step: int, policy_version: int, kl_coef: float = 0.0,
+                  validation: bool = False) -> dict:
+        """Run one MFC's loop for one step (or, with `validation`, over the validation dock's rows at weights
+        `policy_version`); returns its report (rows, times, metric sums)."""
         mfc = self._by_name.get(mfc_name)
         if mfc is None:
             raise StageError(f"worker group '{self.spec.group}' does not host stage '{mfc_name}'")
         try:
             names = self._collective()
-            turn = self.turns.turn(names, mfc.name, step) if mfc.name in names else contextlib.nullcontext()
+            # validation runs while no step's stage does (trainer/validation.py): no turn to wait for
+            turn = (self.turns.turn(names, mfc.name, step) if mfc.name in names and not validation
+                    else contextlib.nullcontext())
             with turn:
-                rep = self._run(mfc, step, policy_version, kl_coef)
+                rep = self._run(mfc, step, policy_version, kl_coef, validation)
         except StageError:
             raise
         except Exception as e:  # name the stage in every failure the driver sees
             import traceback
             where = traceback.extract_tb(e.__traceback__)[-1]
-            raise StageError(f"stage '{mfc_name}' (group '{self.spec.group}', rank {self.spec.rank}, step {step}) "
+            when = f"validation at weight version {policy_version}" if validation else f"step {step}"
+            raise StageError(f"stage '{mfc_name}' (group '{self.spec.group}', rank {self.spec.rank}, {when}) "
                              f"failed: {type(e).__name__}: {e} (at {os.path.basename(where.filename)}:"
                              f"{where.lineno})") from e
         return rep.as_dict()
 
-    def _run(self, mfc: MFCDef, step: int, policy_version: int, kl_coef: float):
+    def _run(self, mfc: MFCDef, step: int, policy_version: int, kl_coef: float, validation: bool = False):
+        if validation and self._val is None:
+            raise StageError(f"stage '{mfc.name}': validation was not attached to worker group '{self.spec.group}'")
+        dock, args, rows = self._val if validation else (self.dock_of(step), self.spec.args, self.spec.rows_per_step)
         ctx = StageContext(mfc=mfc, step=step, policy_version=policy_version, kl_coef=kl_coef,
-                           args=self.spec.args[mfc.name], host=self.engines)
+                           args=args[mfc.name], host=self.engines)
         impl = build_impl(ctx, self.spec.simulated)
         engine = self._engine(mfc)
-        dock = self.dock_of(step)
+        if validation and InterfaceType(mfc.interface_type) is InterfaceType.GENERATE \
+                and engine.weight_version != policy_version:
+            raise StageError(f"stage '{mfc.name}' (validation): the rollout engine holds weight version "
+                             f"{engine.weight_version}, not the pinned version {policy_version}")
         with impl.session():
-            rep = run_stage(dock, impl, self._roles(mfc, impl, engine), stage=mfc.name, rank=self.spec.rank, step=step,
+            rep = run_stage(dock, impl, self._roles(mfc, impl, engine, rows), stage=mfc.name, rank=self.spec.rank,
+                            step=step,
                             input_keys=mfc.input_keys, get_n_samples=mfc.get_n_samples,
                             timeout_s=self.spec.stage_timeout_s,
                             before_optimizer_step=lambda: self._wait_columns(mfc.name, step))
@@ -172,13 +185,14 @@ class Worker:
         """Does `mfc` call a model split over this group's ranks (tp or pp > 1 over the actors)?"""
         return self.spec.model_parallel and not self.spec.simulated and bool(C.check_mfc(mfc).engine)
 
-    def _roles(self, mfc: MFCDef, impl, engine) -> LoopRoles:
-        """What this rank does in `mfc`'s loop, from the roles its engine declares (engines/base.py)."""
+    def _roles(self, mfc: MFCDef, impl, engine, rows: int) -> LoopRoles:
+        """What this rank does in `mfc`'s loop, from the roles its engine declares (engines/base.py); `rows`:
+        the dock's rows (a step's, or the validation set's)."""
         if not self._split(mfc):
             collective = (engine is not None and InterfaceType(mfc.interface_type) is InterfaceType.INFERENCE
                           and self.spec.dp > 1 and engine.collective_forward and not self.spec.simulated)
             # an equal share of the rows, so every rank makes as many collective forwards
-            return LoopRoles(max_rows=self.spec.rows_per_step // self.spec.dp if collective else None)
+            return LoopRoles(max_rows=rows // self.spec.dp if collective else None)
         if impl.kind == TRAIN:  # every rank steps; the reader reads and reports the replica's metrics
             return LoopRoles(reads=engine.is_dock_reader, writes=engine.is_dock_reader, fixed_units=True)
         generate = InterfaceType(mfc.interface_type) is InterfaceType.GENERATE
@@ -232,6 +246,12 @@ class Worker:
     def dock_of(self, step: int):
         """The dock of `step`'s rows (one per step in flight: rl_config.max_weight_staleness + 1)."""
         return self.spec.docks[step % len(self.spec.docks)]
+
+    def attach_validation(self, dock, args: dict[str, dict], rows: int) -> None:
+        """The validation dock, its MFCs' arguments (generate_config.val's sampling, validation's own seed) and
+        its rows: `run_stage(..., validation=True)` runs there (trainer/validation.py)."""
+        dock.worker = f"{self.spec.group}/{self.spec.rank}"
+        self._val = (dock, args, rows)
 
     # ------------------------------------------------------------------ weight sync (weights.py)
     def init_sync_group(self, model: str, host: str, port: int, rank: int, world_size: int,

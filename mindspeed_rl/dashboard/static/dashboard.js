@@ -335,8 +335,15 @@
   // ------------------------------------------------------------------ per-step charts
   function chartSpecs(s) {
     var stages = (s.info || {}).stages || [];
+    var passAtN = [];  // val/pass@<n> of generate_config.val.n, as the records name it
+    (s.history || []).forEach(function (r) {
+      Object.keys(r).forEach(function (k) {
+        if (/^val\/pass@\d+$/.test(k) && k !== "val/pass@1" && passAtN.indexOf(k) < 0) passAtN.push(k);
+      });
+    });
     var specs = [
       {title: "Reward", keys: ["reward/mean", "reward/max_fraction"]},
+      {title: "Validation (held-out prompts)", keys: ["val/reward_mean", "val/pass@1"].concat(passAtN)},
       {title: "KL to the reference", keys: ["actor/kl"]},
       {title: "Policy loss", keys: ["actor/pg_loss"]},
       {title: "Entropy", keys: ["actor/entropy"]},
