@@ -1,0 +1,137 @@
+"""Validation during training and cli/evaluate.py: the pieces by hand, the refusals before Ray starts, and
+one pair of real runs (with and without validation) that must train alike."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mindspeed_rl.config import ConfigError, config_from_dict
+from mindspeed_rl.dataflow import algorithm_graph, topological_order
+from mindspeed_rl.dataflow.validation import validation_graph
+from mindspeed_rl.trainer.plan import make_plan
+from mindspeed_rl.trainer.validation import val_config, val_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ------------------------------------------------------------------------------ pieces
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo", "remax"])
+def test_validation_runs_the_rollout_and_the_reward_only(algorithm):
+    g = validation_graph(algorithm_graph(algorithm))
+    assert [m.name for m in topological_order(g)] == ["actor_rollout", "rule_reward"]
+
+
+def test_reward_modeling_has_nothing_to_validate():
+    with pytest.raises(ValueError, match="no MFC that writes 'rm_scores'"):
+        validation_graph(algorithm_graph("reward_modeling"))
+
+
+def test_val_overrides_replace_only_what_they_name():
+    cfg = config_from_dict({"generate_config": {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 5,
+                                                "val": {"temperature": 0.0, "n": 3}},
+                            "rl_config": {"n_samples_per_prompt": 8}})
+    v = val_config(cfg)
+    g = v.generate_config
+    assert (g.temperature, g.top_p, g.top_k, g.max_new_tokens) == (0.0, 0.9, 0, 5)
+    assert v.rl_config.n_samples_per_prompt == 3
+    assert cfg.generate_config.temperature == 0.7 and cfg.rl_config.n_samples_per_prompt == 8  # not changed
+
+
+def test_val_metrics_by_hand():
+    record = {"reward/mean": 0.5, "reward/max_fraction": 0.25, "reward/format_mean": 0.75,
+              "response_length/mean": 2.5, "response_length/max": 3.0, "response/truncated_fraction": 0.5}
+    scores = [[1.0, 0.0], [0.5, 0.5]]   # 2 prompts x n = 2: c = 1 and c = 0
+    out = val_metrics(record, scores, n=2)
+    assert out == {"val/reward_mean": 0.5, "val/format_mean": 0.75, "val/response_length_mean": 2.5,
+                   "val/truncated_fraction": 0.5, "val/pass@1": 0.25, "val/pass@2": 0.5}
+    assert "val/pass@2" not in val_metrics(record, [[1.0], [0.0]], n=1)
+
+
+# ------------------------------------------------------------------------------ refusals before Ray starts
+def _plan_error(tmp_path, **data) -> str:
+    cfg = config_from_dict({"trainer": {"val_interval": 5, "output_dir": str(tmp_path / "out")}, "data": data})
+    with pytest.raises(ConfigError) as e:
+        make_plan(cfg, check_files=True)
+    return str(e.value)
+
+
+def test_a_bad_validation_set_is_refused_by_the_plan(tmp_path):
+    empty, wrong = tmp_path / "empty.jsonl", tmp_path / "wrong.jsonl"
+    empty.write_text("")
+    wrong.write_text('{"question": "12=", "answer": "12"}\n')
+    assert "no such file" in _plan_error(tmp_path, val_dataset=str(tmp_path / "missing.jsonl"))
+    assert "no records" in _plan_error(tmp_path, val_dataset=str(empty))
+    msg = _plan_error(tmp_path, val_dataset=str(wrong))
+    assert "data.val_dataset=" in msg and "missing key 'prompt'" in msg and "data.prompt_key" in msg
+    assert "unknown built-in dataset 'builtin:nope'" in _plan_error(tmp_path, val_dataset="builtin:nope")
+    assert "validation needs data.val_dataset" in _plan_error(tmp_path, val_dataset=None)
+    with pytest.raises(ConfigError, match=r"generate_config\.val\.temprature: unknown key \(did you mean 'temperature'"):
+        config_from_dict({"generate_config": {"val": {"temprature": 0.0}}})
+    with pytest.raises(ConfigError, match=r"generate_config\.val\.n=0: must be > 0"):
+        make_plan(config_from_dict({"generate_config": {"val": {"n": 0}}}), check_files=False)
+
+
+@pytest.mark.slow
+def test_the_commands_exit_2_without_a_traceback(tmp_path):
+    """cli/evaluate.py and cli/train_grpo.py: one line and exit 2, before Ray starts (3-6 s: Python, Hydra)."""
+    cases = [(["cli/evaluate.py", f"data.val_dataset={tmp_path / 'missing.jsonl'}", f"out={tmp_path / 'e'}"],
+              "data.val_dataset="),
+             (["cli/evaluate.py", "generate_config.val.temprature=0"], "did you mean 'temperature'"),
+             (["cli/train_grpo.py", "trainer.val_interval=5", "data.val_dataset=null"],
+              "validation needs data.val_dataset")]
+    for argv, expected in cases:
+        out = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        assert out.returncode == 2, (argv, out.stderr[-1500:])
+        assert expected in out.stderr and "Traceback" not in out.stderr, (argv, out.stderr[-1500:])
+
+
+# ------------------------------------------------------------------------------ real runs
+TRAIN_KEYS_SKIPPED = ("val/", "timing/", "busy/", "throughput/")
+
+
+def _run(tmp: Path, name: str, steps: int, **sections) -> tuple[list[dict], object]:
+    from mindspeed_rl.trainer import Trainer
+    base = {"trainer": {"total_steps": steps, "output_dir": str(tmp / name), "progress": False, "logger": ["jsonl"],
+                        "plot": False, "save_interval": 0, "stage_timeout_s": 60, "dashboard": False,
+                        "report": False},
+            "rl_config": {"guarantee_order": True, "max_weight_staleness": 1, "prompts_per_step": 8},
+            "data": {"val_dataset": "builtin:copy", "val_size": 24},
+            "generate_config": {"val": {"n": 3}}}
+    for section, values in sections.items():
+        base.setdefault(section, {}).update(values)
+    trainer = Trainer(config_from_dict(base))
+    return trainer.run(), trainer
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_validation_is_logged_at_pinned_versions_and_changes_no_training_number(ray_session, tmp_path):
+    """Rollout runs one version ahead (max_weight_staleness 1): each validation still samples exactly the weights
+    of the step just trained. The same run without validation has every training number equal, weight checksums
+    included; evaluating the starting weights with no training step gives the validation before training."""
+    steps = 4
+    with_val, _ = _run(tmp_path, "val", steps, trainer={"val_interval": 2, "val_before_train": True})
+    without, _ = _run(tmp_path, "plain", steps)
+    assert [{k: v for k, v in r.items() if not k.startswith(TRAIN_KEYS_SKIPPED)} for r in with_val] == \
+           [{k: v for k, v in r.items() if not k.startswith(TRAIN_KEYS_SKIPPED)} for r in without]
+    assert all("weight_sync/actor_checksum" in r for r in with_val)
+    versions = {r["step"]: r.get("val/weight_version") for r in with_val}
+    assert versions == {0: 0.0, 1: 2.0, 2: None, 3: 4.0}   # before training, after steps 1 and 3 (the last)
+    for r in with_val:
+        if r["step"] != 2:
+            assert r["val/prompts"] == 24 and 0.0 <= r["val/pass@1"] <= r["val/pass@3"] <= 1.0
+            assert 0.0 <= r["val/reward_mean"] <= 1.0 and 0 < r["val/response_length_mean"] <= 4
+            assert r["timing/val"] > 0
+    assert not any(k.startswith("val/") for r in without for k in r)
+    lines = [json.loads(line) for line in (tmp_path / "val" / "metrics.jsonl").read_text().splitlines()]
+    assert lines[1]["val/weight_version"] == 2.0                # in metrics.jsonl as in the records
+
+    _, evaluation = _run(tmp_path, "eval", 0, trainer={"val_before_train": True})  # cli/evaluate.py's path
+    first = {k: v for k, v in with_val[0].items() if k.startswith("val/")}
+    assert {k: v for k, v in evaluation.validation.results[-1].items() if k.startswith("val/")} == first
