@@ -292,7 +292,7 @@ def validate_config(cfg: Config, models: Collection[str] | None = None) -> None:
 
 def _validation(e: list[str], cfg: Config) -> None:
     """trainer.val_interval, val_before_train, data.val_dataset / val_size and generate_config.val (the set's
-    file itself is read by the plan: trainer/validation.py check_val_dataset)."""
+    file itself is read by the plan: trainer/validation.py check_validation)."""
     t, v, d = cfg.trainer, cfg.generate_config.val, cfg.data
     _positive(e, "trainer.val_interval", t.val_interval, "0 turns validation off", allow_zero=True)
     on = t.val_interval > 0 or t.val_before_train
