@@ -40,5 +40,10 @@ setup(
         "npu": ["torch-npu"],  # needs Ascend CANN
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"],
         "parquet": ["pyarrow>=14"],
+        # experiment trackers for trainer.logger (trainer/run_log.py); pure Python plus wandb's own service
+        # binary, no torch of their own. mlflow-skinny is MLflow's client without its server stack: the local
+        # file store and any tracking server (MLFLOW_TRACKING_URI) work with it
+        "wandb": ["wandb>=0.17"],
+        "mlflow": ["mlflow-skinny>=2.10"],
     },
 )

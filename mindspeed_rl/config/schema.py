@@ -70,7 +70,12 @@ class TrainerConfig:
     dry_run: bool = False                # validate, print graph and placement plan, write plan.json, start nothing
     plugins: list = field(default_factory=list)  # modules imported (driver and every worker) before any engine is
                                          # built: they register backends (engines.register_*_backend)
-    logger: list = field(default_factory=lambda: ["console", "jsonl"])  # console, jsonl, tensorboard
+    logger: list = field(default_factory=lambda: ["console", "jsonl"])  # console, jsonl, tensorboard, wandb, mlflow
+    project_name: str = "mindspeed_rl"   # wandb's project, mlflow's experiment
+    experiment_name: Optional[str] = None  # wandb's and mlflow's run name; null: output_dir's last part
+    tags: list = field(default_factory=list)  # wandb's run tags, mlflow's tags (strings)
+    save_hf: str = "final"               # the policy as a Hugging Face checkpoint in output_dir/hf: final, every_save
+                                         # (also at each checkpoint), never
     progress: bool = True                # per-step progress bar with per-stage consumption
     stage_timeout_s: float = 120.0       # a stage waiting longer than this for its inputs fails the run
     plot: bool = True                    # write curve.png (reward and loss per step) at the end

@@ -14,7 +14,9 @@ from .schema import Config
 from .vocab import AGENT_SYNTAXES, AGG_MODES, KL_CONTROLLER_KINDS, KL_KINDS, REWARD_SOURCES
 
 PLACEMENT_MODES = ("colocated", "disaggregated", "custom", "mesh")
-LOGGERS = ("console", "jsonl", "tensorboard")
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+LOGGER_EXTRAS = {"wandb": "wandb", "mlflow": "mlflow"}   # a logger whose package is an extra -> the extra's name
+SAVE_HF = ("final", "every_save", "never")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -123,6 +125,21 @@ def validate_config(cfg: Config, models: Collection[str] | None = None) -> None:
     if "tensorboard" in t.logger and not installed("tensorboard"):
         e.append("trainer.logger=[..., tensorboard]: the tensorboard package is not installed; "
                  "`pip install tensorboard` (it is in requirements.txt), or drop tensorboard from trainer.logger")
+    for lg, extra in LOGGER_EXTRAS.items():
+        if lg in t.logger and not installed(lg):
+            e.append(f"trainer.logger=[..., {lg}]: the {lg} package is not installed; `pip install -e .[{extra}]` "
+                     f"(an optional extra), or drop {lg} from trainer.logger")
+    if not isinstance(t.project_name, str) or not t.project_name:
+        e.append(f"trainer.project_name={t.project_name!r}: must be a non-empty string (wandb's project, mlflow's "
+                 "experiment)")
+    if t.experiment_name is not None and (not isinstance(t.experiment_name, str) or not t.experiment_name):
+        e.append(f"trainer.experiment_name={t.experiment_name!r}: must be a non-empty string, or null for "
+                 "output_dir's last part")
+    bad_tags = [x for x in t.tags if not isinstance(x, str) or not x]
+    if bad_tags:
+        e.append(f"trainer.tags={list(t.tags)!r}: {bad_tags} are not non-empty strings; give a list of strings "
+                 "(e.g. [grpo, tiny])")
+    _one_of(e, "trainer.save_hf", t.save_hf, SAVE_HF)
     if not 0 <= t.dashboard_port <= 65535:
         e.append(f"trainer.dashboard_port={t.dashboard_port}: must be a TCP port in [0, 65535]; "
                  "0 picks a free one (printed at start)")

@@ -45,7 +45,7 @@ from .signals import SignalTrap
 from .step_metrics import step_record
 from .dynamic_sampling import DynamicSampling
 from .reward_modeling import save_final, trains_reward_model
-from .run_log import MetricsFileError, RunLog, plot_curve
+from .run_log import MetricsFileError, RunInfo, RunLog, plot_curve
 
 STARTUP_TIMEOUT_S = 300.0
 RAY_CONNECT_TIMEOUT_S = 5.0  # placement.ray_address: a TCP connect to it, before ray.init retries for minutes
@@ -119,6 +119,7 @@ class Trainer:
         self.signals = SignalTrap()      # SIGINT/SIGTERM raise at once in the main thread (signals.py)
         self.run_dir = RunDirectory(cfg.trainer.output_dir)
         self._resume: ResumePoint | None = None
+        self._hf_step = -1               # the step of the last Hugging Face export (trainer.save_hf)
         self.dock_calls: DockCalls | None = None
         self._reaper = None              # trainer/reaper.py: ends this run's Ray session if the driver is killed
         self._t_start = time.time()      # shm_cleanup: records of processes older than this run are not ours
@@ -203,7 +204,8 @@ class Trainer:
             start_step = self._maybe_resume()
             self.step = self.steps_done = start_step
             try:
-                self.log = RunLog(cfg.trainer.output_dir, cfg.trainer.logger, resume_step=start_step)
+                self.log = RunLog(cfg.trainer.output_dir, cfg.trainer.logger, resume_step=start_step,
+                                  info=RunInfo.of(cfg))
             except MetricsFileError as e:
                 raise TrainingError(f"trainer.resume=true: {e}") from None
             if self.dashboard is not None:
@@ -233,9 +235,16 @@ class Trainer:
                 saving = cfg.trainer.save_interval and (step + 1) % cfg.trainer.save_interval == 0
                 if saving or (step + 1 == cfg.trainer.total_steps and cfg.trainer.save_interval):
                     self.save(step + 1)
+                    if cfg.trainer.save_hf == "every_save":
+                        self.save_hf(step + 1)
                 self.steps_done = step + 1
             if bar is not None:
                 bar.close()
+            if cfg.trainer.save_hf != "never" and self.steps_done > start_step and self._hf_step != self.steps_done:
+                exported = self.save_hf(self.steps_done)
+                if exported is not None:
+                    print(f"policy (Hugging Face checkpoint): {exported.parent / 'final'}", file=sys.stderr,
+                          flush=True)
             if trains_reward_model(self.plan) and cfg.trainer.total_steps:
                 print(f"reward model: {save_final(self)}", file=sys.stderr, flush=True)
             if cfg.trainer.plot and self.log.history:
@@ -642,6 +651,21 @@ class Trainer:
         except CheckpointFileError as e:
             raise TrainingError(f"saving the checkpoint of step {step}: {e}") from None
         prune_checkpoints(self.cfg.trainer.output_dir, self.cfg.trainer.keep_checkpoints)  # only once complete
+
+    def save_hf(self, step: int) -> Path | None:
+        """The policy as a Hugging Face checkpoint in <output_dir>/hf/step_N (trainer.save_hf), and `hf/final`
+        pointing at it: the actor's group exports its weights (every rank, the gathers being collective), its
+        rank 0 writes them a bucket at a time (models/hf_export.py). None when the graph trains no policy."""
+        from ..models.hf_export import link_final
+        train_mfc = self.plan.trained.get("actor")
+        if train_mfc is None:
+            return None
+        directory = Path(self.cfg.trainer.output_dir) / "hf" / checkpoint_dir(self.cfg.trainer.output_dir, step).name
+        self._get([w.save_hf.remote("actor", str(directory)) for w in self.workers[self.plan.group_of(train_mfc)]],
+                  f"saving the policy as a Hugging Face checkpoint in {directory}")
+        link_final(directory.parent, directory)
+        self._hf_step = step
+        return directory
 
     def _in_flight_state(self, steps_done: int) -> dict[int, dict]:
         """The steps already started beyond the last one trained (max_weight_staleness > 0): their stages

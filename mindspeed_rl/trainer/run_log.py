@@ -1,11 +1,22 @@
-"""What a user sees of a run: one console line per step, metrics.jsonl, TensorBoard, the reward curve."""
+"""What a user sees of a run: one console line per step, metrics.jsonl, TensorBoard, Weights & Biases,
+MLflow, the reward curve.
+
+Every logger gets the same record under the same names (metrics.jsonl's keys); wandb and mlflow are
+optional extras (`pip install -e .[wandb]`, `.[mlflow]`), imported only when `trainer.logger` names them
+(the config check refuses a missing one before Ray starts).
+"""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+import re
+import time
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 CONSOLE_KEYS = (("reward/mean", "reward", ".3f"), ("reward/rule_mean", "rule", ".3f"), ("reward/model_mean", "model", "+.3f"),
                 ("reward/loss", "rm_loss", ".4f"), ("reward/accuracy", "rm_acc", ".3f"), ("eval/accuracy", "eval_acc", ".3f"),
@@ -46,8 +57,104 @@ def read_metrics(path: Path) -> list[dict]:
     return records
 
 
+@dataclass
+class RunInfo:
+    """What an experiment tracker files a run under: trainer.project_name, experiment_name, tags, and the
+    run's whole config (wandb's run config, mlflow's params)."""
+    project: str = "mindspeed_rl"
+    name: str | None = None
+    tags: list[str] = field(default_factory=list)
+    config: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, cfg) -> "RunInfo":
+        t = cfg.trainer
+        name = t.experiment_name or Path(os.path.abspath(t.output_dir)).name
+        return cls(project=t.project_name, name=name, tags=[str(x) for x in t.tags], config=dataclasses.asdict(cfg))
+
+
+def _numbers(record: dict) -> dict[str, float]:
+    """The record's finite numbers but the step itself (checksums are strings)."""
+    return {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))
+            and not isinstance(v, bool) and math.isfinite(v)}
+
+
+class WandbLogger:
+    """A Weights & Biases run in `<output_dir>/wandb/`: every record's keys but `step` (strings too), at
+    wandb step = the record's step. `WANDB_MODE=offline` (wandb's own switch) writes it without a network, for
+    `wandb sync` later. A resumed run is a new wandb run under the same name. wandb's console capture is off:
+    the terminal stays the run's own."""
+
+    def __init__(self, directory: Path, info: RunInfo):
+        import wandb
+        self.run = wandb.init(project=info.project, name=info.name, tags=info.tags or None, config=info.config,
+                              dir=str(directory), settings=wandb.Settings(console="off"))
+
+    def log(self, record: dict) -> None:
+        self.run.log({k: v for k, v in record.items() if k != "step"}, step=int(record["step"]))
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def mlflow_name(key: str) -> str:
+    """`key` as MLflow accepts a metric name (letters, digits, `_ - . / : space`): `@` becomes `_at_`
+    (`val/pass@1` -> `val/pass_at_1`), any other character it refuses `_`. Names it accepts are unchanged."""
+    return re.sub(r"[^/\w.\- :]", "_", key.replace("@", "_at_"))
+
+
+class MlflowLogger:
+    """An MLflow run: the experiment `project_name`, the run `experiment_name`, each tag a run tag, the config
+    as params (`section.key`), each record's numbers as metrics at its step. The tracking store is
+    `MLFLOW_TRACKING_URI` when set, else a local file store in `<output_dir>/mlruns` (`mlflow ui
+    --backend-store-uri <output_dir>/mlruns`)."""
+
+    MAX_PARAMS = 100   # per log_batch call (MLflow's limit)
+
+    def __init__(self, directory: Path, info: RunInfo):
+        from mlflow.entities import Param, RunTag
+        from mlflow.tracking import MlflowClient
+
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or (directory / "mlruns").resolve().as_uri()
+        if uri.startswith("file:"):   # MLflow 3 keeps its file store behind this switch; it is what we ask for
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.client = MlflowClient(tracking_uri=uri)
+        experiment = self.client.get_experiment_by_name(info.project)
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(info.project)
+        run = self.client.create_run(experiment_id, run_name=info.name)
+        self.run_id = run.info.run_id
+        self.client.log_batch(self.run_id, tags=[RunTag(t, "true") for t in info.tags])
+        params = [Param(k, str(v)[:6000]) for k, v in _flatten(info.config).items()]
+        for i in range(0, len(params), self.MAX_PARAMS):
+            self.client.log_batch(self.run_id, params=params[i:i + self.MAX_PARAMS])
+
+    def log(self, record: dict) -> None:
+        from mlflow.entities import Metric
+        now = int(time.time() * 1000)
+        step = int(record["step"])
+        self.client.log_batch(self.run_id, metrics=[Metric(mlflow_name(k), float(v), now, step)
+                                                    for k, v in _numbers(record).items()])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+TRACKERS = {"wandb": WandbLogger, "mlflow": MlflowLogger}
+
+
 class RunLog:
-    def __init__(self, output_dir: str, loggers: list[str], resume_step: int | None = None):
+    def __init__(self, output_dir: str, loggers: list[str], resume_step: int | None = None,
+                 info: RunInfo | None = None):
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.loggers = set(loggers)
@@ -63,6 +170,7 @@ class RunLog:
             from torch.utils.tensorboard import SummaryWriter
             # a resumed run drops the events it logged after its checkpoint, as metrics.jsonl does
             self.tensorboard = SummaryWriter(str(self.dir / "tensorboard"), purge_step=resume_step or None)
+        self.trackers = [TRACKERS[name](self.dir, info or RunInfo()) for name in TRACKERS if name in self.loggers]
 
     def log(self, record: dict) -> str:
         self.history.append(record)
@@ -70,17 +178,20 @@ class RunLog:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
         if self.tensorboard is not None:
-            for key, value in record.items():  # every number but the step itself (checksums are strings)
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) \
-                        and math.isfinite(value):
-                    self.tensorboard.add_scalar(key, value, global_step=record["step"])
+            for key, value in _numbers(record).items():
+                self.tensorboard.add_scalar(key, value, global_step=record["step"])
             self.tensorboard.flush()
+        for tracker in self.trackers:
+            tracker.log(record)
         return format_line(record)
 
     def close(self) -> None:
         if self.tensorboard is not None:
             self.tensorboard.close()
             self.tensorboard = None
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            tracker.close()
 
 
 def format_line(rec: dict) -> str:

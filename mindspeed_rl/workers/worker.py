@@ -281,6 +281,24 @@ class Worker:
     def load_checkpoint(self, directory: str) -> list[str]:
         return self.engines.load_checkpoint(directory)
 
+    def save_hf(self, model: str, directory: str) -> str | None:
+        """`model`'s trained weights as a Hugging Face checkpoint in `directory` (trainer.save_hf). Every rank
+        draws the engine's export to its end (a sharded engine's gathers are collective); rank 0 writes each
+        bucket as a safetensors shard as it comes, so no rank holds more than one bucket beyond its model."""
+        from ..models.hf_export import SHARD_BYTES, VALUE, CAUSAL_LM, write_hf_checkpoint
+        from .engine_set import TRAIN
+        engine = self.engines.train[model]
+        decl = next(d for d in self.spec.engines if d.model == model and d.role == TRAIN)
+        with engine.holding(False, "export"):
+            buckets = engine.export_weights(SHARD_BYTES)
+            if self.spec.rank != 0:
+                for _ in buckets:
+                    pass
+                return None
+            return str(write_hf_checkpoint(buckets, directory, decl.model_path,
+                                           kind=VALUE if decl.model_kind == VALUE else CAUSAL_LM, dtype=decl.dtype,
+                                           source=f"{model}'s {decl.backend} engine"))
+
     # ------------------------------------------------------------------ a reward model between steps
     def score_pairs(self, model: str, columns: dict, micro_batch_size: int) -> dict:
         """Scores of held-out preference pairs by `model`'s engine (reward modeling's evaluation)."""
