@@ -47,6 +47,7 @@ class SavedModel:
     backend: str              # the train backend that wrote the files
     layout: dict              # {"backend", "dp", "tp", "pp"} as the driver recorded it
     dtype: str                # the engine's compute dtype (its export's)
+    device_kind: str          # placement.device_kind: where the engine held its weights
     base: str                 # the checkpoint the run started from (config.json, tokenizer, a LoRA base)
     lora: dict | None         # actor_config.lora's fields when the policy trained adapters
 
@@ -101,7 +102,8 @@ def saved_model(checkpoint: Path, name: str = "actor", base: str | None = None) 
         import dataclasses
         lora = dataclasses.asdict(a.lora)
     return SavedModel(name=name, directory=checkpoint / name, backend=layouts[name]["backend"],
-                      layout=dict(layouts[name]), dtype=a.dtype, base=base, lora=lora)
+                      layout=dict(layouts[name]), dtype=a.dtype, device_kind=cfg.placement.device_kind, base=base,
+                      lora=lora)
 
 
 def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike, *, model: str = "actor",
@@ -118,7 +120,6 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike, *, model:
         raise ExportError(f"--adapter-only: {model} in {checkpoint} trained no LoRA adapters (actor_config.lora.rank "
                           "is 0); export the whole model without --adapter-only")
     if saved.lora is not None:
-        from .export_lora import export_lora
         return export_lora(saved, Path(out), adapter_only=adapter_only, shard_bytes=shard_bytes)
     buckets = bucket_cast(read_weights(saved, shard_bytes), DTYPES.get(saved.dtype), shard_bytes)
     source = saved.directory / "engine.pt" if saved.backend == "torch" else saved.directory
@@ -204,3 +205,45 @@ def _dcp_metadata(directory: Path):
                           f"{files} are): a rank's part of the checkpoint in {directory} is lost; export a "
                           "complete checkpoint (copy every rank's __<rank>_0.distcp from where it was written)")
     return metadata
+
+
+# ------------------------------------------------------------------------------------------------ LoRA
+def export_lora(saved: SavedModel, out: Path, *, adapter_only: bool, shard_bytes: int = SHARD_BYTES) -> Path:
+    """A LoRA policy's checkpoint (its adapters) with the base it was trained on: the merged weights, made by
+    the engines' own merge (`engines/lora.py`: the base as the engine held it, W + alpha / r * B @ A in fp32,
+    cast to the compute dtype) so they equal the run's `save_hf`; or, `adapter_only`, a peft adapter
+    directory (`adapter_config.json`, `adapter_model.safetensors`) for `PeftModel.from_pretrained` on the base.
+    The base model is loaded whole (an adapter's merge needs its layer's base weight, and peft its model)."""
+    from ..engines.lora import apply_lora, load_adapter_state, merged_buckets
+    from ..models import load_causal_lm, resolve_model_path
+    from ..models.hf_export import model_layout
+
+    model_layout(saved.base, CAUSAL_LM, saved.dtype)   # the base exists and is a causal LM (else ExportError)
+    adapters = dict(read_weights(saved))
+    source = saved.directory / "engine.pt" if saved.backend == "torch" else saved.directory
+    # the base in the dtype the engine held it in: the compute dtype, but fp32 for FSDP on a CPU
+    held = "float32" if saved.backend == "fsdp" and saved.device_kind == "cpu" else saved.dtype
+    model = load_causal_lm(saved.base, held)
+    lora = apply_lora(model, saved.lora, DTYPES[held])
+    try:
+        load_adapter_state(model, adapters)
+    except RuntimeError as e:
+        raise ExportError(f"{source}: {e}; export it with the base model and actor_config.lora it was trained "
+                          "with (--base-model)") from None
+    if not adapter_only:
+        return write_hf_checkpoint(merged_buckets(model, DTYPES[saved.dtype], shard_bytes), out, saved.base,
+                                   kind=CAUSAL_LM, dtype=saved.dtype, source=str(source))
+    import shutil
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        lora.peft_model.peft_config["default"].base_model_name_or_path = str(resolve_model_path(saved.base))
+        lora.peft_model.save_pretrained(str(tmp), safe_serialization=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out

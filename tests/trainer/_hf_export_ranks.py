@@ -25,8 +25,11 @@ def nll_loss(out, mb):
 
 
 def build(backend: str, path: str, options: dict, kind: str = "causal_lm"):
+    """`options`: the backend's, and "lora" (LoraConfig's fields) for a LoRA policy."""
+    options = dict(options)
+    lora = options.pop("lora", None)
     spec = TrainSpec(model_path=path, model_kind=kind, pad_token_id=PAD, optim=OPTIM, seed=0, options=options,
-                     process_group=dist.group.WORLD if backend == "fsdp" else None)
+                     process_group=dist.group.WORLD if backend == "fsdp" else None, lora=lora)
     if backend == "fsdp":
         from mindspeed_rl.engines.fsdp_train import FSDPTrainEngine
         return FSDPTrainEngine.build(spec)

@@ -276,8 +276,54 @@ def test_megatron_checkpoints_are_refused_naming_the_runs_own_export(tmp_path, c
     assert code == 2 and "written by the megatron backend" in err and "trainer.save_hf" in err
 
 
+# ------------------------------------------------------------------------------------------- LoRA
+LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["all-linear"], "dropout": 0.0, "lr": 0.05}
+
+
+def lora_config():
+    from mindspeed_rl.config.schema import LoraConfig
+    return LoraConfig(**LORA)
+
+
+def test_a_lora_policy_exports_merged_and_as_a_peft_adapter(tmp_path, capsys):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    e = TorchTrainEngine.build(TrainSpec(model_path=str(resolve_model_path(TINY)), pad_token_id=PAD,
+                                         optim=OptimConfig(lr=1e-4), seed=0, lora=dict(LORA)))
+    mb = MicroBatch({"prompts": ROWS[0], "responses": ROWS[1]}, loss_scale=1.0, last=True)
+    for _ in range(3):   # B moves away from 0: the merged weights differ from the base
+        e.train_step(iter([mb]), nll_loss_fn)
+    engine_lp = e.log_probs(*ROWS, micro_batch_size=8)
+    hf = write_hf_checkpoint(e.export_weights(1 << 30), tmp_path / "hf", TINY, dtype="float32")
+    assert max_diff(hf_log_probs(hf, *ROWS), engine_lp) <= 1e-5
+    assert max_diff(hf_log_probs(resolve_model_path(TINY), *ROWS), engine_lp) > 1e-3   # it did train
+
+    ckpt = checkpoint_of(tmp_path / "run", {"actor": torch_layout()}, lora=lora_config())
+    e.save_checkpoint(str(ckpt / "actor"))   # the adapters alone
+    assert export_cli(capsys, ckpt, tmp_path / "merged")[0] == 0
+    same_export(hf, tmp_path / "merged")
+    code, err = export_cli(capsys, ckpt, tmp_path / "adapter", "--adapter-only")
+    assert code == 0, err
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(tmp_path / "adapter"))
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (4, 8.0)
+    base = AutoModelForCausalLM.from_pretrained(str(resolve_model_path(TINY)))
+    peft_model = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        peft_lp = [torch.log_softmax(peft_model(torch.cat([p, r])[None]).logits[0, len(p) - 1:-1], -1)
+                   .gather(-1, r[:, None])[:, 0] for p, r in zip(*ROWS)]
+    assert max_diff(peft_lp, engine_lp) <= 1e-5
+
+    other = dict(LORA, rank=8)
+    bad = checkpoint_of(tmp_path / "bad", {"actor": torch_layout()}, lora=lora_config().__class__(**other))
+    e.save_checkpoint(str(bad / "actor"))
+    code, err = export_cli(capsys, bad, tmp_path / "x")
+    assert code == 2 and "actor/engine.pt: the checkpoint's adapter" in err and "rank differs" in err
+
+
 # ------------------------------------------------------------------------------------------- sharded layouts
 LAYOUTS = {"fsdp-dp2": ("fsdp", {}, {"backend": "fsdp", "dp": 2, "tp": 1, "pp": 1}),
+           "fsdp-dp2-lora": ("fsdp", {"lora": LORA}, {"backend": "fsdp", "dp": 2, "tp": 1, "pp": 1}),
            "mesh-tp2": ("mesh", {"tp": 2}, {"backend": "mesh", "dp": 1, "tp": 2, "pp": 1}),
            "mesh-pp2": ("mesh", {"pp": 2}, {"backend": "mesh", "dp": 1, "tp": 1, "pp": 2})}
 
@@ -291,7 +337,8 @@ def test_sharded_engines_export_their_forward_and_the_cli_reads_their_checkpoint
     from . import _hf_export_ranks as R
     backend, options, recorded = LAYOUTS[layout]
     path = save_tiny4(tmp_path / "tiny4", seed=7)   # 4 layers, 4 heads, 2 KV heads: whole heads and layers split
-    ckpt = checkpoint_of(tmp_path / "run", {"actor": recorded}, model_path=path)
+    lora = {"lora": lora_config()} if "lora" in options else {}
+    ckpt = checkpoint_of(tmp_path / "run", {"actor": recorded}, model_path=path, **lora)
     hf = tmp_path / "hf"
     port = free_port()
     results = run_procs([(R.train_save_export, (rank, 2, port, backend, path, options, ROWS, str(ckpt / "actor"),
@@ -308,3 +355,6 @@ def test_sharded_engines_export_their_forward_and_the_cli_reads_their_checkpoint
     exported, offline = tensors(hf), tensors(tmp_path / "offline")
     assert exported.keys() == offline.keys()
     assert all(torch.equal(t, offline[k]) for k, t in exported.items())
+    base = tensors(Path(path))   # the step moved the weights (with LoRA: its merged adapters), so the test can fail
+    assert not torch.equal(exported["model.layers.0.self_attn.q_proj.weight"],
+                           base["model.layers.0.self_attn.q_proj.weight"])
