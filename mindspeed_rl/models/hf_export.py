@@ -110,10 +110,14 @@ def write_hf_checkpoint(buckets: Iterable[list[tuple[str, torch.Tensor]]], direc
         tmp.mkdir()
         shards = _write_shards(iterator, tmp, layout, source)
         _finish(tmp, layout, shards, kind)
-    except BaseException:
+    except BaseException as e:
         for _ in iterator:   # let a sharded engine's other ranks finish their collectives
             pass
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):   # a full disk, no permission: named, with what to do
+            raise ExportError(f"cannot write the Hugging Face checkpoint {directory}: {e.strerror or e}; free space "
+                              "there or point it elsewhere (trainer.output_dir, or export_hf's <out>); nothing was "
+                              "left half-written") from None
         raise
     if directory.is_symlink() or directory.is_file():
         directory.unlink()

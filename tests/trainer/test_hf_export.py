@@ -285,6 +285,7 @@ def lora_config():
     return LoraConfig(**LORA)
 
 
+@pytest.mark.slow   # peft's import, three steps and four model loads: about 5 s warm
 def test_a_lora_policy_exports_merged_and_as_a_peft_adapter(tmp_path, capsys):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
