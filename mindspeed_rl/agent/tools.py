@@ -10,11 +10,14 @@ returns something that is not a string, gives an error observation instead (`run
 ends the run. Your own tool: `"my_pkg.my_mod:my_fn"` or `"my_pkg.my_mod.my_fn"`, importable on every
 rollout worker, as reward functions are (`rewards/registry.py`).
 
-Built-in: `calc`, exact integer and decimal arithmetic on one expression (`1234+5678` -> `6912`).
+Built-in: `calc`, exact integer and decimal arithmetic on one expression (`1234+5678` -> `6912`);
+`lookup`, a table the model cannot know: a key of digits -> a 3-digit value drawn from the key's hash
+(`lookup_value`; the `builtin:lookup` task's answers, docs/agent.md).
 """
 from __future__ import annotations
 
 import ast
+import hashlib
 import importlib
 import json
 import operator
@@ -75,7 +78,29 @@ def _eval(node: ast.AST) -> Fraction:
     raise ValueError(f"calc: only numbers, + - * / // % and parentheses are allowed, not {ast.dump(node)[:40]}")
 
 
-BUILTIN_TOOLS: dict[str, Tool] = {"calc": calc}
+LOOKUP_KEY_DIGITS = 6  # a longer key is refused
+
+
+def lookup_value(key: str) -> str:
+    """The value of `key` in the lookup table: 3 digits from the SHA-256 of the key (leading zeros kept, so
+    every value has the same length). A hash, not a rule: no digit of the value follows from the key's
+    digits, so a model can only know it by calling the tool (or by memorizing the table, which the
+    1000-key task is too large for in a run's few thousand prompts)."""
+    return f"{int.from_bytes(hashlib.sha256(f'lookup:{key}'.encode()).digest()[:8], 'big') % 1000:03d}"
+
+
+def lookup(arguments: str) -> str:
+    """The value of one key of digits (`042` -> `lookup_value('042')`); anything else raises ValueError,
+    which the agent loop turns into an error result."""
+    key = str(arguments).strip()
+    if not key or not key.isdigit() or not key.isascii():
+        raise ValueError(f"lookup takes a key of digits, not {key[:20]!r}")
+    if len(key) > LOOKUP_KEY_DIGITS:
+        raise ValueError(f"lookup: a key has at most {LOOKUP_KEY_DIGITS} digits")
+    return lookup_value(key)
+
+
+BUILTIN_TOOLS: dict[str, Tool] = {"calc": calc, "lookup": lookup}
 
 
 def _unknown(name) -> str:

@@ -12,7 +12,8 @@ one kind, so the kind needs no marker in the prompt:
 | `reverse` | `123=`            | `321`         | the digits in reverse order                        |
 | `sort`    | `312=` / `+312=`  | `123` / `321` | ascending; descending when the prompt starts with `+` (drawn per prompt) |
 | `add`     | `123+456=`        | `579`         | digit-wise sum mod 10, no carries: (a_i + b_i) % 10 |
-| `sum`     | `123+456=`        | `579`         | the real sum, with carries (`999+999=` -> `1998`, `012+034=` -> `46`): the tool task |
+| `sum`     | `123+456=`        | `579`         | the real sum, with carries (`999+999=` -> `1998`, `012+034=` -> `46`): the calc tool's task |
+| `lookup`  | `123=`            | `lookup_value("123")`, 3 digits | the key's value in the lookup tool's table (a hash): the lookup tool's task |
 
 Why these rules: each answer digit depends on a few prompt positions (learnable by an 84k-parameter
 model), and a policy that ignores the prompt cannot do well: random digits score 0.10 on every
@@ -30,6 +31,11 @@ calculator: it calls the `calc` tool with the operands (`<calc>1234+5678</calc>`
 `configs/grpo_tiny_tool.yaml`, docs/agent.md), the result is its answer. Its reward
 is `final_digits`: `digits` on the text after the last tool result (`calc_digits` adds credit for the call).
 
+`lookup` cannot be solved from the prompt at all: the answer is the `lookup` tool's value for the key
+(`agent/tools.py lookup_value`, 3 digits from a hash of the key), so without the tool a model scores the
+random-digit 0.10; with it, it calls `<lookup>123</lookup>`, reads `<result>847</result>` and writes `847`
+itself (configs/grpo_tiny_tool.yaml, reward `lookup_answer`).
+
 ## Train and held-out splits
 Every task's prompts are split by a hash of the prompt text (`is_held_out`: CRC-32 mod 10 == 0, about
 one prompt in ten), so the split is a property of the prompt, not of a seed or a dataset size: the
@@ -46,10 +52,10 @@ import numpy as np
 
 from .base import ANSWER, PROMPT, PromptDataset
 
-KINDS = ("copy", "reverse", "sort", "add", "sum")
+KINDS = ("copy", "reverse", "sort", "add", "sum", "lookup")
 ALPHABET = "0123456789+="  # every character a synthetic prompt may hold
 REWARD = "digits"
-REWARDS = {"sum": "final_digits"}  # kinds whose reward is not REWARD
+REWARDS = {"sum": "final_digits", "lookup": "lookup_answer"}  # kinds whose reward is not REWARD
 SPLITS = ("train", "val")
 HELD_OUT_MODULUS = 10      # one prompt in ten is held out
 VAL_STREAM = 0x76616C      # the held-out split's draws: their own generator, seeded by (seed, VAL_STREAM)
@@ -90,6 +96,9 @@ class SyntheticTask:
         a = rng.integers(0, 10, size=(count, self.num_digits))
         if self.kind == "copy":
             return [(f"{_digits(x)}=", _digits(x)) for x in a]
+        if self.kind == "lookup":
+            from ..agent.tools import lookup_value
+            return [(f"{_digits(x)}=", lookup_value(_digits(x))) for x in a]
         if self.kind == "reverse":
             return [(f"{_digits(x)}=", _digits(x[::-1])) for x in a]
         if self.kind == "sort":
@@ -121,6 +130,9 @@ class SyntheticTask:
                 return body
             if self.kind == "reverse":
                 return body[::-1]
+            if self.kind == "lookup":
+                from ..agent.tools import lookup_value
+                return lookup_value(body)
             return "".join(sorted(body, reverse=descending))
         raise ValueError(f"{prompt!r} is not a prompt of {self!r}")
 

@@ -14,6 +14,8 @@ CHARACTERS = "0123456789=+"
 # the tool model's extra tokens (builtin:tiny-qwen2-tool): the `tags` call syntax of the calc tool
 # (mindspeed_rl/agent/syntax.py), each one token, so a call is `<calc>1234+5678</calc>` in 11 tokens
 TOOL_TOKENS = ("<calc>", "</calc>", "<result>", "</result>")
+# builtin:tiny-qwen2-lookup's: the `tags` syntax of the lookup tool, the same ids as the calc model's
+LOOKUP_TOKENS = ("<lookup>", "</lookup>", "<result>", "</result>")
 
 
 def build_char_tokenizer(extra_tokens: tuple[str, ...] = ()):

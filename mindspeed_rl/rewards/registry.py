@@ -8,7 +8,7 @@ A reward function has the signature
 answer as a string, `prompt` the prompt text. Higher is better; `score_batch` clamps to [0, 1].
 
 Built-in names: `gsm8k`, `gsm8k_flexible`, `exact_match`, `digits`, `final_digits`, `calc_digits`,
-`answer_digits` (see BUILTIN_REWARDS).
+`answer_digits`, `lookup_answer` (see BUILTIN_REWARDS).
 Your own function: `"my_pkg.my_mod:my_fn"` or `"my_pkg.my_mod.my_fn"`; the module must be
 importable on every worker (installed, or on PYTHONPATH).
 """
@@ -20,7 +20,7 @@ import math
 from typing import Callable, Sequence
 
 from .gsm8k import gsm8k, gsm8k_flexible
-from .rules import answer_digits, calc_digits, digits, exact_match, final_digits
+from .rules import answer_digits, calc_digits, digits, exact_match, final_digits, lookup_answer
 
 RewardFn = Callable[[str, str, str], float]
 
@@ -32,6 +32,7 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "final_digits": final_digits,
     "calc_digits": calc_digits,
     "answer_digits": answer_digits,
+    "lookup_answer": lookup_answer,
 }
 
 

@@ -94,3 +94,65 @@ def calc_digits(response: str, answer: str, prompt: str = "") -> float:
 
 
 calc_digits.parts = {"answer": answer_digits, "call": calc_call_digits}  # logged as reward/answer_mean, reward/call_mean
+
+
+LOOKUP_CALL_WEIGHT = 0.2  # the shaping's share of lookup_answer; the answer's is the rest
+
+
+def _lookup_calls(response: str) -> list[str]:
+    """The keys of the lookup calls the tool answered (a call's closing `</lookup>` followed by `<result>`)."""
+    import re
+    return re.findall(r"<lookup>([^<]*)</lookup><result>", str(response))
+
+
+def lookup_call(response: str, answer: str = "", prompt: str = "") -> float:
+    """Format shaping of the lookup task: 1/4 for a lookup call the tool answered (an error result too),
+    1/2 x `digits` of its key against the prompt's key (the prompt without its closing `=`), and 1/4 when
+    the text after the tool's result is one word of digits as long as the answer (whichever digits).
+    0 without a call. `123=`, answer `237`: `<lookup>123</lookup><result>237</result>555` 1,
+    `<lookup>129</lookup><result>410</result>` 1/4 + 1/2 x 2/3, `<lookup></lookup><result></result>` 1/4.
+
+    Why each part: a random model closes a call with a key of digits in about one row of four hundred,
+    too few to learn the form from (measured: paid for those alone, calls fell from 0.4 to 0.1 of rows in
+    80 steps), `<lookup>` and `</lookup>` on their own in one row of three; the key's digits are what
+    the value depends on; and a model that has learned to call writes a second call after the result
+    rather than digits (measured), so an answer of the value's form is paid for before it is right."""
+    calls = _lookup_calls(response)
+    if not calls:
+        return 0.0
+    after = final_answer_text(response).strip()
+    form = len(after) == len(str(answer).strip()) and after.isdigit() and after.isascii()
+    return 0.25 + 0.5 * digits(calls[-1], str(prompt).strip().removesuffix("=")) + 0.25 * form
+
+
+def final_answer_text(response: str) -> str:
+    from ..agent.syntax import final_answer
+    return final_answer(str(response))
+
+
+def lookup_read(response: str, answer: str = "", prompt: str = "") -> float:
+    """1 when the last lookup call the tool answered asked for the prompt's key, else 0."""
+    calls = _lookup_calls(response)
+    return float(bool(calls) and calls[-1].strip() == str(prompt).strip().removesuffix("="))
+
+
+def lookup_answer(response: str, answer: str, prompt: str = "") -> float:
+    """The `lookup` task's reward (configs/grpo_tiny_tool.yaml): the model's answer, once it has read the key's
+    value, with a small shaping term for the call.
+
+        (1 - w) x answer_digits x lookup_read + w x lookup_call,    w = LOOKUP_CALL_WEIGHT = 0.2
+
+    `answer_digits` reads the model's own text after the tool's result against the true value; nothing
+    in the loop writes it for the model. It counts only after a lookup of the prompt's key: the value
+    is a hash of the whole key, so without it an answer is right by chance alone (0.1 of its digits),
+    and that chance, paid, is noise that drowns the call's small term while the model learns to
+    call. The call's term is at most 0.2, so a trajectory that calls right and answers wrong scores
+    0.2: a reward of 0.8 needs the answer itself 75% right.
+    """
+    return ((1 - LOOKUP_CALL_WEIGHT) * answer_digits(response, answer, prompt) * lookup_read(response, answer, prompt)
+            + LOOKUP_CALL_WEIGHT * lookup_call(response, answer, prompt))
+
+
+# reward/answer_mean: the answer's digits whether or not it looked up (the plain accuracy); reward/call_mean;
+# reward/read_mean: the fraction of rows that looked their key up
+lookup_answer.parts = {"answer": answer_digits, "call": lookup_call, "read": lookup_read}
