@@ -202,13 +202,3 @@ def link_final(root: str | os.PathLike, target: str | os.PathLike) -> Path:
         shutil.rmtree(link)
     os.replace(tmp, link)
     return link
-
-
-def bucket_cast(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None,
-                bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """(name, tensor) pairs in buckets of at most `bucket_bytes` (sized in `dtype`), floating tensors cast to
-    `dtype` as each bucket is pulled: an offline reader's export, in the dtype the run's engine exports."""
-    from ..engines.base import bucketed
-
-    for bucket in bucketed(named, bucket_bytes, dtype):
-        yield [(n, t.to(dtype) if dtype is not None and t.is_floating_point() else t) for n, t in bucket]

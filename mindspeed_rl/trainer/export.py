@@ -26,13 +26,12 @@ import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 
 from ..models.files import CheckpointFileError, load_file
-from ..models.hf_export import (CAUSAL_LM, DTYPES, SHARD_BYTES, VALUE, ExportError, bucket_cast,
-                                write_hf_checkpoint)
+from ..models.hf_export import CAUSAL_LM, DTYPES, SHARD_BYTES, VALUE, ExportError, write_hf_checkpoint
 
 STATE = "trainer_state.pt"
 MODEL_KINDS = {"actor": CAUSAL_LM, "critic": VALUE}   # what each trained model exports as
@@ -45,7 +44,6 @@ class SavedModel:
     name: str                 # actor or critic
     directory: Path           # <checkpoint>/<name>
     backend: str              # the train backend that wrote the files
-    layout: dict              # {"backend", "dp", "tp", "pp"} as the driver recorded it
     dtype: str                # the engine's compute dtype (its export's)
     device_kind: str          # placement.device_kind: where the engine held its weights
     base: str                 # the checkpoint the run started from (config.json, tokenizer, a LoRA base)
@@ -101,9 +99,8 @@ def saved_model(checkpoint: Path, name: str = "actor", base: str | None = None) 
     if name == "actor" and getattr(getattr(a, "lora", None), "rank", 0):
         import dataclasses
         lora = dataclasses.asdict(a.lora)
-    return SavedModel(name=name, directory=checkpoint / name, backend=layouts[name]["backend"],
-                      layout=dict(layouts[name]), dtype=a.dtype, device_kind=cfg.placement.device_kind, base=base,
-                      lora=lora)
+    return SavedModel(name=name, directory=checkpoint / name, backend=layouts[name]["backend"], dtype=a.dtype,
+                      device_kind=cfg.placement.device_kind, base=base, lora=lora)
 
 
 def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike, *, model: str = "actor",
@@ -121,9 +118,19 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike, *, model:
                           "is 0); export the whole model without --adapter-only")
     if saved.lora is not None:
         return export_lora(saved, Path(out), adapter_only=adapter_only, shard_bytes=shard_bytes)
-    buckets = bucket_cast(read_weights(saved, shard_bytes), DTYPES.get(saved.dtype), shard_bytes)
+    buckets = bucket_cast(read_weights(saved, shard_bytes), DTYPES[saved.dtype], shard_bytes)
     source = saved.directory / "engine.pt" if saved.backend == "torch" else saved.directory
     return write_hf_checkpoint(buckets, out, saved.base, kind=saved.kind, dtype=saved.dtype, source=str(source))
+
+
+def bucket_cast(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
+                bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """(name, tensor) pairs in buckets of at most `bucket_bytes` (sized in `dtype`), floating ones cast to `dtype`
+    as each bucket is pulled: the buckets the run's engine exports (`cast_buckets`), from what a checkpoint holds."""
+    from ..engines.base import bucketed
+
+    for bucket in bucketed(named, bucket_bytes, dtype):
+        yield [(n, t.to(dtype) if t.is_floating_point() else t) for n, t in bucket]
 
 
 def read_weights(saved: SavedModel, bucket_bytes: int = SHARD_BYTES) -> Iterator[tuple[str, torch.Tensor]]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import datetime
 
-import torch
 import torch.distributed as dist
 
 from mindspeed_rl.algorithms import masked_mean

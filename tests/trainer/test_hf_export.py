@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -218,7 +219,9 @@ def dcp_checkpoint(root: Path, layout: dict) -> Path:
     from transformers import AutoModelForCausalLM
     ckpt = checkpoint_of(root, {"actor": layout})
     model = AutoModelForCausalLM.from_pretrained(str(resolve_model_path(TINY)))
-    dcp.save({"model": model.state_dict(), "version": 1}, checkpoint_id=str(ckpt / "actor"), no_dist=True)
+    with warnings.catch_warnings():   # "assuming the intent is to save in a single process": it is
+        warnings.simplefilter("ignore")
+        dcp.save({"model": model.state_dict(), "version": 1}, checkpoint_id=str(ckpt / "actor"), no_dist=True)
     return ckpt
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -73,12 +72,10 @@ def test_hf_final_is_the_trainers_final_weights(run):
     assert diff <= 1e-5
 
 
-def test_export_hf_of_the_runs_checkpoint_writes_the_same_files(run, tmp_path):
-    import subprocess
-    proc = subprocess.run([sys.executable, str(ROOT / "cli" / "export_hf.py"),
-                           str(run / "checkpoints" / f"step_{STEPS:06d}"), str(tmp_path / "out")],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+def test_export_hf_of_the_runs_checkpoint_writes_the_same_files(run, tmp_path, capsys):
+    from .test_hf_export import export_cli
+    code, err = export_cli(capsys, run / "checkpoints" / f"step_{STEPS:06d}", tmp_path / "out")
+    assert code == 0, err
     same_export(run / "hf" / "final", tmp_path / "out")
 
 
