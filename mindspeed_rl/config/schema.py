@@ -243,6 +243,8 @@ class GenerateConfig:
     top_k: int = 0                       # 0: off
     stop_tokens: list = field(default_factory=lambda: ["<eos>"])  # token strings that end a response
     micro_batch_size_per_device: int = 64  # rows per generate call; rounded down to whole prompt groups
+    cuda_graphs: Optional[bool] = None   # hf: fixed-shape decode, a CUDA graph per batch bucket (null: on CUDA only;
+                                         # true elsewhere runs the same loop eagerly)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     val: ValGenerateConfig = field(default_factory=ValGenerateConfig)

@@ -148,6 +148,8 @@ class RolloutSpec:
     options: dict = field(default_factory=dict)  # backend-specific keys (generate_config.vllm.*)
     max_seq_len: int = 0                 # the longest prompt + response this run makes (0: unknown); an engine
                                          # that sizes its caches by it (vLLM's max_model_len) defaults to it
+    cuda_graphs: bool | None = None      # generate_config.cuda_graphs: a fixed-shape decode replayed as CUDA graphs
+                                         # (the hf engine); None: on CUDA, off elsewhere
 
 
 @dataclass

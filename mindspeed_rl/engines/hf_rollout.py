@@ -7,6 +7,8 @@ non-blocking runs identical (vLLM does the same with a seed per request). The dr
 counter-based (`sampling.py`: a hash of (seed, token index), then an inverse-CDF draw), so the
 whole loop stays on the device: sampling, stop detection and lengths never sync with the host, but
 for one check every few tokens that also drops finished rows from the batch (KV cache included).
+With `cuda_graphs` (generate_config.cuda_graphs; on by default on CUDA) the decode runs in fixed shapes
+instead, each step replayed as a CUDA graph (static_decode.py): the same tokens, without the launches.
 The log-prob of each sampled token under the distribution it was drawn from (temperature, top-k,
 top-p applied) comes back with it: the behaviour policy.
 """
@@ -21,6 +23,7 @@ from .base import (NamedTensors, Rollout, RolloutEngine, RolloutSpec, SamplingPa
                    hf_named_weights, load_named)
 from .batching import left_pad, positions
 from .sampling import filter_logits, row_uniforms, sample_next  # noqa: F401  (filter_logits: the engine's API)
+from .static_decode import StaticDecoder, StaticDecoders, sampling_key
 
 
 def default_check_every(device: torch.device) -> int:
@@ -123,9 +126,14 @@ class HFRolloutEngine(RolloutEngine):
     concurrent_generate = True  # each call has its own cache and draws; the weights are only read
 
     def __init__(self, model: torch.nn.Module, pad_token_id: int, device: torch.device | str = "cpu",
-                 check_every: int | None = None):
+                 check_every: int | None = None, cuda_graphs: bool | None = None, max_seq_len: int = 0):
         self.device = torch.device(device)
         self.check_every = check_every   # tokens between the loop's host syncs; None: by device
+        # the static decode (fixed shapes, a CUDA graph per batch bucket on CUDA): None = on CUDA only; True
+        # elsewhere runs the same fixed-shape loop eagerly
+        self.static = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
+        self.max_seq_len = int(max_seq_len)   # the static buffers' length when a batch fits: shared by every call
+        self._decoders = StaticDecoders()
         self.model = model.to(self.device).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -138,7 +146,16 @@ class HFRolloutEngine(RolloutEngine):
     @classmethod
     def build(cls, spec: RolloutSpec) -> "HFRolloutEngine":
         from ..models import load_causal_lm
-        return cls(load_causal_lm(spec.model_path, spec.dtype), spec.pad_token_id, spec.device)
+        return cls(load_causal_lm(spec.model_path, spec.dtype), spec.pad_token_id, spec.device,
+                   cuda_graphs=spec.cuda_graphs, max_seq_len=spec.max_seq_len)
+
+    def _prefill(self, ids: torch.Tensor, attn: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompts' forward into `cache`: (the last position's logits [B, vocab], the positions [B, P])."""
+        pos = positions(attn)
+        dtype = next(self.model.parameters()).dtype
+        out = self.model(input_ids=ids, attention_mask=prompt_mask(attn, dtype), position_ids=pos,
+                         past_key_values=cache, use_cache=True, **self._last_only)
+        return out.logits[:, -1, :], pos
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[torch.Tensor], params: SamplingParams, seeds: Sequence[int]) -> Rollout:
@@ -149,11 +166,11 @@ class HFRolloutEngine(RolloutEngine):
         ids, attn = left_pad(prompts, self.pad_token_id)
         ids, attn = ids.to(self.device), attn.to(self.device)
         draws = row_uniforms(seeds, params.max_new_tokens, self.device)
+        if self.static:
+            return self._generate_static(ids, attn, params, draws)
         cache = DynamicCache()
-        pos = positions(attn)
+        logits, pos = self._prefill(ids, attn, cache)
         dtype = next(self.model.parameters()).dtype
-        out = self.model(input_ids=ids, attention_mask=prompt_mask(attn, dtype), position_ids=pos,
-                         past_key_values=cache, use_cache=True, **self._last_only)
         last_pos = pos[:, -1:]
         # the decode steps' mask, [B, 1, 1, P + max_new_tokens], allocated once: the prompt's padding masked,
         # every new token's column opened (set to 0) in place before the forward that first reads it
@@ -162,7 +179,7 @@ class HFRolloutEngine(RolloutEngine):
                                                                          dtype=torch.bool)], 1), dtype)[:, None, None]
         responses = ResponseBuilder(ids.shape[0], params, self.pad_token_id, self.device, self.check_every)
         while True:
-            nxt = responses.add(*sample_next(out.logits[:, -1, :], params, draws[:, responses.t]))
+            nxt = responses.add(*sample_next(logits, params, draws[:, responses.t]))
             keep = responses.compaction()
             if responses.complete:
                 return responses.rollout()
@@ -172,8 +189,37 @@ class HFRolloutEngine(RolloutEngine):
             width = P + responses.t
             mask[..., width - 1] = 0
             last_pos = last_pos + 1
-            out = self.model(input_ids=nxt[:, None], attention_mask=mask[..., :width], position_ids=last_pos,
-                             past_key_values=cache, use_cache=True)
+            logits = self.model(input_ids=nxt[:, None], attention_mask=mask[..., :width], position_ids=last_pos,
+                                past_key_values=cache, use_cache=True).logits[:, -1, :]
+
+    def _generate_static(self, ids: torch.Tensor, attn: torch.Tensor, params: SamplingParams,
+                         draws: torch.Tensor) -> Rollout:
+        """The decode in fixed buffers (static_decode.py), sized by the run's longest prompt + response when the
+        batch fits it, so that every call of a rollout reuses one decoder and its captured graphs."""
+        from transformers import DynamicCache
+
+        B, P = ids.shape
+        length = max(self.max_seq_len, P + params.max_new_tokens)
+        weights = next(self.model.parameters()).data_ptr()   # graphs read the weights where they were captured
+        key = (B, length, sampling_key(params), weights)
+        decoder = self._decoders.take(key, lambda: StaticDecoder(
+            self.model, B, length, params, self.pad_token_id, self.device,
+            self.check_every or default_check_every(self.device), capture=self.device.type == "cuda"))
+
+        def prefill():
+            cache = DynamicCache()
+            logits, _ = self._prefill(ids, attn, cache)
+            return logits, [(layer.keys, layer.values) for layer in cache.layers]
+
+        try:
+            return decoder.run(prefill, attn, positions(attn)[:, -1:], draws)
+        finally:
+            self._decoders.give(key, decoder)
+
+    def sleep(self) -> None:
+        """The static decode's buffers and graphs go (a trainer sharing the device gets them); the next
+        generate stage builds and captures them again."""
+        self._decoders.clear()
 
     def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
         load_named(self.model, named_tensors)

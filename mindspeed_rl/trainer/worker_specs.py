@@ -80,7 +80,8 @@ def engine_decls(cfg: Config, plan: Plan, gp: GroupPlan) -> list[EngineDecl]:
             out[(m.model_name, ROLLOUT)] = EngineDecl(model=m.model_name, role=ROLLOUT, backend=gp.rollout_backend,
                                                       model_path=path(m.model_name), dtype=a.dtype, options=options,
                                                       max_seq_len=cfg.data.max_prompt_length
-                                                      + max(g.max_new_tokens, g.val.max_new_tokens or 0))
+                                                      + max(g.max_new_tokens, g.val.max_new_tokens or 0),
+                                                      cuda_graphs=g.cuda_graphs)
         elif (f.interface is InterfaceType.INFERENCE and m.model_name not in trained_here
               and (m.model_name, INFER) not in out):
             _, kind = SECTIONS[f.engine]

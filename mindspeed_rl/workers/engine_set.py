@@ -32,6 +32,7 @@ class EngineDecl:
     optim: Any = None                    # OptimConfig of a trained model
     temperature: float = 1.0             # log-probs of the sampling distribution
     max_seq_len: int = 0                 # the longest prompt + response of the run (RolloutSpec.max_seq_len)
+    cuda_graphs: bool | None = None      # generate_config.cuda_graphs (RolloutSpec.cuda_graphs)
     features: dict = field(default_factory=dict)  # TrainSpec's model features (engines.base.MODEL_FEATURES) set
     base_of: str = ""                    # INFER only: the model trained here with LoRA whose base (adapters off)
                                          # this engine is; no weights of its own are loaded (engines/lora.py)
@@ -71,7 +72,7 @@ class EngineSet:
             if d.role == ROLLOUT:
                 self.rollout[d.model] = make_rollout_engine(d.backend, RolloutSpec(
                     model_path=path, dtype=d.dtype, device=device, pad_token_id=pad, seed=self.seed, options=d.options,
-                    max_seq_len=d.max_seq_len))
+                    max_seq_len=d.max_seq_len, cuda_graphs=d.cuda_graphs))
                 continue
             if d.base_of:   # the LoRA policy's own engine with its adapters off: no second copy of the weights
                 from ..engines.lora import BaseReference

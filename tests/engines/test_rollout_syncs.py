@@ -36,10 +36,10 @@ class SyncCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _engine(check_every: int) -> HFRolloutEngine:
+def _engine(check_every: int, cuda_graphs: bool = False) -> HFRolloutEngine:
     from mindspeed_rl.models import load_causal_lm, resolve_model_path
     return HFRolloutEngine(load_causal_lm(str(resolve_model_path("builtin:tiny-qwen2")), "float32"), 0,
-                           check_every=check_every)
+                           check_every=check_every, cuda_graphs=cuda_graphs)
 
 
 def _prompts(n: int = 8) -> list[torch.Tensor]:
@@ -55,6 +55,21 @@ def test_at_most_one_sync_per_check_every_tokens():
         engine.generate(prompts, params, list(range(8)))
     assert sum(count.ops.values()) <= 32 // 8, dict(count.ops)
     assert not {k: v for k, v in count.ops.items() if k != "aten::nonzero"}, dict(count.ops)
+
+
+def test_the_static_decode_reads_one_count_per_check_every_tokens():
+    """The static loop (engines/static_decode.py) run eagerly, bucket moves included: its only host read is the
+    running count every `check_every` tokens (on CUDA a pinned copy read one check later), and a move to a
+    smaller bucket selects the running rows by a sort, not a `nonzero`."""
+    engine = _engine(check_every=8, cuda_graphs=True)
+    params = SamplingParams(max_new_tokens=32, stop_token_ids=(1,))
+    prompts = _prompts()
+    with SyncCount() as count:
+        out = engine.generate(prompts, params, list(range(8)))
+    [decoder] = [d for free in engine._decoders._free.values() for d in free]
+    assert decoder.moves, [len(r) for r in out.responses]   # the bucket moves ran inside the count
+    assert sum(count.ops.values()) <= 32 // 8, dict(count.ops)
+    assert set(count.ops) <= {"aten::_local_scalar_dense"}, dict(count.ops)
 
 
 def test_without_stop_tokens_the_loop_never_syncs():

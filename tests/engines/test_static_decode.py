@@ -1,0 +1,136 @@
+"""The static decode (engines/static_decode.py) samples the eager loop's tokens for the same seeds.
+
+On the CPU the fixed-shape step runs eagerly (`cuda_graphs=True` without CUDA): what a CUDA graph would
+replay is exactly this function, so equality here is equality of the captured step's arithmetic up to the
+device. Log-probs agree to float32 rounding only: the static step's attention reduces over the whole
+cache width (masked columns add exact zeros, but in another order), the eager one over the tokens so far."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mindspeed_rl.engines.base import RolloutSpec, SamplingParams
+from mindspeed_rl.engines.hf_rollout import HFRolloutEngine
+from mindspeed_rl.engines.static_decode import buckets
+
+
+def _tiny() -> torch.nn.Module:
+    from mindspeed_rl.models import load_causal_lm, resolve_model_path
+    return load_causal_lm(str(resolve_model_path("builtin:tiny-qwen2")), "float32")
+
+
+def _prompts(n: int, vocab: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (int(k),), generator=g) for k in torch.randint(1, 9, (n,), generator=g)]
+
+
+def _moves(engine: HFRolloutEngine) -> list[list[int]]:
+    return [d.moves for free in engine._decoders._free.values() for d in free]
+
+
+def _assert_same(eager, static) -> None:
+    assert [r.tolist() for r in static.responses] == [r.tolist() for r in eager.responses]
+    for a, b in zip(eager.log_probs, static.log_probs):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+
+
+def test_buckets_are_the_batch_then_powers_of_two_below_it():
+    assert buckets(12) == [12, 8, 4, 2, 1]
+    assert buckets(8) == [8, 4, 2, 1]
+    assert buckets(1) == [1]
+
+
+SETTINGS = {
+    "stop": SamplingParams(max_new_tokens=24, stop_token_ids=(1,)),
+    "no_stop": SamplingParams(max_new_tokens=16),
+    "temperature_top_k_top_p": SamplingParams(max_new_tokens=24, stop_token_ids=(1, 5), temperature=0.7, top_k=5,
+                                              top_p=0.9),
+    "greedy": SamplingParams(max_new_tokens=24, stop_token_ids=(3, 8), greedy=True),   # 4 rows end at once
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_engines():
+    model = _tiny()
+    return HFRolloutEngine(model, 0), HFRolloutEngine(model, 0, cuda_graphs=True)
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_static_equals_eager_on_the_tiny_model(tiny_engines, name):
+    eager, static = tiny_engines
+    params, prompts = SETTINGS[name], _prompts(12, 14)
+    assert not eager.static and static.static
+    want = eager.generate(prompts, params, list(range(100, 112)))
+    static._decoders.clear()
+    _assert_same(want, static.generate(prompts, params, list(range(100, 112))))
+    lengths = {len(r) for r in want.responses}
+    [moves] = _moves(static)
+    if name == "no_stop":
+        assert lengths == {16} and moves == []
+    else:   # rows end at different times, and the batch moved down to smaller buckets as they did
+        assert len(lengths) >= 2 and moves and moves == sorted(moves, reverse=True) and moves[0] < 12, (lengths, moves)
+        if name != "greedy":
+            assert len(lengths) > 3, lengths
+
+
+def test_one_decoder_serves_calls_of_different_prompt_widths(tiny_engines):
+    """Sized by the run's longest prompt + response, one decoder (its buffers, its graphs on CUDA) serves every
+    call: what a previous call left in the buffers never reaches the next call's tokens."""
+    eager, _ = tiny_engines
+    static = HFRolloutEngine(eager.model, 0, cuda_graphs=True, max_seq_len=40)
+    params = SETTINGS["temperature_top_k_top_p"]
+    for seed in range(3):
+        prompts = _prompts(12, 14, seed=seed)
+        _assert_same(eager.generate(prompts, params, list(range(12))), static.generate(prompts, params, list(range(12))))
+    assert len(static._decoders._free) == 1 and [len(v) for v in static._decoders._free.values()] == [1]
+
+
+def test_cuda_graphs_reaches_the_engine_from_the_spec():
+    from mindspeed_rl.models import resolve_model_path
+    path = str(resolve_model_path("builtin:tiny-qwen2"))
+    assert HFRolloutEngine.build(RolloutSpec(model_path=path, cuda_graphs=True, max_seq_len=30)).static
+    auto = HFRolloutEngine.build(RolloutSpec(model_path=path))
+    assert not auto.static   # null: on CUDA only
+    assert not HFRolloutEngine.build(RolloutSpec(model_path=path, cuda_graphs=False)).static
+
+
+def test_sleep_frees_the_static_buffers(tiny_engines):
+    _, static = tiny_engines
+    static.generate(_prompts(4, 14), SETTINGS["stop"], [0, 1, 2, 3])
+    assert static._decoders._free
+    static.sleep()
+    assert not static._decoders._free
+
+
+CONFIG_05B = Path(__file__).resolve().parents[2] / "mindspeed_rl" / "models" / "configs" / "qwen2_5_0_5b.json"
+
+
+@pytest.mark.slow
+def test_static_equals_eager_on_the_qwen25_05b_architecture_cut_to_two_layers():
+    """The real architecture (GQA 14/2 heads, 64-dim heads, the 151,936-token vocabulary, tied head), random
+    weights: stop tokens picked from the eager run's own samples so rows end at different times."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    cfg = json.loads(CONFIG_05B.read_text())
+    cfg.update(num_hidden_layers=2, max_window_layers=2)
+    cfg.pop("architectures", None)
+    cfg.pop("torch_dtype", None)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**cfg)).eval()
+    eager, static = HFRolloutEngine(model, 0), HFRolloutEngine(model, 0, cuda_graphs=True)
+    prompts, seeds = _prompts(6, 150000), list(range(6))
+    for params in (SamplingParams(max_new_tokens=10), SamplingParams(max_new_tokens=10, temperature=0.8, top_k=50,
+                                                                     top_p=0.9)):
+        free = eager.generate(prompts, params, seeds)
+        _assert_same(free, static.generate(prompts, params, seeds))
+        stops = tuple(int(free.responses[r][k]) for r, k in ((0, 1), (2, 4), (4, 6)))
+        stopped = SamplingParams(max_new_tokens=10, temperature=params.temperature, top_k=params.top_k,
+                                 top_p=params.top_p, stop_token_ids=stops)
+        want = eager.generate(prompts, stopped, seeds)
+        static._decoders.clear()
+        _assert_same(want, static.generate(prompts, stopped, seeds))
+        assert len({len(r) for r in want.responses}) > 2
+        [moves] = _moves(static)
+        assert moves and moves[0] < 6, moves
