@@ -106,23 +106,25 @@ def _lookup_calls(response: str) -> list[str]:
 
 
 def lookup_call(response: str, answer: str = "", prompt: str = "") -> float:
-    """Format shaping of the lookup task: 1/4 for a lookup call the tool answered (an error result too),
-    1/2 x `digits` of its key against the prompt's key (the prompt without its closing `=`), and 1/4 when
+    """Format shaping of the lookup task: 0.15 for a lookup call the tool answered (an error result too),
+    0.7 x `digits` of its key against the prompt's key (the prompt without its closing `=`), and 0.15 when
     the text after the tool's result is one word of digits as long as the answer (whichever digits).
-    0 without a call. `123=`, answer `237`: `<lookup>123</lookup><result>237</result>555` 1,
-    `<lookup>129</lookup><result>410</result>` 1/4 + 1/2 x 2/3, `<lookup></lookup><result></result>` 1/4.
+    0 without a call. `42=`, answer `621`: `<lookup>42</lookup><result>621</result>555` 1,
+    `<lookup>47</lookup><result>410</result>` 0.15 + 0.7 x 1/2, `<lookup></lookup><result></result>` 0.15.
 
     Why each part: a random model closes a call with a key of digits in about one row of four hundred,
     too few to learn the form from (measured: paid for those alone, calls fell from 0.4 to 0.1 of rows in
     80 steps), `<lookup>` and `</lookup>` on their own in one row of three; the key's digits are what
-    the value depends on; and a model that has learned to call writes a second call after the result
-    rather than digits (measured), so an answer of the value's form is paid for before it is right."""
+    the value depends on, and the larger part (with 0.25 for each form part, a run settled on a
+    constant call that ignored the key, measured); and a model that has learned to call writes a
+    second call after the result rather than digits (measured), so an answer of the value's form is
+    paid for before it is right."""
     calls = _lookup_calls(response)
     if not calls:
         return 0.0
     after = final_answer_text(response).strip()
     form = len(after) == len(str(answer).strip()) and after.isdigit() and after.isascii()
-    return 0.25 + 0.5 * digits(calls[-1], str(prompt).strip().removesuffix("=")) + 0.25 * form
+    return 0.15 + 0.7 * digits(calls[-1], str(prompt).strip().removesuffix("=")) + 0.15 * form
 
 
 def final_answer_text(response: str) -> str:

@@ -1,5 +1,7 @@
-"""configs/grpo_tiny_tool.yaml loads, validates and plans: the agent rollout on the tool model, loss_mask
-through the old log-probs and the loss; and the agent section's bad values are refused by name."""
+"""configs/grpo_tiny_tool.yaml (the model calls the lookup tool when it decides to and writes the answer) and
+configs/grpo_tiny_tool_forced.yaml (the calc call forced, its result the answer) load, validate and plan: the agent
+rollout on the tool models, loss_mask through the old log-probs and the loss; and the agent section's bad values
+are refused by name."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,8 +17,8 @@ from mindspeed_rl.trainer.plan import make_plan
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _cfg(**over):
-    raw = OmegaConf.to_container(OmegaConf.load(REPO / "configs" / "grpo_tiny_tool.yaml"))
+def _cfg(config: str = "grpo_tiny_tool", **over):
+    raw = OmegaConf.to_container(OmegaConf.load(REPO / "configs" / f"{config}.yaml"))
     for key, value in over.items():
         section, _, field = key.rpartition(".")
         node = raw
@@ -26,11 +28,17 @@ def _cfg(**over):
     return config_from_dict(raw)
 
 
-def test_the_tool_config_plans_the_agent_rollout():
-    cfg = _cfg()
+@pytest.mark.parametrize("config, tools, tool_choice, return_direct, reward, model", [
+    ("grpo_tiny_tool", ["lookup"], None, [], "lookup_answer", "builtin:tiny-qwen2-lookup"),
+    ("grpo_tiny_tool_forced", ["calc"], "calc", ["calc"], "calc_digits", "builtin:tiny-qwen2-tool"),
+])
+def test_the_tool_configs_plan_the_agent_rollout(config, tools, tool_choice, return_direct, reward, model):
+    cfg = _cfg(config)
     validate_config(cfg)
-    assert cfg.generate_config.agent.enable and cfg.generate_config.agent.tool_choice == "calc"
-    assert cfg.generate_config.agent.return_direct == ["calc"]
+    agent = cfg.generate_config.agent
+    assert agent.enable and list(agent.tools) == tools and agent.tool_choice == tool_choice
+    assert list(agent.return_direct) == return_direct
+    assert cfg.rl_config.reward_fn == reward and cfg.actor_config.model_path == model
     plan = make_plan(cfg, check_files=False)
     m = {x.name: x for x in plan.order}
     assert m["actor_rollout"].fn == "agent_generate" and "loss_mask" in m["actor_rollout"].output_keys
@@ -63,8 +71,9 @@ def test_bad_agent_and_dapo_values_are_refused_by_name(over, words):
 def test_an_unknown_tool_is_refused_by_the_plan(tools, check_files, words):
     """Every tool resolves before any worker starts (a dry run checks the built-in names it can), so a typo ends
     the run with exit 2 and this message, not inside a rollout worker after Ray has started."""
-    cfg = _cfg(**{"generate_config.agent.tools": tools, "generate_config.agent.return_direct": [],
-                  "generate_config.agent.tool_choice": None})
+    cfg = _cfg("grpo_tiny_tool_forced", **{"generate_config.agent.tools": tools,
+                                           "generate_config.agent.return_direct": [],
+                                           "generate_config.agent.tool_choice": None})
     with pytest.raises(ConfigError, match=words):
         make_plan(cfg, check_files=check_files)
 

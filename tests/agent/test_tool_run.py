@@ -1,6 +1,6 @@
-"""configs/grpo_tiny_tool.yaml for real, a few steps: the agent rollout in the trainer on the HF engine
-with the calc tool answering for the model (return_direct), blocking and non-blocking giving the same
-losses under guarantee_order."""
+"""configs/grpo_tiny_tool.yaml for real, a few steps: the agent rollout in the trainer on the HF engine, the
+model calling the lookup tool when it decides to and writing the answer, blocking and non-blocking giving the
+same losses under guarantee_order."""
 from __future__ import annotations
 
 import pytest
@@ -24,6 +24,6 @@ def test_the_tool_task_runs_and_repeats_in_both_modes(ray_session, tmp_path):
     assert [r["actor/pg_loss"] for r in blocking] == [r["actor/pg_loss"] for r in overlap]
     assert [r["reward/mean"] for r in blocking] == [r["reward/mean"] for r in overlap]
     for r in blocking + overlap:
-        assert r["agent/calls_per_row"] > 0.2, "tool_choice: the random model closes a call in many rows"
+        assert r["agent/calls_per_row"] > 0, "the random model closes a call in some rows, unforced"
         assert r["agent/tool_tokens_mean"] > 0 and "reward/call_mean" in r and "reward/answer_mean" in r
         assert r["rollout/logprob_diff_max"] < 1e-5, "the tool's tokens are masked out of the check"

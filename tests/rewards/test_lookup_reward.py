@@ -1,6 +1,6 @@
 """The lookup task's reward by hand: 0.8 x the model's answer digits once it looked its key up + 0.2 x format
-shaping (1/4 for a call the tool answered, 1/2 for its key's digits against the prompt's, 1/4 for an answer of the
-value's form)."""
+shaping (0.15 for a call the tool answered, 0.7 for its key's digits against the prompt's, 0.15 for an answer of
+the value's form)."""
 from __future__ import annotations
 
 import pytest
@@ -14,16 +14,16 @@ R = "<result>237</result>"
 @pytest.mark.parametrize("response, call, read, answer, total", [
     (f"<lookup>123</lookup>{R}237", 1.0, 1.0, 1.0, 1.0),
     (f"<lookup>123</lookup>{R}207", 1.0, 1.0, 2 / 3, 0.2 + 0.8 * 2 / 3),
-    (f"<lookup>123</lookup>{R}", 0.75, 1.0, 0.0, 0.15),                 # looks up right, writes no answer
+    (f"<lookup>123</lookup>{R}", 0.85, 1.0, 0.0, 0.17),                 # looks up right, writes no answer
     (f"<lookup> 123\n</lookup>{R}237", 1.0, 1.0, 1.0, 1.0),             # the tool reads the key stripped
-    ("<lookup>129</lookup><result>410</result>410", 0.25 + 0.5 * 2 / 3 + 0.25, 0.0, 0.0, 0.2 * (0.5 + 1 / 3)),
-    ("<lookup>7</lookup><result>001</result>2", 0.25, 0.0, 1 / 3, 0.05),  # a right digit by chance: not paid
-    ("<lookup>1+2</lookup><result>error: lookup raised ValueError</result>237", 0.25 + 0.5 / 3 + 0.25, 0.0, 1.0,
-     0.2 * (0.5 + 1 / 6)),
-    ("<lookup></lookup><result></result>237", 0.5, 0.0, 1.0, 0.1),       # an error result the tokenizer dropped
+    ("<lookup>129</lookup><result>410</result>410", 0.3 + 0.7 * 2 / 3, 0.0, 0.0, 0.2 * (0.3 + 0.7 * 2 / 3)),
+    ("<lookup>7</lookup><result>001</result>2", 0.15, 0.0, 1 / 3, 0.03),  # a right digit by chance: not paid
+    ("<lookup>1+2</lookup><result>error: lookup raised ValueError</result>237", 0.3 + 0.7 / 3, 0.0, 1.0,
+     0.2 * (0.3 + 0.7 / 3)),
+    ("<lookup></lookup><result></result>237", 0.3, 0.0, 1.0, 0.06),      # an error result the tokenizer dropped
     ("237", 0.0, 0.0, 1.0, 0.0),                                         # no call: a guess, even a right one
     ("<lookup>123</lookup>", 0.0, 0.0, 0.0, 0.0),                        # the call without the tool's result
-    (f"<lookup>555</lookup><result>1</result><lookup>123</lookup>{R}237 9", 0.75, 1.0, 1.0, 0.95),  # the last call
+    (f"<lookup>555</lookup><result>1</result><lookup>123</lookup>{R}237 9", 0.85, 1.0, 1.0, 0.97),  # the last call
 ])
 def test_lookup_answer_by_hand(response, call, read, answer, total):
     assert lookup_call(response, "237", "123=") == pytest.approx(call)
