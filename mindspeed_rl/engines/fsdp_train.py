@@ -47,7 +47,7 @@ from ..algorithms.metrics import merge_metrics
 from .base import Bucket, LossFn, MicroBatch, ModelOutput, NamedTensors, TrainEngine, TrainSpec, bucketed
 from .offload import OffloadOptions, Offloader
 from .batching import SequenceBatch, collate, forward_groups, join_groups, right_pad, unpad_rows
-from .torch_train import (check_token_budget, enable_gradient_checkpointing, pair_rows, response_log_probs,
+from .torch_train import (adamw_kernel, check_token_budget, enable_gradient_checkpointing, pair_rows, response_log_probs,
                           response_values, sequence_scores)
 
 OPTIONS = {"reshard_after_forward"}   # TrainSpec.options keys this backend reads
@@ -173,8 +173,10 @@ class FSDPTrainEngine(TrainEngine):
             # only what trains has AdamW state: with LoRA, the adapters (at lora.lr, else the actor's lr)
             trained = [p for p in self.model.parameters() if p.requires_grad]
             lr = (spec.lora.get("lr") if spec.lora else None) or o.lr
-            self.optimizer = torch.optim.AdamW(trained, lr=lr, betas=tuple(o.betas),
-                                               eps=o.eps, weight_decay=o.weight_decay)
+            # the kernel by where the shards live: fsdp_cpu_offload keeps them (and the update) on the host
+            where = trained[0].device if trained else self.device
+            self.optimizer = torch.optim.AdamW(trained, lr=lr, betas=tuple(o.betas), eps=o.eps,
+                                               weight_decay=o.weight_decay, **adamw_kernel(where))
         # between stages (engines/offload.py): the parameters and AdamW state wait on the host
         self.offloader = Offloader.for_engine(offload, lambda: self.model, lambda: self.optimizer, self.device)
 

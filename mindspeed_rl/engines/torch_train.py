@@ -45,12 +45,19 @@ from .base import (Bucket, LossFn, MicroBatch, ModelOutput, NamedTensors, OptimC
 from .batching import SequenceBatch, collate, forward_groups, join_groups, right_pad, unpad_rows
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# fp32 logits of one chunk of tokens: the most `head_log_probs` holds at once (Qwen2.5's 151,936-token
-# vocabulary: 220 tokens a chunk)
+# fp32 logits of one chunk of tokens: the most `head_log_probs` holds at once. On the CPU 128 MiB (Qwen2.5's
+# 151,936-token vocabulary: 220 tokens a chunk); on an accelerator 1 GiB (1,766 tokens): a 220-token chunk's
+# head matmul is too small to run at a card's speed, and each chunk costs its own launches and recompute
 LOGITS_CHUNK_BYTES = 128 << 20
+ACCELERATOR_LOGITS_CHUNK_BYTES = 1 << 30
 
 
 # ---------------------------------------------------------------------------- log-probs, chunked
+def logits_chunk_bytes(device: torch.device | str) -> int:
+    """The fp32 logits one chunk may hold on `device` (the CPU: LOGITS_CHUNK_BYTES; else the accelerators')."""
+    return LOGITS_CHUNK_BYTES if torch.device(device).type == "cpu" else ACCELERATOR_LOGITS_CHUNK_BYTES
+
+
 def chunk_tokens_for(vocab: int, chunk_bytes: int = LOGITS_CHUNK_BYTES) -> int:
     """Tokens per chunk so that one chunk's fp32 logits take at most `chunk_bytes` (at least 1)."""
     return max(1, chunk_bytes // (4 * int(vocab)))
@@ -72,6 +79,47 @@ def _head_chunk(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                 temperature: float, with_entropy: bool):
     """One chunk: the LM head in the compute dtype (autocast decides), then `token_log_probs`."""
     return token_log_probs(F.linear(hidden, weight, bias), labels, temperature, with_entropy)
+
+
+class _CastHead(torch.autograd.Function):
+    """`F.linear` with the head's weight (and bias) already cast to the compute dtype (`low`, `low_bias`), its
+    gradients returned to the fp32 masters (`weight`, `bias`) in fp32. Each chunk's gradient is the matmul autocast
+    would run (compute dtype) taken to fp32, and the chunks add up in fp32 on the master: autocast's one cached cast
+    would sum them in the compute dtype first. The cast is not repeated by each checkpointed recompute."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, low, bias, low_bias):
+        x = hidden.to(low.dtype)
+        ctx.save_for_backward(x, low)
+        ctx.hidden_dtype, ctx.weight_dtype = hidden.dtype, weight.dtype
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return F.linear(x, low, low_bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, low = ctx.saved_tensors
+        grad = grad.to(low.dtype)
+        g_hidden = (grad @ low).to(ctx.hidden_dtype) if ctx.needs_input_grad[0] else None
+        g_weight = (grad.t() @ x).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
+        g_bias = grad.sum(0).to(ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[3] else None
+        return g_hidden, g_weight, None, g_bias, None
+
+
+def _cast_head_chunk(hidden: torch.Tensor, weight: torch.Tensor, low: torch.Tensor, bias: torch.Tensor | None,
+                     low_bias: torch.Tensor | None, labels: torch.Tensor, temperature: float, with_entropy: bool):
+    """One chunk of `head_log_probs` under autocast, the head's weight cast once for all chunks (`_CastHead`)."""
+    return token_log_probs(_CastHead.apply(hidden, weight, low, bias, low_bias), labels, temperature, with_entropy)
+
+
+def _autocast_dtype(weight: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast would cast `weight` to in a matmul here, None if it would not cast it (autocast off, the
+    weight already in it, or a DTensor, whose sharded head the mesh engine leaves to autocast)."""
+    kind = weight.device.type
+    if not torch.is_autocast_enabled(kind):
+        return None
+    dtype = torch.get_autocast_dtype(kind)
+    from torch.distributed.tensor import DTensor
+    return None if weight.dtype == dtype or isinstance(weight, DTensor) else dtype
 
 
 def _logits_chunk(logits: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool):
@@ -118,8 +166,14 @@ def head_log_probs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     head's `weight` [V, H] (and `bias`), a chunk of tokens at a time; `mask` [B, R] (the response
     mask) skips padding: its positions get 0. Equals `log_softmax(lm_head(hidden).float())` gathered
     at the labels within float tolerance, gradients included, without its [B, R, V] fp32 tensor."""
-    n = chunk_tokens or chunk_tokens_for(weight.shape[0])
-    return _chunked(_head_chunk, hidden, labels, (weight, bias, temperature, with_entropy), n, mask, with_entropy)
+    n = chunk_tokens or chunk_tokens_for(weight.shape[0], logits_chunk_bytes(weight.device))
+    low = _autocast_dtype(weight)
+    if low is None:
+        return _chunked(_head_chunk, hidden, labels, (weight, bias, temperature, with_entropy), n, mask, with_entropy)
+    # under autocast each chunk (and each checkpointed recompute) would cast the fp32 master again: once here
+    low_bias = bias.detach().to(low) if bias is not None else None
+    return _chunked(_cast_head_chunk, hidden, labels, (weight, weight.detach().to(low), bias, low_bias, temperature,
+                                                       with_entropy), n, mask, with_entropy)
 
 
 def logits_log_probs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
@@ -128,7 +182,7 @@ def logits_log_probs(logits: torch.Tensor, labels: torch.Tensor, temperature: fl
     """As `head_log_probs` for logits a model already computed [B, R, V] (in its compute dtype: an
     FSDP root whose head must run inside its forward): the fp32 cast and the softmax go a chunk at a
     time, so only one chunk is ever fp32."""
-    n = chunk_tokens or chunk_tokens_for(logits.shape[-1])
+    n = chunk_tokens or chunk_tokens_for(logits.shape[-1], logits_chunk_bytes(logits.device))
     return _chunked(_logits_chunk, logits, labels, (temperature, with_entropy), n, mask, with_entropy)
 
 
@@ -307,6 +361,12 @@ def cast_parameters(module: torch.nn.Module, dtype: torch.dtype) -> None:
                 p.data = p.data.to(dtype)
 
 
+def adamw_kernel(device: torch.device | str) -> dict:
+    """AdamW's implementation on `device`: CUDA's fused kernel (one launch for every parameter's update, where
+    the default `foreach` path issues several per parameter group), the multi-tensor `foreach` elsewhere."""
+    return {"fused": True} if torch.device(device).type == "cuda" else {"foreach": True}
+
+
 def check_token_budget(budget: int | None) -> int | None:
     """`max_tokens_per_micro_batch` as an int, None when off (None or 0)."""
     if budget is None or budget == 0:
@@ -374,8 +434,8 @@ class TorchTrainEngine(TrainEngine):
             # only what trains has AdamW state: with LoRA, the adapters (at lora.lr, else the actor's lr)
             trained = [p for p in self.module.parameters() if p.requires_grad]
             lr = (lora.get("lr") if lora else None) or optim.lr
-            self.optimizer = torch.optim.AdamW(trained, lr=lr, betas=optim.betas,
-                                               eps=optim.eps, weight_decay=optim.weight_decay)
+            self.optimizer = torch.optim.AdamW(trained, lr=lr, betas=optim.betas, eps=optim.eps,
+                                               weight_decay=optim.weight_decay, **adamw_kernel(self.device))
         else:
             self.module.eval()
             for p in self.module.parameters():

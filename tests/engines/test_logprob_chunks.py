@@ -135,3 +135,76 @@ def test_response_log_probs_of_a_model_equal_full_logits_with_parameter_gradient
     torch.testing.assert_close(ent[keep], want_ent[keep], rtol=1e-5, atol=1e-5)
     for p, w in zip(model.parameters(), want):
         torch.testing.assert_close(p.grad, w, rtol=1e-4, atol=2e-5)   # fp32 sums in another order
+
+
+class _Casts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts `aten._to_copy` of a tensor of `shape` (the head's weight) into `dtype`."""
+
+    def __init__(self, shape, dtype):
+        super().__init__()
+        self.shape, self.dtype, self.n = tuple(shape), dtype, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and tuple(args[0].shape) == self.shape \
+                and kwargs.get("dtype") == self.dtype:
+            self.n += 1
+        return func(*args, **kwargs)
+
+
+def test_under_autocast_the_heads_weight_is_cast_once_per_micro_batch_with_the_same_gradients():
+    """bf16 autocast on the CPU, fp32 masters, 6 checkpointed chunks: the head's weight is cast once for the forward
+    and every recompute, where autocast casts it again in each chunk's recompute. Log-probs, entropies and the
+    hidden states' gradients equal autocast's per-chunk path bit for bit; the masters' gradients too with one
+    chunk, and with several they add up in fp32 (autocast's cached cast sums the chunks in bf16): no further
+    from the fp32 computation's than autocast's."""
+    from torch.nn import functional as F
+    from mindspeed_rl.engines.torch_train import _chunked, _head_chunk
+    B, R, H, V, chunk = 4, 6, 32, 128, 4
+    g = torch.Generator().manual_seed(7)
+    hidden = torch.randn(B, R, H, generator=g, requires_grad=True)
+    weight = torch.randn(V, H, generator=g, requires_grad=True)
+    bias = torch.randn(V, generator=g, requires_grad=True)
+    labels = torch.randint(0, V, (B, R), generator=g)
+    mask = torch.ones(B, R)
+
+    def run(fn, autocast=True):
+        hidden.grad = weight.grad = bias.grad = None
+        with _Casts(weight.shape, torch.bfloat16) as casts:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):   # the engine's forward
+                lp, ent = fn()
+            (lp.sum() + 0.3 * ent.sum()).backward()                           # and its backward, outside autocast
+        return casts.n, lp.detach(), ent.detach(), hidden.grad.clone(), weight.grad.clone(), bias.grad.clone()
+
+    def per_chunk(n):
+        return run(lambda: _chunked(_head_chunk, hidden, labels, (weight, bias, 1.0, True), n, mask, True))
+
+    def once(n, autocast=True):
+        return run(lambda: head_log_probs(hidden, weight, bias, labels, with_entropy=True, mask=mask, chunk_tokens=n),
+                   autocast)
+
+    old, new = per_chunk(chunk), once(chunk)
+    assert old[0] == 1 + B * R // chunk, old[0]   # autocast caches a leaf's cast in the forward, not in recomputes
+    assert new[0] == 1
+    assert weight.grad.dtype == bias.grad.dtype == torch.float32
+    for a, b in zip(new[1:4], old[1:4]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(once(B * R)[1:], per_chunk(B * R)[1:]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    fp32 = once(B * R, autocast=False)
+    assert fp32[0] == 0
+    for i in (4, 5):
+        assert (new[i] - fp32[i]).norm() <= (old[i] - fp32[i]).norm()
+        torch.testing.assert_close(new[i], old[i], rtol=0, atol=0.05)
+    want = torch.log_softmax(F.linear(hidden, weight, bias), -1).gather(-1, labels[..., None])[..., 0]
+    torch.testing.assert_close(fp32[1], want.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_the_heads_chunk_is_sized_by_the_device():
+    from mindspeed_rl.engines.torch_train import (LOGITS_CHUNK_BYTES, adamw_kernel, chunk_tokens_for,
+                                                  logits_chunk_bytes)
+    assert logits_chunk_bytes("cpu") == LOGITS_CHUNK_BYTES == 128 << 20
+    assert logits_chunk_bytes("cuda:0") == 1 << 30
+    assert chunk_tokens_for(151936, logits_chunk_bytes("cpu")) == 220
+    assert chunk_tokens_for(151936, logits_chunk_bytes("cuda")) == 1766
+    assert adamw_kernel("cuda:0") == {"fused": True} and adamw_kernel("cpu") == {"foreach": True}
