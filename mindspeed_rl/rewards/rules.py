@@ -108,7 +108,7 @@ def _lookup_calls(response: str) -> list[str]:
 def lookup_call(response: str, answer: str = "", prompt: str = "") -> float:
     """Format shaping of the lookup task: 0.15 for a lookup call the tool answered (an error result too),
     0.7 x `digits` of its key against the prompt's key (the prompt without its closing `=`), and 0.15 when
-    the text after the tool's result is one word of digits as long as the answer (whichever digits).
+    the text after the tool's result starts with as many digits as the answer has (whichever digits).
     0 without a call. `42=`, answer `621`: `<lookup>42</lookup><result>621</result>555` 1,
     `<lookup>47</lookup><result>410</result>` 0.15 + 0.7 x 1/2, `<lookup></lookup><result></result>` 0.15.
 
@@ -122,8 +122,9 @@ def lookup_call(response: str, answer: str = "", prompt: str = "") -> float:
     calls = _lookup_calls(response)
     if not calls:
         return 0.0
-    after = final_answer_text(response).strip()
-    form = len(after) == len(str(answer).strip()) and after.isdigit() and after.isascii()
+    size = len(str(answer).strip())
+    head = final_answer_text(response)[:size]
+    form = len(head) == size and head.isdigit() and head.isascii()
     return 0.15 + 0.7 * digits(calls[-1], str(prompt).strip().removesuffix("=")) + 0.15 * form
 
 

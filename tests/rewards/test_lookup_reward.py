@@ -23,7 +23,8 @@ R = "<result>237</result>"
     ("<lookup></lookup><result></result>237", 0.3, 0.0, 1.0, 0.06),      # an error result the tokenizer dropped
     ("237", 0.0, 0.0, 1.0, 0.0),                                         # no call: a guess, even a right one
     ("<lookup>123</lookup>", 0.0, 0.0, 0.0, 0.0),                        # the call without the tool's result
-    (f"<lookup>555</lookup><result>1</result><lookup>123</lookup>{R}237 9", 0.85, 1.0, 1.0, 0.97),  # the last call
+    (f"<lookup>555</lookup><result>1</result><lookup>123</lookup>{R}237 9", 1.0, 1.0, 1.0, 1.0),  # the last call
+    (f"<lookup>123</lookup>{R}23<lookup>", 0.85, 1.0, 2 / 3, 0.17 + 0.8 * 2 / 3),  # two digits: not the form
 ])
 def test_lookup_answer_by_hand(response, call, read, answer, total):
     assert lookup_call(response, "237", "123=") == pytest.approx(call)
