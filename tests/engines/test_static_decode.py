@@ -97,6 +97,18 @@ def test_cuda_graphs_reaches_the_engine_from_the_spec():
     assert not HFRolloutEngine.build(RolloutSpec(model_path=path, cuda_graphs=False)).static
 
 
+@pytest.mark.parametrize("value", [None, True, False])
+def test_generate_config_cuda_graphs_reaches_the_rollout_engines_declaration(value):
+    from mindspeed_rl.config import config_from_dict
+    from mindspeed_rl.trainer.plan import make_plan
+    from mindspeed_rl.trainer.worker_specs import engine_decls
+    from mindspeed_rl.workers.engine_set import ROLLOUT
+    cfg = config_from_dict({"generate_config": {"cuda_graphs": value}})
+    plan = make_plan(cfg, check_files=True)
+    rollouts = [d for gp in plan.groups.values() for d in engine_decls(cfg, plan, gp) if d.role == ROLLOUT]
+    assert rollouts and all(d.cuda_graphs is value for d in rollouts)
+
+
 def test_sleep_frees_the_static_buffers(tiny_engines):
     _, static = tiny_engines
     static.generate(_prompts(4, 14), SETTINGS["stop"], [0, 1, 2, 3])
