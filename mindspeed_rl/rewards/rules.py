@@ -100,9 +100,13 @@ LOOKUP_CALL_WEIGHT = 0.2  # the shaping's share of lookup_answer; the answer's i
 
 
 def _lookup_calls(response: str) -> list[str]:
-    """The keys of the lookup calls the tool answered (a call's closing `</lookup>` followed by `<result>`)."""
+    """The keys of the lookup calls whose whole result the response holds (`</lookup><result>..</result>`).
+
+    A result cut by `max_new_tokens` does not count: its call has no answer after it, and the text
+    `final_answer` reads is then the whole response, digits written before the call included
+    (measured: paid for those, a run wrote its digits first and an empty call after them)."""
     import re
-    return re.findall(r"<lookup>([^<]*)</lookup><result>", str(response))
+    return re.findall(r"<lookup>([^<]*)</lookup><result>[^<]*</result>", str(response))
 
 
 def lookup_call(response: str, answer: str = "", prompt: str = "") -> float:

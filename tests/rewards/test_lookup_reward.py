@@ -23,6 +23,7 @@ R = "<result>237</result>"
     ("<lookup></lookup><result></result>237", 0.3, 0.0, 1.0, 0.06),      # an error result the tokenizer dropped
     ("237", 0.0, 0.0, 1.0, 0.0),                                         # no call: a guess, even a right one
     ("<lookup>123</lookup>", 0.0, 0.0, 0.0, 0.0),                        # the call without the tool's result
+    ("237<lookup></lookup><result>", 0.0, 0.0, 1.0, 0.0),               # a result cut short: no call, no form
     (f"<lookup>555</lookup><result>1</result><lookup>123</lookup>{R}237 9", 1.0, 1.0, 1.0, 1.0),  # the last call
     (f"<lookup>123</lookup>{R}23<lookup>", 0.85, 1.0, 2 / 3, 0.17 + 0.8 * 2 / 3),  # two digits: not the form
 ])
