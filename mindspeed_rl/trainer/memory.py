@@ -176,6 +176,7 @@ def activation_bytes_per_token_layer(d: ModelDims, compute_bytes: int, fp32_resi
     CPU (0.5B dims: within 4 % in fp32 and under bf16 autocast):
 
       norms    2 x (4 h + r h)   each RMSNorm keeps its fp32 input and its normalized input to the weight
+                                 (not with LoRA: a frozen weight needs no gradient, 2 x 4 h)
       inputs   c h x (3 + 2)     the attention's and the MLP's input, one copy per linear when autocast casts
                                  an fp32 residual (q, k, v; gate, up), else c h x (1 + 1)
       attention c h (2 + 2 g) + c h   q, k, v (g = kv_heads / heads), the kernel's output, o_proj's input
@@ -188,7 +189,8 @@ def activation_bytes_per_token_layer(d: ModelDims, compute_bytes: int, fp32_resi
     r = 4 if fp32_residual else c
     g = d.kv_heads / d.heads
     casts = 5 if (fp32_residual and c < 4) else 2
-    return (2 * (4 * h + r * h) + c * h * casts + c * h * (2 + 2 * g) + c * h + 8 * d.head_dim
+    norms = 2 * 4 * h + (0 if lora_rank else 2 * r * h)
+    return (norms + c * h * casts + c * h * (2 + 2 * g) + c * h + 8 * d.head_dim
             + 4 * c * d.intermediate + 7 * c * lora_rank)
 
 
@@ -196,20 +198,29 @@ def train_activation_bytes(d: ModelDims, tokens: int, compute_bytes: int, fp32_r
                            checkpointing: bool, layers: int | None = None, lora_rank: int = 0) -> float:
     """Activations of one micro-batch's forward kept for its backward, over `layers` decoder layers (a
     pipeline stage's; default all). Without checkpointing every layer keeps its full set
-    (`activation_bytes_per_token_layer`); with it each layer keeps only its input (r x h per token) and one
-    layer's full set lives during its recompute in the backward (Chen et al. 2016; transformers'
-    gradient_checkpointing_enable, Megatron's full recompute). The final norm adds 4 h + r h per token."""
+    (`activation_bytes_per_token_layer`); with it each layer keeps only its input, r x h per token (Chen et
+    al. 2016; transformers' gradient_checkpointing_enable, Megatron's full recompute), and one layer's full
+    set lives again while it is recomputed in the backward (`recompute_bytes`). The final norm adds 4 h + r h
+    per token."""
     n = d.layers if layers is None else layers
     r = 4 if fp32_residual else compute_bytes
     full = activation_bytes_per_token_layer(d, compute_bytes, fp32_residual, lora_rank)
-    per_token = (n * r * d.hidden + full) if checkpointing else n * full
+    per_token = n * r * d.hidden if checkpointing else n * full
     return tokens * (per_token + 4 * d.hidden + r * d.hidden)
 
 
-def inference_activation_bytes(d: ModelDims, tokens: int, compute_bytes: int) -> float:
+def recompute_bytes(d: ModelDims, tokens: int, compute_bytes: int, fp32_residual: bool, lora_rank: int = 0) -> float:
+    """With checkpointing, the one layer recomputed in the backward holds its full set again. It lives after
+    the head's backward has freed the logits' working set, so a step's peak holds the larger of the two
+    (the non-checkpointed backward starts at the head with every layer's activations alive: their sum)."""
+    return tokens * activation_bytes_per_token_layer(d, compute_bytes, fp32_residual, lora_rank)
+
+
+def inference_activation_bytes(d: ModelDims, tokens: int, compute_bytes: int, lora: bool = False) -> float:
     """A forward without grad keeps nothing between layers: its peak is one layer's working set, the
-    residual and norm output (about 4 h) and the MLP's silu(gate), up and their product (3 I) per token."""
-    return tokens * compute_bytes * (4 * d.hidden + 3 * d.intermediate)
+    residual and norm output (about 4 h) and the MLP's silu(gate), up and their product (3 I) per token;
+    with LoRA a linear layer's output and its adapter's sum exist together (one I more)."""
+    return tokens * compute_bytes * (4 * d.hidden + (4 if lora else 3) * d.intermediate)
 
 
 def log_prob_pass_bytes(layers_peak: float, logits_peak: float, tokens: int, d: ModelDims,
@@ -220,18 +231,19 @@ def log_prob_pass_bytes(layers_peak: float, logits_peak: float, tokens: int, d: 
 
 
 def chunked_logits_bytes(d: ModelDims, response_tokens: int, train: bool, compute_bytes: int = 4,
-                         chunk_bytes: int = LOGITS_CHUNK_BYTES) -> float:
+                         head_trained: bool = True, chunk_bytes: int = LOGITS_CHUNK_BYTES) -> float:
     """The LM head a chunk of tokens at a time (engines/torch_train.py head_log_probs): at most
     `chunk_bytes` of fp32 logits per chunk (fewer when the micro-batch's response tokens are fewer).
     Without grad: the fp32 logits and their log-softmax (2 chunks), and the 16-bit logits they were cast
     from (half a chunk more). With grad: 4 chunks (the chunk recomputed in the backward with its gradient),
     and with more than one chunk each chunk's gradient of the head's weight is made whole before it is added
-    to the one accumulated (4 x vocab x hidden more). Measured on the CPU: benchmarks/single_device.py."""
+    to the one accumulated (4 x vocab x hidden more; not with LoRA, whose head is frozen). Measured on the
+    CPU: benchmarks/single_device.py."""
     chunk = min(chunk_bytes, 4 * d.vocab * max(1, response_tokens))
     if not train:
         return chunk * (2 + (0.5 if compute_bytes < 4 else 0))
     several = 4 * d.vocab * response_tokens > chunk_bytes
-    return chunk * 4 + (4 * d.vocab * d.hidden if several else 0)
+    return chunk * 4 + (4 * d.vocab * d.hidden if several and head_trained else 0)
 
 
 def full_logits_bytes(d: ModelDims, rows: int, response_len: int, compute_bytes: int, train: bool) -> float:
@@ -474,7 +486,10 @@ def _compute_copy(d: ModelDims, lay: Layout, who: str, head: str, trainable: int
 
 
 def _activations(d: ModelDims, lay: Layout, who: str, section: str, rows: int, n_micro: int, seq_len: int,
-                 budget: int | None, checkpointing: bool, lora_rank: int, rows_key: str) -> Term:
+                 budget: int | None, checkpointing: bool, lora_rank: int, rows_key: str,
+                 logits_bytes: float) -> list[Term]:
+    """The activations a micro-batch keeps for its backward, and with checkpointing the recomputed layer's
+    excess over the head's working set (the two live one after the other)."""
     tokens = tokens_per_forward(rows, seq_len, budget)
     layers = math.ceil(d.layers / lay.pp)
     in_flight = min(lay.pp, max(1, n_micro)) if lay.pp > 1 else 1
@@ -487,11 +502,17 @@ def _activations(d: ModelDims, lay: Layout, who: str, section: str, rows: int, n
         f"a smaller {rows_key} (now {rows})",
         f"a smaller {section}.max_tokens_per_micro_batch (now {budget})" if budget else
         f"{section}.max_tokens_per_micro_batch (a token budget per forward)")
-    return Term(f"{who} activations", b, how, knobs)
+    out = [Term(f"{who} activations", b, how, knobs)]
+    if checkpointing:
+        layer = recompute_bytes(d, tokens, lay.compute_bytes, lay.autocast, lora_rank) / lay.tp
+        out.append(Term(f"{who} recompute", max(0.0, layer - logits_bytes),
+                        f"one layer recomputed ({layer / GB:.2f} GB) beyond the head's working set "
+                        f"({logits_bytes / GB:.2f} GB)", knobs[:2]))
+    return out
 
 
 def _logits(d: ModelDims, lay: Layout, who: str, rows: int, seq_len: int, response_len: int, budget: int | None,
-            train: bool, rows_key: str) -> Term:
+            train: bool, rows_key: str, head_trained: bool = True) -> Term:
     rows_fwd = max(1, tokens_per_forward(rows, seq_len, budget) // seq_len)
     if lay.sharded:
         b = full_logits_bytes(d, rows_fwd, response_len, lay.compute_bytes, train)
@@ -500,17 +521,17 @@ def _logits(d: ModelDims, lay: Layout, who: str, rows: int, seq_len: int, respon
         b = full_logits_bytes(d, rows_fwd, seq_len, lay.compute_bytes + 4, train) / lay.tp
         how = f"{rows_fwd} rows x {seq_len} x {d.vocab} / tp {lay.tp}, 16-bit + fp32"
     else:
-        b = chunked_logits_bytes(d, rows_fwd * response_len, train, lay.compute_bytes)
-        how = (f"chunks of {LOGITS_CHUNK_BYTES >> 20} MiB fp32" + (" x 4, the head's gradient once more" if train
-                                                                  else ""))
+        b = chunked_logits_bytes(d, rows_fwd * response_len, train, lay.compute_bytes, head_trained)
+        how = f"chunks of {LOGITS_CHUNK_BYTES >> 20} MiB fp32" + (
+            "" if not train else " x 4, the head's gradient once more" if head_trained else " x 4")
     return Term(f"{who} logits", b, how, (f"a smaller {rows_key} (now {rows})",
                                            "actor_config.max_tokens_per_micro_batch (a token budget per forward)"))
 
 
 def _infer_working_set(d: ModelDims, lay: Layout, who: str, rows: int, seq_len: int, response_len: int,
-                       budget: int | None, head: str, rows_key: str) -> list[Term]:
+                       budget: int | None, head: str, rows_key: str, lora: bool = False) -> list[Term]:
     tokens = tokens_per_forward(rows, seq_len, budget)
-    layers = inference_activation_bytes(d, tokens, lay.compute_bytes) / lay.tp
+    layers = inference_activation_bytes(d, tokens, lay.compute_bytes, lora) / lay.tp
     logits = _logits(d, lay, who, rows, seq_len, response_len, budget, False, rows_key).bytes if head == "lm" else 0.0
     b = log_prob_pass_bytes(layers, logits, tokens, d, lay.compute_bytes)
     return [Term(f"{who} forward", b, f"{tokens} tokens: the larger of one layer's working set "
@@ -601,11 +622,12 @@ def _model_load(cfg, d: ModelDims, lay: Layout, model: str, kind: str, mfcs: lis
         if it is InterfaceType.TRAIN_STEP:
             rows_key = (f"{section}.ppo_micro_batch_size_per_device" if kind != "reward"
                         else "reward_model.micro_batch_size_per_device")
-            terms = weights + grads + opt + copy + [
-                _activations(d, lay, who, section, micro_rows, n_micro, seq_len, budget,
-                             bool(getattr(sec, "gradient_checkpointing", False)), lora_rank, rows_key)]
-            if head == "lm":
-                terms.append(_logits(d, lay, who, micro_rows, seq_len, resp, budget, True, rows_key))
+            logits = (_logits(d, lay, who, micro_rows, seq_len, resp, budget, True, rows_key, not lora_rank)
+                      if head == "lm" else None)
+            terms = weights + grads + opt + copy + _activations(
+                d, lay, who, section, micro_rows, n_micro, seq_len, budget,
+                bool(getattr(sec, "gradient_checkpointing", False)), lora_rank, rows_key,
+                logits.bytes if logits else 0.0) + ([logits] if logits else [])
             busy[m.name] = _running(terms)
             if lay.backend != "megatron" and not offload.get("fsdp_cpu_offload"):
                 busy[f"{m.name} (optimizer step)"] = _running(weights + _reduced(grads, d, lay, trainable) + opt + [
@@ -626,7 +648,7 @@ def _model_load(cfg, d: ModelDims, lay: Layout, model: str, kind: str, mfcs: lis
             rows = min(rows, per_dev)
             kept_opt = _off(opt, "offloaded between train stages") if offload.get("optimizer") else opt
             terms = weights + kept_opt + copy + _infer_working_set(d, lay, who, rows, seq_len, resp, budget, head,
-                                                                   rows_key)
+                                                                   rows_key, lora=bool(lora_rank))
         busy[m.name] = _running(terms)
     label = f"{model} ({lay.backend}{f' dp {lay.dp}' if lay.dp > 1 else ''}{f' tp {lay.tp}' if lay.tp > 1 else ''}" \
             f"{f' pp {lay.pp}' if lay.pp > 1 else ''})"

@@ -90,8 +90,12 @@ def test_activation_terms_by_hand():
     tokens = 10
     final = tokens * (4 * 64 + 4 * 64)
     assert M.train_activation_bytes(d, tokens, 4, False, False) == tokens * 4 * fp32 + final
-    # checkpointing: each layer keeps its input (4h), one layer is recomputed whole
-    assert M.train_activation_bytes(d, tokens, 4, False, True) == tokens * (4 * 4 * 64 + fp32) + final
+    # checkpointing: each layer keeps its input (4h); one layer is recomputed whole in the backward
+    assert M.train_activation_bytes(d, tokens, 4, False, True) == tokens * 4 * 4 * 64 + final
+    assert M.recompute_bytes(d, tokens, 4, False) == tokens * fp32
+    # LoRA: a frozen norm weight keeps no normalized input (2 x 4h less), each adapter its A output
+    assert M.activation_bytes_per_token_layer(d, 4, False, lora_rank=8) == fp32 - 2 * 4 * 64 + 7 * 4 * 8
+    assert M.inference_activation_bytes(d, tokens, 2, lora=True) == tokens * 2 * (4 * 64 + 4 * 256)
     assert M.inference_activation_bytes(d, tokens, 2) == tokens * 2 * (4 * 64 + 3 * 256)
 
 
@@ -100,6 +104,7 @@ def test_logits_kv_and_token_terms():
     # several chunks with grad: 4 chunks, and the head's weight gradient of a chunk (fp32 152064 x 3584) once more
     assert M.chunked_logits_bytes(d, 10_000, train=True) == 4 * M.LOGITS_CHUNK_BYTES + 4 * 152064 * 3584
     assert M.chunked_logits_bytes(d, 100, train=True) == 4 * 4 * 152064 * 100     # one chunk: no second gradient
+    assert M.chunked_logits_bytes(d, 10_000, True, head_trained=False) == 4 * M.LOGITS_CHUNK_BYTES  # LoRA
     assert M.chunked_logits_bytes(d, 10, train=False) == 2 * 4 * 152064 * 10      # fewer tokens than a chunk
     assert M.chunked_logits_bytes(d, 10, False, 2) == 2.5 * 4 * 152064 * 10       # and the 16-bit logits
     # a log-prob pass: the larger of the layers' and the head's working sets, over the hidden states
