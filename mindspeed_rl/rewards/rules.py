@@ -110,7 +110,7 @@ def _lookup_calls(response: str) -> list[str]:
 
 
 def lookup_call(response: str, answer: str = "", prompt: str = "") -> float:
-    """Format shaping of the lookup task: 0.15 for a lookup call the tool answered (an error result too),
+    """Format shaping of the lookup task: 0.15 for a lookup call with its whole result (an error result too),
     0.7 x `digits` of its key against the prompt's key (the prompt without its closing `=`), and 0.15 when
     the text after the tool's result starts with as many digits as the answer has (whichever digits).
     0 without a call. `42=`, answer `621`: `<lookup>42</lookup><result>621</result>555` 1,

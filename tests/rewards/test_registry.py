@@ -13,7 +13,8 @@ MODULE = "tests.rewards.custom_reward_example"
 
 
 def test_builtin_names():
-    assert set(BUILTIN_REWARDS) == {"gsm8k", "gsm8k_flexible", "exact_match", "digits", "final_digits", "calc_digits", "answer_digits"}
+    assert set(BUILTIN_REWARDS) == {"gsm8k", "gsm8k_flexible", "exact_match", "digits", "final_digits", "calc_digits", "answer_digits",
+                                     "lookup_answer"}
     assert get_reward_fn("gsm8k") is gsm8k
     assert get_reward_fn(" digits ") is digits
     for name in BUILTIN_REWARDS:
