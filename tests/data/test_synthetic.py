@@ -10,7 +10,7 @@ from mindspeed_rl.models import build_char_tokenizer
 from mindspeed_rl.rewards import digits, get_reward_fn
 
 FORMATS = {"copy": r"\d{3}=", "reverse": r"\d{3}=", "sort": r"\+?\d{3}=", "add": r"\d{3}\+\d{3}=",
-           "sum": r"\d{3}\+\d{3}="}
+           "sum": r"\d{3}\+\d{3}=", "lookup": r"\d{3}="}
 ANSWERS = {"sum": r"0|[1-9]\d{0,3}"}  # the real sum of two 3-digit strings (leading zeros): 0 .. 1998
 
 
@@ -20,6 +20,7 @@ ANSWERS = {"sum": r"0|[1-9]\d{0,3}"}  # the real sum of two 3-digit strings (lea
     ("sort", "312=", "123"), ("sort", "+312=", "321"), ("sort", "909=", "099"), ("sort", "+909=", "990"),
     ("add", "123+456=", "579"), ("add", "999+111=", "000"), ("add", "555+505=", "050"),
     ("sum", "123+456=", "579"), ("sum", "999+999=", "1998"), ("sum", "555+505=", "1060"), ("sum", "012+034=", "46"),
+    ("lookup", "123=", "237"), ("lookup", "042=", "293"),
 ])
 def test_solve_by_hand(kind, prompt, answer):
     assert SyntheticTask(kind, 3).solve(prompt) == answer
@@ -45,7 +46,8 @@ def test_sort_uses_both_directions_and_other_lengths():
     for kind in SYNTHETIC_KINDS:
         task = SyntheticTask(kind, 5)
         for prompt, answer in task.sample_many(np.random.default_rng(2), 50):
-            assert len(answer) == (5 if kind != "sum" else len(str(int(prompt[:5]) + int(prompt[6:11]))))
+            expected = {"sum": len(str(int(prompt[:5]) + int(prompt[6:11]))) if kind == "sum" else 0, "lookup": 3}
+            assert len(answer) == expected.get(kind, 5)
             assert task.solve(prompt) == answer
 
 
@@ -60,7 +62,7 @@ def test_solve_rejects_other_prompts():
 
 def test_task_argument_errors():
     with pytest.raises(ValueError, match=r"unknown synthetic task kind 'mul'; kinds are \['copy', "
-                                         r"'reverse', 'sort', 'add', 'sum'\]"):
+                                         r"'reverse', 'sort', 'add', 'sum', 'lookup'\]"):
         SyntheticTask("mul")
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="num_digits must be a positive integer"):
@@ -92,7 +94,8 @@ def _best_constant(dataset, n):
     return "".join(str(np.bincount(answers[:, i], minlength=10).argmax()) for i in range(n))
 
 
-@pytest.mark.parametrize("kind", [k for k in SYNTHETIC_KINDS if k != "sum"])  # sum: the tool task, below
+@pytest.mark.parametrize("kind", [k for k in SYNTHETIC_KINDS if k not in ("sum", "lookup")])  # the tool tasks: below,
+# and tests/agent/test_lookup.py
 def test_a_policy_that_ignores_the_prompt_scores_under_0_2(kind):
     n = 3
     dataset = SyntheticPromptDataset(SyntheticTask(kind, n), size=4000, seed=0)
