@@ -37,6 +37,23 @@ warm-up, the median of `--repeats`:
   measured and dropped in turn; the rollout engine stays); on the CPU the peak RSS of the part
   (VmHWM, reset through /proc/self/clear_refs) and, overall, `ru_maxrss`.
 
+Model features: `--gradient-checkpointing` and `--lora RANK` (LoRA on every linear layer) build every
+train engine with them (TrainSpec.gradient_checkpointing, TrainSpec.lora) and pass them to the end-to-end
+run (actor_config.gradient_checkpointing, actor_config.lora.rank).
+
+The memory plan against measurement (`--memory`; `--memory-only` runs nothing else): the torch engine and
+the hf rollout engine built with those features, each figure the memory plan's term for these sizes
+(trainer/memory.py, the same functions) beside the measured bytes: on the CPU the RSS (VmRSS) and its peak
+(VmHWM, reset through /proc/self/clear_refs; glibc's malloc is told to return every block of 64 KiB or more
+to the system, so a freed tensor leaves the RSS), on a GPU torch.cuda.memory_allocated and its peak. Parts:
+the train engine's weights (resident after the build), the AdamW state (resident growth over the first
+step), the activations a micro-batch keeps for its backward (the RSS when the loss is computed, the graph
+alive, over the step's start), the train step's peak over the resident state (grads and activations and
+logits, or the optimizer step's temporaries), the log-prob pass's peak, the rollout engine's weights and
+its generate call's peak (KV cache, prefill, a step's logits). docs/fitting.md has the table.
+
+    python benchmarks/single_device.py --device cpu --model qwen2_5_0_5b_2l --memory-only [--gradient-checkpointing] [--lora 64]
+
 End to end (`--skip-e2e` leaves it out): `cli/train_grpo.py --config-name grpo_qwen25_0p5b_1gpu` in a
 subprocess (its own Ray), with `generate_config.backend=hf`, the fsdp actor and reference colocated in
 one worker on the device, the rule stages in another, `--e2e-prompts` x `--e2e-samples` rows,
@@ -130,6 +147,12 @@ class PeakMemory:
                 f.write("5")          # VmHWM := current RSS (Linux)
         except OSError:
             pass
+
+    def current_gb(self) -> float:
+        """What is held now: memory_allocated on CUDA, the RSS (VmRSS) on the CPU."""
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device) / 1e9
+        return _status_kb("VmRSS") * 1024 / 1e9
 
     def peak_gb(self) -> float:
         if self.device.type == "cuda":
@@ -364,8 +387,7 @@ def bench_train(a, ckpt: str, pad: int, device, mem: PeakMemory, rollout_engine,
             logprob = lambda: eng.log_probs(prompts, responses, a.logprob_micro_batch)  # noqa: E731
             sync_fn = lambda: rollout_engine.model.load_state_dict(eng.model.state_dict())  # noqa: E731
         else:
-            eng = make_train_engine(name, TrainSpec(model_path=ckpt, dtype=a.dtype, device=str(device),
-                                                    pad_token_id=pad, optim=OptimConfig(lr=1e-6), seed=0))
+            eng = make_train_engine(name, train_spec(a, ckpt, pad, device))
             step = lambda: eng.train_step(micro_batches(prompts, responses, a.micro_batch), token_mean_nll)  # noqa: E731
             logprob = lambda: eng.log_probs(prompts, responses, a.logprob_micro_batch)  # noqa: E731
 
@@ -393,6 +415,170 @@ def bench_train(a, ckpt: str, pad: int, device, mem: PeakMemory, rollout_engine,
 
 # ---------------------------------------------------------------------------- end to end
 
+def lora_fields(rank: int) -> dict | None:
+    """TrainSpec.lora for `--lora RANK`: every linear layer, alpha 16 (LoraConfig's defaults); None when 0."""
+    return {"rank": rank, "alpha": 16.0, "target_modules": ["all-linear"], "dropout": 0.0, "lr": None} if rank else None
+
+
+def train_spec(a, ckpt: str, pad: int, device) -> TrainSpec:
+    """A trained engine's spec with the run's model features (--gradient-checkpointing, --lora)."""
+    return TrainSpec(model_path=ckpt, dtype=a.dtype, device=str(device), pad_token_id=pad,
+                     optim=OptimConfig(lr=1e-6), seed=0, gradient_checkpointing=a.gradient_checkpointing,
+                     lora=lora_fields(a.lora))
+
+
+# ---------------------------------------------------------------------------- memory plan against measurement
+
+def limit_malloc_caching() -> None:
+    """glibc: every allocation of 64 KiB or more through mmap, and the heap trimmed above it, so a freed
+    tensor leaves the RSS at once (by default the thresholds grow to 32 MiB and freed blocks stay resident,
+    which hides a later part's peak under an earlier part's garbage)."""
+    import ctypes
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.mallopt(-3, 64 << 10)   # M_MMAP_THRESHOLD (fixing it turns off the dynamic threshold)
+    libc.mallopt(-1, 128 << 10)  # M_TRIM_THRESHOLD
+
+
+def memory_estimates(a, ckpt: str, device) -> dict:
+    """The memory plan's terms (trainer/memory.py) for this run's sizes, in GB, by part."""
+    from mindspeed_rl.trainer import memory as M
+    d, src = M.load_dims(ckpt)
+    kind = "cpu" if device.type == "cpu" else "gpu"
+    lay = M.Layout("torch", 1, kind=kind, dtype=a.dtype)
+    c = lay.compute_bytes
+    p = d.params()
+    lora = M.lora_params(d, a.lora, ["all-linear"])
+    trainable = lora or p
+    weights = M.state_bytes(p, c) + M.state_bytes(lora, 4) if lora else M.state_bytes(p, 4)
+    tokens = a.micro_batch * (a.train_prompt_len + a.train_response_len)
+    act = M.train_activation_bytes(d, tokens, c, lay.autocast, a.gradient_checkpointing, lora_rank=a.lora)
+    recompute = M.recompute_bytes(d, tokens, c, lay.autocast, a.lora) if a.gradient_checkpointing else 0.0
+    logits = M.chunked_logits_bytes(d, a.micro_batch * a.train_response_len, True, c, head_trained=not a.lora)
+    grads = M.state_bytes(trainable, 4)
+    largest = (max(a.lora * max(x, y) for x, y in d.linear_shapes().values()) if lora
+               else max(d.vocab * d.hidden, max(x * y for x, y in d.linear_shapes().values())))
+    step = M.optimizer_step_bytes(trainable, 1, device.type != "cpu", largest)
+    copy = trainable * c if lay.autocast else 0.0
+    lp_rows = min(a.logprob_micro_batch, a.train_rows)
+    lp_tokens = lp_rows * (a.train_prompt_len + a.train_response_len)
+    logprob = M.log_prob_pass_bytes(M.inference_activation_bytes(d, lp_tokens, c, lora=bool(a.lora)),
+                                    M.chunked_logits_bytes(d, lp_rows * a.train_response_len, False, c),
+                                    lp_tokens, d, c) + copy
+    rc = 4 if device.type == "cpu" and a.dtype == "float32" else M.DTYPE_BYTES[a.dtype]
+    gen = (M.kv_cache_bytes(d, a.rows, a.prompt_len + a.new_tokens, rc)
+           + M.inference_activation_bytes(d, a.rows * a.prompt_len, rc) + M.decode_logits_bytes(d, a.rows))
+    gb = 1e9
+    return {"source": src, "params": p, "lora_params": lora,
+            "train weights": weights / gb,
+            "optimizer state": M.state_bytes(trainable, 8) / gb,
+            "activations": act / gb,
+            "train step peak": (grads + max(act + max(logits, recompute) + copy, step)) / gb,
+            "log-prob peak": logprob / gb,
+            "rollout weights": M.state_bytes(p, rc) / gb,
+            "rollout generate peak": gen / gb,
+            "how": {"train step peak": "grads + max(activations + max(logits, recomputed layer) + autocast copy, "
+                               "optimizer step)",
+                    "activations": f"{tokens} tokens, checkpointing {'on' if a.gradient_checkpointing else 'off'}"
+                                   f"{f', LoRA rank {a.lora}' if a.lora else ''}",
+                    "rollout generate peak": f"KV cache {a.rows} rows x {a.prompt_len + a.new_tokens} + prefill + logits"}}
+
+
+def bench_memory(a, ckpt: str, pad: int, device, mem: PeakMemory, ids: tuple[int, int]) -> dict:
+    """Each part's measured bytes beside the memory plan's estimate (see the module's docstring)."""
+    est = memory_estimates(a, ckpt, device)
+    g = torch.Generator().manual_seed(5)
+    prompts = random_rows(a.train_rows, a.train_prompt_len, *ids, g)
+    responses = random_rows(a.train_rows, a.train_response_len, *ids, g)
+    got: dict[str, float] = {}
+    if "train" in a.memory_parts:
+        train_memory(a, ckpt, pad, device, mem, prompts, responses, got)
+    if "rollout" in a.memory_parts:
+        rollout_memory(a, ckpt, pad, device, mem, random_rows(a.rows, a.prompt_len, *ids, g), got)
+    rows = {k: {"estimate_gb": est[k], "measured_gb": v, "ratio": (est[k] / v) if v > 0 else None,
+                "how": est["how"].get(k, "")} for k, v in got.items()}
+    return {"source": est["source"], "params": est["params"], "lora_params": est["lora_params"],
+            "gradient_checkpointing": a.gradient_checkpointing, "lora": a.lora, "parts": rows,
+            "sizes": {"train_rows": a.train_rows, "micro_batch": a.micro_batch, "train_prompt_len": a.train_prompt_len,
+                      "train_response_len": a.train_response_len, "logprob_micro_batch": a.logprob_micro_batch,
+                      "rows": a.rows, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "dtype": a.dtype}}
+
+
+def train_memory(a, ckpt: str, pad: int, device, mem: PeakMemory, prompts, responses, got: dict) -> None:
+    """The torch engine's parts: weights, AdamW state, a micro-batch's activations, the step's and the
+    log-prob pass's peaks over what is resident."""
+    free(device)
+    base = mem.current_gb()
+    eng = make_train_engine("torch", train_spec(a, ckpt, pad, device))
+    for t in eng.parameters():   # resident: a weight the build left mapped from the checkpoint file is read once
+        float(t.reshape(-1)[::512].sum())
+    free(device)
+    got["train weights"] = mem.current_gb() - base
+
+    at_loss: list[float] = []
+
+    def loss_fn(out, mb):
+        if not at_loss:
+            at_loss.append(mem.current_gb())   # the first micro-batch's graph is alive: its activations
+        return token_mean_nll(out, mb)
+
+    steps = []
+    for k in range(2):      # the first step creates AdamW's state; the second runs on it
+        free(device)
+        start = mem.current_gb()
+        at_loss.clear()
+        mem.reset()
+        eng.train_step(micro_batches(prompts, responses, a.micro_batch), loss_fn)
+        peak = mem.peak_gb()
+        free(device)
+        steps.append({"start": start, "peak": peak, "at_loss": at_loss[0], "end": mem.current_gb()})
+    got["optimizer state"] = steps[0]["end"] - steps[0]["start"]
+    got["activations"] = steps[1]["at_loss"] - steps[1]["start"]
+    got["train step peak"] = steps[1]["peak"] - steps[1]["start"]
+    free(device)
+    start = mem.current_gb()
+    mem.reset()
+    with torch.no_grad():
+        eng.log_probs(prompts, responses, a.logprob_micro_batch)
+    got["log-prob peak"] = mem.peak_gb() - start
+    eng.close()
+    del eng
+    free(device)
+
+
+def rollout_memory(a, ckpt: str, pad: int, device, mem: PeakMemory, gp, got: dict) -> None:
+    """The hf rollout engine's parts: its weights and one generate call's peak over them."""
+    base = mem.current_gb()
+    rollout = make_rollout_engine("hf", RolloutSpec(model_path=ckpt, dtype=a.dtype, device=str(device),
+                                                    pad_token_id=pad, seed=0))
+    for t in rollout.model.parameters():
+        float(t.reshape(-1)[::512].sum())
+    free(device)
+    got["rollout weights"] = mem.current_gb() - base
+    start = mem.current_gb()
+    mem.reset()
+    rollout.generate(gp, SamplingParams(max_new_tokens=a.new_tokens, temperature=1.0), list(range(a.rows)))
+    got["rollout generate peak"] = mem.peak_gb() - start
+    rollout.close()
+    del rollout
+    free(device)
+
+
+def memory_table(m: dict) -> str:
+    feats = ", ".join(f for f in ("checkpointing" if m["gradient_checkpointing"] else "",
+                                  f"LoRA rank {m['lora']}" if m["lora"] else "") if f) or "no checkpointing, no LoRA"
+    s = m["sizes"]
+    lines = [f"memory plan vs measured ({feats}; train {s['train_rows']} rows of {s['train_prompt_len']}+"
+             f"{s['train_response_len']} in micro-batches of {s['micro_batch']}; rollout {s['rows']} rows of "
+             f"{s['prompt_len']}+{s['new_tokens']}; {s['dtype']}; dimensions: {m['source']})",
+             f"  {'part':<24} {'estimate GB':>12} {'measured GB':>12} {'est/meas':>9}"]
+    for k, r in m["parts"].items():
+        lines.append(f"  {k:<24} {r['estimate_gb']:>12.3f} {r['measured_gb']:>12.3f} {fmt(r['ratio'], '.2f'):>9}")
+    return "\n".join(lines)
+
+
 def e2e_overrides(a, ckpt: str, out_dir: str, device) -> list[str]:
     o = [f"actor_config.model_path={ckpt}", "generate_config.backend=hf", "actor_config.backend=fsdp",
          "~placement.groups.rollout", "data.dataset=builtin:copy", "rl_config.reward_fn=digits",
@@ -402,7 +588,9 @@ def e2e_overrides(a, ckpt: str, out_dir: str, device) -> list[str]:
          f"actor_config.ppo_mini_batch_size={max(1, a.e2e_prompts // 2)}",   # 2 updates per step, as the config
          f"actor_config.dtype={a.dtype}", f"trainer.total_steps={a.e2e_steps}", f"trainer.output_dir={out_dir}",
          "trainer.dashboard=false", "trainer.report=false", "trainer.plot=false", "trainer.logger=[jsonl]",
-         "trainer.progress=false", "trainer.save_interval=0"]
+         "trainer.progress=false", "trainer.save_interval=0",
+         f"actor_config.gradient_checkpointing={str(a.gradient_checkpointing).lower()}",
+         f"actor_config.lora.rank={a.lora}"]
     if device.type == "cuda":
         o += ["placement.groups.integrated.num_gpus=1"]
     else:
@@ -605,6 +793,14 @@ def parse(argv=None):
         p.add_argument("--" + k.replace("_", "-"), type=int, default=None,
                        help=f"GPU default {GPU_DEFAULTS[k]}, CPU default {CPU_DEFAULTS[k]}")
     p.add_argument("--skip-e2e", action="store_true", help="leave out the whole-trainer run")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="train engines (and the end-to-end actor) recompute each layer's activations in the backward")
+    p.add_argument("--lora", type=int, default=0, metavar="RANK",
+                   help="LoRA adapters of this rank on every linear layer of the train engines and the end-to-end actor")
+    p.add_argument("--memory", action="store_true", help="also: the memory plan's terms against measured peaks")
+    p.add_argument("--memory-only", action="store_true", help="only the memory plan against measured peaks")
+    p.add_argument("--memory-parts", nargs="+", choices=("train", "rollout"), default=["train", "rollout"],
+                   help="which engines --memory measures (default both)")
     p.add_argument("--threads", type=int, default=1,
                    help="CPU only: torch threads here and in the trainer's worker (default 1: on a loaded machine, "
                         "OpenMP threads spin-waiting for each other made the tiny model's ops ~100x slower)")
@@ -622,11 +818,35 @@ def parse(argv=None):
     return a
 
 
+def machine(device) -> dict:
+    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+            "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "python": sys.version.split()[0],
+            "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+            "platform": platform.platform()}
+
+
+def finish_memory_only(a, memory: dict, device, t_start: float) -> int:
+    res = {"machine": machine(device), "args": {k: (str(v) if isinstance(v, torch.device) else v)
+                                                for k, v in vars(a).items()},
+           "model": {"name": a.model, "params": memory["params"], "dtype": a.dtype}, "memory": memory,
+           "ru_maxrss_gb": ru_maxrss_gb(), "wall_s": time.perf_counter() - t_start}
+    print(f"single-device memory: {a.model} ({memory['params'] / 1e6:.1f}M params) on {res['machine']['device']} "
+          f"[{device}], torch {torch.__version__}, load {res['machine']['load_avg'][0]:.1f}")
+    print(memory_table(memory))
+    print(f"wall {res['wall_s']:.0f} s; ru_maxrss {res['ru_maxrss_gb']:.2f} GB")
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(res, indent=1, default=str))
+    return 0
+
+
 def main(argv=None) -> int:
     a = parse(argv)
     device = a.device
     if device.type == "cpu":
         torch.set_num_threads(a.threads)
+        if a.memory or a.memory_only:
+            limit_malloc_caching()
     peak, peak_what = (a.peak_tflops, f"given: {a.peak_tflops:g} TFLOP/s") if a.peak_tflops else peak_tflops(device)
     t_start = a.t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="single_device_") as tmp:
@@ -639,6 +859,12 @@ def main(argv=None) -> int:
         # prompt and response ids: the tokenizer's (valid in any of the three vocabularies), never the pad id
         ids = (pad + 1, len(tok))
         mem = PeakMemory(device)
+        memory = None
+        if a.memory or a.memory_only:   # first: a clean process, nothing of the other parts resident
+            memory = bench_memory(a, ckpt, pad, device, mem, ids)
+            print(f"memory done ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
+        if a.memory_only:
+            return finish_memory_only(a, memory, device, t_start)
         rollout, rollout_engine = bench_rollout(a, ckpt, pad, device, mem, ids)
         n_params = count_params(rollout_engine.model)
         print(f"rollout done ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
@@ -666,6 +892,8 @@ def main(argv=None) -> int:
             "model": {"name": a.model, "params": n_params, "dtype": a.dtype},
             "rollout": rollout, "train": train, "ratios": ratios,
         }
+        if memory is not None:
+            res["memory"] = memory
         if not a.skip_e2e:
             res["e2e"] = bench_e2e(a, ckpt, device, n_params, peak, work)
             print(f"e2e done ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
@@ -674,6 +902,8 @@ def main(argv=None) -> int:
     print(f"single-device RL step: {a.model} ({n_params / 1e6:.1f}M params) on {res['machine']['device']} "
           f"[{device}], torch {torch.__version__}, load {res['machine']['load_avg'][0]:.1f}; {peak_what}")
     print(table(res))
+    if "memory" in res:
+        print(memory_table(res["memory"]))
     print(f"wall {res['wall_s']:.0f} s; ru_maxrss {res['ru_maxrss_gb']:.2f} GB")
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)

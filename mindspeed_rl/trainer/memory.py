@@ -256,8 +256,9 @@ def full_logits_bytes(d: ModelDims, rows: int, response_len: int, compute_bytes:
 
 def kv_cache_bytes(d: ModelDims, rows: int, seq_len: int, compute_bytes: int) -> float:
     """The hf engine's KV cache: keys and values of every layer for rows x (prompt + response) tokens, 2 x
-    layers x kv_heads x head_dim x bytes per token; transformers' DynamicCache appends by concatenation, so
-    while a step appends, one layer's keys (or values) exist twice: x (1 + 1 / (2 layers))."""
+    layers x kv_heads x head_dim x bytes per token. The eager decode's DynamicCache appends by concatenation,
+    so while a step appends one layer's keys (or values) exist twice: x (1 + 1 / (2 layers)); the static
+    CUDA decode (engines/static_decode.py) preallocates its buffers, which the same figure bounds."""
     full = 2 * d.layers * d.kv_dim * compute_bytes * rows * seq_len
     return full * (1 + 1 / (2 * d.layers))
 

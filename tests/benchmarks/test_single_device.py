@@ -28,7 +28,8 @@ ARGS = ["--device", "cpu", "--model", "tiny", "--repeats", "1", "--rows", str(RO
         "--micro-batch", "1", "--logprob-micro-batch", "2", "--e2e-prompts", str(PROMPTS),
         "--e2e-samples", str(SAMPLES), "--e2e-new-tokens", str(E2E_NEW), "--e2e-steps", "1",
         "--e2e-timeout", "500",
-        "--peak-tflops", "1"]   # a stated peak, so the MFU arithmetic runs on the CPU too
+        "--peak-tflops", "1",   # a stated peak, so the MFU arithmetic runs on the CPU too
+        "--memory"]             # and the memory plan's terms beside the measured bytes
 
 
 def positive(x) -> bool:
@@ -90,3 +91,12 @@ def test_e2e_throughput_split_and_mfu(result):
     assert e2e["tokens_per_step"] > e2e["response_tokens_per_step"]
     # one step: the driver's own throughput/tokens_per_s (prompt + response) is the benchmark's figure
     assert e2e["tokens_per_s"] == pytest.approx(e2e["driver_tokens_per_s"][0])
+
+
+def test_memory_parts_measured_and_estimated(result):
+    parts = result["memory"]["parts"]
+    assert set(parts) == {"train weights", "optimizer state", "activations", "train step peak", "log-prob peak",
+                          "rollout weights", "rollout generate peak"}
+    for name, row in parts.items():
+        assert positive(row["estimate_gb"]), (name, row)
+        assert math.isfinite(row["measured_gb"]), (name, row)
