@@ -172,8 +172,9 @@ def activation_bytes_per_token_layer(d: ModelDims, compute_bytes: int, fp32_resi
                                      lora_rank: int = 0) -> float:
     """Bytes one token keeps for the backward in one decoder layer (Qwen2/Llama: RMSNorm, GQA attention
     through a fused kernel, SwiGLU MLP), counted as Korthikanti et al. 2022 count a GPT layer (their
-    34 x hidden in 16-bit with dropout and a 4h GELU MLP) and checked against autograd's saved tensors on the
-    CPU (0.5B dims: within 4 % in fp32 and under bf16 autocast):
+    34 x hidden in 16-bit with dropout and a 4h GELU MLP), and measured on the CPU within 7 % (the 0.5B
+    architecture, fp32, with and without checkpointing and LoRA: benchmarks/single_device.py --memory-only,
+    docs/fitting.md):
 
       norms    2 x (4 h + r h)   each RMSNorm keeps its fp32 input and its normalized input to the weight
                                  (not with LoRA: a frozen weight needs no gradient, 2 x 4 h)
