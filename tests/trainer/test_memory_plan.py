@@ -234,3 +234,12 @@ def test_mesh_devices_hold_each_group_rank():
     plan = plan_of("grpo_qwen25_7b_megatron")
     [dev] = plan.memory.devices                      # every group spans devices 0-7
     assert dev.ids == list(range(8)) and dev.peak()[1] <= 80 * GB
+
+
+@pytest.mark.parametrize("backend", ["vllm", "hf"])
+def test_7b_lora_fits_one_gpu(backend):
+    plan = plan_of("grpo_qwen25_7b_lora_1gpu", **{"generate_config.backend": backend})
+    [dev] = plan.memory.devices
+    assert dev.ids == [0] and dev.capacity == 80 * GB and dev.peak()[1] <= 80 * GB, dev.summary()
+    with pytest.raises(ConfigError, match="gpu 0 .* over its 80 GB"):   # the whole model does not
+        plan_of("grpo_qwen25_7b_lora_1gpu", **{"generate_config.backend": backend, "actor_config.lora.rank": 0})
