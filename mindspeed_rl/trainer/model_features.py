@@ -58,13 +58,20 @@ def _key(model: str, feature: str, trained: bool) -> str:
     return f"{SECTION_OF.get(model, model)}.{feature}"
 
 
-def check_features(cfg: Config, group: str, backend, models: dict[str, bool]) -> None:
+def check_features(cfg: Config, group: str, backend, models: dict[str, bool], device: str = "auto") -> None:
     """Refuse a feature that `backend` (the registry row running worker group `group`) does not implement, for
     each of the group's `models` ({model: trained here}), naming the key, its value, the backend and the
-    backends that do."""
+    backends that do; and offload on a group whose `device` is the CPU, where there is no device memory to
+    give back (the host is where offload would move the state to)."""
     from ..engines.registry import TRAIN_BACKENDS
     for model, trained in sorted(models.items()):
         for feature, value in features_of(cfg, model, trained).items():
+            if feature == "offload" and device == "cpu":
+                shown = "true" if model == "ref" else {k: v for k, v in value.items() if v}
+                raise ConfigError(f"{_key(model, feature, trained)}={shown}: worker group '{group}' runs on the cpu, "
+                                  "so there is no device memory to free: offload moves a model's state from an "
+                                  "accelerator to host memory; turn it off, or put the group on a gpu or npu "
+                                  f"(placement.groups.{group}.device, or placement.device_kind in mode mesh)")
             if feature in backend.model_features:
                 continue
             able = [b.name for b in TRAIN_BACKENDS.values() if b.user and feature in b.model_features]

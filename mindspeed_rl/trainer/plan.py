@@ -308,7 +308,7 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
             if model_kinds[m.name] in MODEL_ENGINES:
                 trained_in_group[m.model_name] = (trained_in_group.get(m.model_name, False)
                                                   or InterfaceType(m.interface_type) is InterfaceType.TRAIN_STEP)
-        check_features(cfg, g, spec, trained_in_group)
+        check_features(cfg, g, spec, trained_in_group, p.resources.device)
         rewards = [m.name for m in p.mfcs if model_kinds[m.name] == "reward"]
         if rewards:
             _check_reward_backend(cfg, g, p, rewards)
