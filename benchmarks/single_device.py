@@ -12,24 +12,45 @@ qwen2_5_0_5b_2l` is the same config with 2 decoder layers (the full vocabulary);
 built-in tiny Qwen2 (the CPU default: the 2-layer model's 136M-entry head made a CPU run take minutes).
 
 What is timed, on `--device` (cuda when there is one, else cpu), every part after one unmeasured
-warm-up, the median of `--repeats`:
+warm-up at the measured sizes (a compile or a graph capture happens there, at the shapes it is timed at),
+the median of `--repeats`:
 
 * rollout: the `hf` engine (`make_rollout_engine("hf", ...)`, the model in `--dtype`) generating
   `--new-tokens` for `--rows` prompts of `--prompt-len` random ids, no stop token (every row runs to
-  the end), against, on the engine's own module (same weights): HF `generate(do_sample=True)` on the
-  same batch, and a plain loop (DynamicCache, all rows sampled in one `torch.multinomial` call, the
-  sampled tokens' log-probs gathered as the engine returns them). Rounds alternate the three.
+  the end), down both of its paths: `engine`, the eager decode (RolloutSpec.cuda_graphs=False), and
+  `engine_static`, the fixed-shape decode (cuda_graphs=True, its buffers sized by RolloutSpec.max_seq_len;
+  replayed as CUDA graphs on CUDA, run eagerly elsewhere). `generate_config.cuda_graphs` left at null
+  runs `engine_static` on CUDA and `engine` elsewhere (`default_engine` in the JSON). Against, on the eager
+  engine's module (same weights): HF `generate(do_sample=True)` with its dynamic cache (`hf_generate`);
+  HF `generate` with `cache_implementation="static"` (`hf_generate_static`), whose decode step transformers
+  compiles itself on CUDA (`torch.compile(mode="reduce-overhead")`, `CompileConfig`'s defaults; skipped on
+  the CPU with the reason printed, compiling there takes minutes, unless `--static-generate`, which
+  compiles it on the CPU too); a plain loop (DynamicCache, all rows sampled in one `torch.multinomial`
+  call, the sampled tokens' log-probs gathered as the engine returns them). Rounds alternate the cases.
   tokens/s = rows x new tokens / time.
 * train step: the `fsdp` (single rank, no process group) and `torch` engines through `train_step`
   with a token-mean NLL loss, `--train-rows` rows of `--train-prompt-len` + `--train-response-len`
-  tokens in micro-batches of `--micro-batch`, AdamW; against a plain loop: the model in float32
-  (master weights), forward under `torch.autocast(bfloat16)` on CUDA (on CPU: float32, no autocast),
-  the same logits slice and loss, `clip_grad_norm_`, `torch.optim.AdamW` (torch's default
-  implementation). tokens/s = rows x (prompt + response) / step time; MFU = 6 x params x tokens /
-  time / the device's peak (H100/H200 SXM: 989 TFLOP/s bf16 dense; none on the CPU).
+  tokens in micro-batches of `--micro-batch`, AdamW; against the plain loop a careful user writes
+  (`PlainTrainer`): float32 master weights, forward under `torch.autocast(bfloat16)` on CUDA (float32, no
+  autocast, on the CPU), the LM head on the response positions only (`logits_to_keep=R + 1`, the first R
+  kept: the engines' FSDP path does the same), the log-probs by `F.cross_entropy` (a fused log-softmax and
+  gather), `clip_grad_norm_`, `torch.optim.AdamW(fused=True)` on CUDA (`foreach=True` elsewhere).
+  The log-softmax stays in float32 under autocast (autocast runs `cross_entropy` in fp32): over 151,936
+  tokens bf16's 8-bit mantissa puts a log-prob near -10 on a 0.06-nat grid, which an importance ratio
+  exp(new - old) would read as a 6 % change; the engines' log-softmax is float32 too, so both sides do the
+  same work. The head's matmul is in the compute dtype on both sides.
+  tokens/s = rows x (prompt + response) / step time.
 * log-prob pass: each train engine's `log_probs` (the old log-prob stage) over the same rows in
-  micro-batches of `--logprob-micro-batch`, against the plain model's no-grad forward (same autocast).
-  MFU with 2 x params x tokens.
+  micro-batches of `--logprob-micro-batch`, against the plain model's no-grad forward (same autocast,
+  same head on response positions, same fp32 log-softmax).
+* MFU counts the FLOPs the step needs (`needed_flops`): 2 x backbone params x (prompt + response) tokens
+  for the decoder (backbone params: every parameter but the embedding table and the LM head, whose lookup
+  and matmul are counted apart), plus 2 x hidden x vocab per response token for the head, which no one
+  needs on prompt positions; x3 with the backward (train step), x1 forward only (log-prob pass). Attention's
+  score and value matmuls (2 x 2 x layers x hidden x context per token) are left out, as in 6ND; over the
+  device's stated peak (H100/H200 SXM: 989 TFLOP/s bf16 dense; none on the CPU unless `--peak-tflops`).
+  Every side of a comparison is divided by the same count, so a baseline that computes the head on
+  prompt positions too gets no credit for it.
 * weight sync, in one process: `export_weights(512 MiB)` of each train engine into the rollout
   engine's `update_weights`, against `rollout_model.load_state_dict(plain_model.state_dict())`.
   GB/s = the rollout model's bytes / time.
@@ -62,7 +83,8 @@ steps. From its metrics.jsonl, over the steps after the first (all steps when on
 tokens/s per device as the driver counts them (`throughput/tokens_per_s`: prompt + response tokens of
 the step / step time, the same as verl's perf/throughput on one device) and response tokens only; the
 per-stage split (`timing/<stage>`: first start to last end, stages overlap; `busy/<stage>`: compute);
-train MFU over `busy/actor_train` (6 x params x prompt+response tokens); peak memory: the device's
+train MFU over `busy/actor_train` (`needed_flops` with the backward, over the step's prompt + response and
+response tokens); peak memory: the device's
 used memory (all processes, sampled every 0.2 s through `torch.cuda.mem_get_info`) on a GPU, the RSS of
 the trainer's process tree (sampled) on the CPU.
 """
@@ -187,6 +209,35 @@ def count_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())   # tied weights once
 
 
+def backbone_params(params: int, hidden: int, vocab: int, tied: bool) -> int:
+    """The parameters a token's decoder pass multiplies by: all but the embedding table (a lookup, no FLOPs)
+    and the LM head (counted per response token by `needed_flops`); tied, the two are one table."""
+    return params - hidden * vocab * (1 if tied else 2)
+
+
+def needed_flops(backbone: int, hidden: int, vocab: int, tokens: int, response_tokens: int,
+                 backward: bool) -> float:
+    """The FLOPs a train step (`backward`) or a log-prob pass needs: the decoder on every token (prompt and
+    response: the responses attend to the prompts), the LM head only where a response token is predicted.
+    2 FLOPs per multiply-add; the backward is twice the forward. MFU divides this, the same for every side of
+    a comparison, so work a baseline does beyond it (the head on prompt positions) counts as time only."""
+    passes = 3 if backward else 1
+    return 2.0 * passes * (backbone * tokens + hidden * vocab * response_tokens)
+
+
+FLOPS_HOW = ("2 x backbone params x (prompt + response) tokens + 2 x hidden x vocab x response tokens, x3 with "
+             "the backward; attention's score and value matmuls not counted")
+
+
+def head_dims(model: torch.nn.Module) -> dict:
+    """The model's sizes for `needed_flops`: parameters (tied weights once), hidden, vocabulary, tied head."""
+    vocab, hidden = model.get_input_embeddings().weight.shape
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    params = count_params(model)
+    return {"params": params, "hidden": int(hidden), "vocab": int(vocab), "tied": tied,
+            "backbone_params": backbone_params(params, int(hidden), int(vocab), tied)}
+
+
 # ---------------------------------------------------------------------------- the model
 
 def build_checkpoint(model: str, directory: Path) -> str:
@@ -256,48 +307,86 @@ def sampling_loop(model, prompts, pad: int, new_tokens: int, device, gen: torch.
 
 
 @torch.no_grad()
-def hf_generate(model, prompts, pad: int, new_tokens: int, device) -> int:
-    """HF generate with sampling (temperature 1, no top-k/top-p), the same batch; returns the tokens made."""
+def hf_generate(model, prompts, pad: int, new_tokens: int, device, static: bool = False) -> int:
+    """HF generate with sampling (temperature 1, no top-k/top-p), the same batch; returns the tokens made.
+
+    `static`: `cache_implementation="static"`, under which transformers compiles the decode step itself
+    (`get_compiled_call`: `torch.compile(model.__call__, mode="reduce-overhead")`, the prefill left eager) on
+    CUDA; on another device the same `CompileConfig` is marked to compile there too, so a forced CPU run
+    measures the same path."""
     ids, attn = left_pad(prompts, pad, device)
+    extra = {}
+    if static:
+        from transformers import CompileConfig
+        compile_config = CompileConfig()
+        if device.type != "cuda":
+            compile_config._compile_all_devices = True
+        extra = {"cache_implementation": "static", "compile_config": compile_config}
     out = model.generate(input_ids=ids, attention_mask=attn, do_sample=True, max_new_tokens=new_tokens,
-                         min_new_tokens=new_tokens, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=pad)
+                         min_new_tokens=new_tokens, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=pad, **extra)
     return ids.shape[0] * (out.shape[1] - ids.shape[1])
+
+
+STATIC_GENERATE_SKIPPED = ("HF generate with a static cache compiles its decode step (torch.compile, "
+                           "mode reduce-overhead), minutes on a few CPU cores; --static-generate runs it")
+
+
+def rollout_spec(a, ckpt: str, pad: int, device, cuda_graphs: bool) -> RolloutSpec:
+    """The hf engine down one path: cuda_graphs False is the eager decode, True the fixed-shape one (graphs on
+    CUDA), its buffers sized for the run's prompt + new tokens so every round reuses one decoder."""
+    return RolloutSpec(model_path=ckpt, dtype=a.dtype, device=str(device), pad_token_id=pad, seed=0,
+                       cuda_graphs=cuda_graphs, max_seq_len=a.prompt_len + a.new_tokens)
 
 
 def bench_rollout(a, ckpt: str, pad: int, device, mem: PeakMemory, prompt_ids: tuple[int, int]) -> tuple[dict, object]:
     mem.reset()
-    engine = make_rollout_engine("hf", RolloutSpec(model_path=ckpt, dtype=a.dtype, device=str(device),
-                                                   pad_token_id=pad, seed=0))
+    engine = make_rollout_engine("hf", rollout_spec(a, ckpt, pad, device, cuda_graphs=False))
+    static_engine = make_rollout_engine("hf", rollout_spec(a, ckpt, pad, device, cuda_graphs=True))
     g = torch.Generator().manual_seed(1)
     prompts = random_rows(a.rows, a.prompt_len, *prompt_ids, g)
     dgen = torch.Generator(device=device).manual_seed(2)
+    sampling = lambda n: SamplingParams(max_new_tokens=n, temperature=1.0)  # noqa: E731
     cases = {
         "engine": lambda r, n: sum(len(x) for x in engine.generate(
-            prompts, SamplingParams(max_new_tokens=n, temperature=1.0), [r * 1000 + i for i in range(a.rows)]).responses),
+            prompts, sampling(n), [r * 1000 + i for i in range(a.rows)]).responses),
+        "engine_static": lambda r, n: sum(len(x) for x in static_engine.generate(
+            prompts, sampling(n), [r * 1000 + i for i in range(a.rows)]).responses),
         "hf_generate": lambda r, n: hf_generate(engine.model, prompts, pad, n, device),
+        "hf_generate_static": lambda r, n: hf_generate(engine.model, prompts, pad, n, device, static=True),
         "sampling_loop": lambda r, n: sampling_loop(engine.model, prompts, pad, n, device, dgen).numel(),
     }
+    skipped = {}
+    if not a.static_generate:
+        del cases["hf_generate_static"]
+        skipped["hf_generate_static"] = STATIC_GENERATE_SKIPPED
+        print(f"rollout: hf_generate_static skipped: {STATIC_GENERATE_SKIPPED}", file=sys.stderr, flush=True)
     want = a.rows * a.new_tokens
     times: dict[str, list[float]] = {k: [] for k in cases}
-    t0 = time.perf_counter()
+    t0 = None
     for r in range(a.repeats + 1):
-        # round 0 warms up (a few tokens are enough); after the first measured round, more rounds only
-        # while the part is within --rollout-budget (a slow engine is then measured once)
+        # round 0 warms up at the measured sizes (compiles and graph captures are per shape); after the first
+        # measured round, more rounds only while the part is within --rollout-budget (a slow case is then
+        # measured once)
         if r > 1 and time.perf_counter() - t0 > a.rollout_budget:
             break
-        n = a.new_tokens if r else min(8, a.new_tokens)
+        if r == 1:
+            t0 = time.perf_counter()
         order = list(cases) if r % 2 == 0 else list(reversed(cases))
         for k in order:
-            s, made = timed(lambda: cases[k](r, n), device)
-            if made != a.rows * n:
-                raise RuntimeError(f"rollout {k}: made {made} tokens, expected {a.rows * n}")
+            s, made = timed(lambda: cases[k](r, a.new_tokens), device)
+            if made != want:
+                raise RuntimeError(f"rollout {k}: made {made} tokens, expected {want}")
             if r:
                 times[k].append(s)
-    out = {"rows": a.rows, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "dtype": a.dtype}
+    out = {"rows": a.rows, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "dtype": a.dtype,
+           "default_engine": "engine_static" if device.type == "cuda" else "engine", "skipped": skipped}
     for k, ts in times.items():
         med = statistics.median(ts)
         out[k] = {"s": med, "all_s": ts, "tokens_per_s": want / med}
     out["peak_mem_gb"] = mem.peak_gb()
+    static_engine.close()
+    del static_engine
+    free(device)
     return out, engine
 
 
@@ -321,14 +410,21 @@ def export_into(train_engine, rollout_engine, version: int) -> None:
         rollout_engine.update_weights(bucket, version)
 
 
+def adamw_kind(device) -> dict:
+    """The AdamW implementation a careful user picks: CUDA's fused kernel, the multi-tensor one elsewhere."""
+    return {"fused": True} if torch.device(device).type == "cuda" else {"foreach": True}
+
+
 class PlainTrainer:
-    """The baseline: float32 master weights, bf16 autocast forward on CUDA (float32 on the CPU), AdamW."""
+    """The baseline a careful user writes: float32 master weights, bf16 autocast on CUDA (float32 on the CPU),
+    the LM head on the response positions only, `F.cross_entropy` for the log-probs (fp32 under autocast),
+    fused AdamW on CUDA (see the module's docstring)."""
 
     def __init__(self, ckpt: str, device, pad: int):
         from mindspeed_rl.models import load_causal_lm
         self.device, self.pad = device, pad
         self.model = load_causal_lm(ckpt, "float32").to(device).train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-6)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-6, **adamw_kind(device))
 
     def autocast(self):
         if self.device.type == "cuda":
@@ -337,14 +433,18 @@ class PlainTrainer:
         return contextlib.nullcontext()
 
     def _logp(self, model, prompts, responses):
-        # every row the same length here: no padding; the logits that predict the response tokens
+        # every row the same length here: no padding. logits_to_keep=R + 1 computes the head on the last R + 1
+        # positions; the first R predict the response tokens (the last predicts past the end)
         p = torch.stack(prompts).to(self.device)
         r = torch.stack(responses).to(self.device)
         ids = torch.cat([p, r], 1)
+        R = r.shape[1]
         with self.autocast():
-            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
-        logits = logits[:, p.shape[1] - 1:ids.shape[1] - 1].float()
-        return torch.log_softmax(logits, -1).gather(-1, r[..., None]).squeeze(-1)
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False,
+                           logits_to_keep=R + 1).logits[:, :R]
+            nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), r.reshape(-1),
+                                                    reduction="none")
+        return -nll.view(r.shape)
 
     def train_step(self, mbs) -> None:
         for mb in mbs:
@@ -362,20 +462,32 @@ class PlainTrainer:
         return out
 
 
-def bench_train(a, ckpt: str, pad: int, device, mem: PeakMemory, rollout_engine, n_params: int,
+PLAIN_BASELINE = {
+    "cuda": "float32 master weights, bf16 autocast, head on response positions (logits_to_keep), fp32 "
+            "cross_entropy, AdamW(fused=True)",
+    "cpu": "float32, no autocast, head on response positions (logits_to_keep), cross_entropy, AdamW(foreach=True)",
+}
+
+
+def bench_train(a, ckpt: str, pad: int, device, mem: PeakMemory, rollout_engine, dims: dict,
                 peak: float | None, vocab: tuple[int, int]) -> dict:
     g = torch.Generator().manual_seed(3)
     prompts = random_rows(a.train_rows, a.train_prompt_len, *vocab, g)
     responses = random_rows(a.train_rows, a.train_response_len, *vocab, g)
     tokens = a.train_rows * (a.train_prompt_len + a.train_response_len)
+    response_tokens = a.train_rows * a.train_response_len
+    d = dims
+    train_flops = needed_flops(d["backbone_params"], d["hidden"], d["vocab"], tokens, response_tokens, backward=True)
+    logprob_flops = needed_flops(d["backbone_params"], d["hidden"], d["vocab"], tokens, response_tokens, backward=False)
     rollout_bytes = sum(p.numel() * p.element_size() for p in rollout_engine.model.parameters())
     results: dict = {"rows": a.train_rows, "prompt_len": a.train_prompt_len, "response_len": a.train_response_len,
                      "micro_batch": a.micro_batch, "logprob_micro_batch": a.logprob_micro_batch, "tokens": tokens,
-                     "plain_baseline": "float32 master weights, bf16 autocast, torch AdamW" if device.type == "cuda"
-                     else "float32, no autocast, torch AdamW"}
+                     "response_tokens": response_tokens,
+                     "plain_baseline": PLAIN_BASELINE["cuda" if device.type == "cuda" else "cpu"],
+                     "flops": {"train": train_flops, "log_prob": logprob_flops, "how": FLOPS_HOW}}
 
-    def mfu(flops_per_token: float, seconds: float):
-        return flops_per_token * n_params * tokens / seconds / (peak * 1e12) if peak else None
+    def mfu(flops: float, seconds: float):
+        return flops / seconds / (peak * 1e12) if peak else None
 
     version = 0
     for name in ("fsdp", "torch", "plain"):
@@ -401,8 +513,9 @@ def bench_train(a, ckpt: str, pad: int, device, mem: PeakMemory, rollout_engine,
         syncs = [timed(sync_fn, device)[0] for _ in range(a.repeats + 1)][1:]
         st, lp, sy = statistics.median(steps), statistics.median(lps), statistics.median(syncs)
         results[name] = {
-            "train": {"s": st, "all_s": steps, "tokens_per_s": tokens / st, "mfu": mfu(6, st), "peak_mem_gb": train_peak},
-            "log_prob": {"s": lp, "all_s": lps, "tokens_per_s": tokens / lp, "mfu": mfu(2, lp)},
+            "train": {"s": st, "all_s": steps, "tokens_per_s": tokens / st, "mfu": mfu(train_flops, st),
+                      "peak_mem_gb": train_peak},
+            "log_prob": {"s": lp, "all_s": lps, "tokens_per_s": tokens / lp, "mfu": mfu(logprob_flops, lp)},
             "sync": {"s": sy, "all_s": syncs, "gb_per_s": rollout_bytes / sy / 1e9, "bytes": rollout_bytes},
             "peak_mem_gb": mem.peak_gb(),
         }
@@ -667,7 +780,7 @@ def _run_trainer(cmd, env, work: Path, log: Path, device, timeout_s: float) -> t
     return rc, peak_used[0]
 
 
-def bench_e2e(a, ckpt: str, device, n_params: int, peak: float | None, work: Path) -> dict:
+def bench_e2e(a, ckpt: str, device, dims: dict, peak: float | None, work: Path) -> dict:
     import shlex
     out_dir = work / "e2e"
     cmd = [sys.executable, str(REPO / "cli" / "train_grpo.py"), "--config-name", "grpo_qwen25_0p5b_1gpu",
@@ -730,7 +843,9 @@ def bench_e2e(a, ckpt: str, device, n_params: int, peak: float | None, work: Pat
                                               "weight_sync", "step")},
         "busy_s": {k: busy.get(k) for k in ("actor_rollout", "ref_log_prob", "actor_log_prob", "actor_train")},
         "timing_s": split, "all_busy_s": busy,
-        "train_mfu": (6 * n_params * mean_tokens / train_busy / (peak * 1e12)) if peak and train_busy else None,
+        "train_mfu": (needed_flops(dims["backbone_params"], dims["hidden"], dims["vocab"], mean_tokens,
+                                   sum(resp_tokens) / len(resp_tokens), backward=True) / train_busy / (peak * 1e12))
+        if peak and train_busy else None,
         "logprob_diff_max": mean("rollout/logprob_diff_max"),
         "peak_mem_gb": peak_bytes / 1e9,
         "peak_mem_what": ("device memory used by all processes (mem_get_info, sampled), "
@@ -746,12 +861,32 @@ def fmt(x, spec=".3g"):
     return "-" if x is None else format(x, spec)
 
 
+ROLLOUT_RATIOS = {   # name: (the engine's row, the baseline's row)
+    "rollout_over_hf_generate": ("engine", "hf_generate"),
+    "rollout_over_sampling_loop": ("engine", "sampling_loop"),
+    "rollout_over_hf_static_generate": ("engine", "hf_generate_static"),
+    "static_rollout_over_hf_generate": ("engine_static", "hf_generate"),
+    "static_rollout_over_sampling_loop": ("engine_static", "sampling_loop"),
+    "static_rollout_over_hf_static_generate": ("engine_static", "hf_generate_static"),
+}
+
+
+def rollout_ratios(rollout: dict) -> dict:
+    """Each engine path's tokens/s over each baseline's, from the same run; None where a row was skipped."""
+    return {name: (rollout[e]["tokens_per_s"] / rollout[b]["tokens_per_s"] if e in rollout and b in rollout else None)
+            for name, (e, b) in ROLLOUT_RATIOS.items()}
+
+
 def table(res: dict) -> str:
     lines = []
     ro = res["rollout"]
     lines.append(f"rollout ({ro['rows']} rows x {ro['new_tokens']} new tokens, prompt {ro['prompt_len']}, {ro['dtype']})")
-    for k in ("engine", "hf_generate", "sampling_loop"):
-        lines.append(f"  {k:<28} {ro[k]['tokens_per_s']:>12,.1f} tok/s   {ro[k]['s']:.3f} s")
+    for k in ("engine", "engine_static", "hf_generate", "hf_generate_static", "sampling_loop"):
+        tag = " (the default here)" if k == ro["default_engine"] else ""
+        if k in ro:
+            lines.append(f"  {k:<28} {ro[k]['tokens_per_s']:>12,.1f} tok/s   {ro[k]['s']:.3f} s{tag}")
+        else:
+            lines.append(f"  {k:<28} skipped: {ro['skipped'].get(k, '')}")
     lines.append(f"  peak memory {ro['peak_mem_gb']:.2f} GB")
     tr = res["train"]
     lines.append(f"train step / log-prob pass / weight sync ({tr['rows']} rows x {tr['prompt_len']}+{tr['response_len']} "
@@ -763,9 +898,10 @@ def table(res: dict) -> str:
         lines.append(f"  {k:<8} {e['train']['tokens_per_s']:>12,.1f} {fmt(e['train']['mfu'], '.1%'):>6} "
                      f"{e['train']['peak_mem_gb']:>9.2f} {e['log_prob']['tokens_per_s']:>14,.1f} "
                      f"{fmt(e['log_prob']['mfu'], '.1%'):>6} {e['sync']['gb_per_s']:>10.2f} {e['peak_mem_gb']:>8.2f}")
+    lines.append(f"  MFU: needed FLOPs ({tr['flops']['how']}) / time / peak")
     lines.append("ratios (project / plain baseline, tokens/s or GB/s):")
     for k, v in res["ratios"].items():
-        lines.append(f"  {k:<36} {fmt(v, '.3f')}")
+        lines.append(f"  {k:<40} {fmt(v, '.3f')}")
     e2e = res.get("e2e")
     if e2e and "tokens_per_s" in e2e:
         lines.append(f"end to end ({e2e['rows_per_step']} rows x {e2e['new_tokens']} new tokens, steps "
@@ -793,6 +929,9 @@ def parse(argv=None):
         p.add_argument("--" + k.replace("_", "-"), type=int, default=None,
                        help=f"GPU default {GPU_DEFAULTS[k]}, CPU default {CPU_DEFAULTS[k]}")
     p.add_argument("--skip-e2e", action="store_true", help="leave out the whole-trainer run")
+    p.add_argument("--static-generate", action=argparse.BooleanOptionalAction, default=None,
+                   help="the HF generate baseline with a static cache and its compiled decode step (default: on CUDA "
+                        "only; compiling on a few CPU cores takes minutes)")
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="train engines (and the end-to-end actor) recompute each layer's activations in the backward")
     p.add_argument("--lora", type=int, default=0, metavar="RANK",
@@ -815,6 +954,8 @@ def parse(argv=None):
         if getattr(a, k) is None:
             setattr(a, k, v)
     a.dtype = a.dtype or ("bfloat16" if a.device.type == "cuda" else "float32")
+    if a.static_generate is None:
+        a.static_generate = a.device.type == "cuda"
     return a
 
 
@@ -866,16 +1007,15 @@ def main(argv=None) -> int:
         if a.memory_only:
             return finish_memory_only(a, memory, device, t_start)
         rollout, rollout_engine = bench_rollout(a, ckpt, pad, device, mem, ids)
-        n_params = count_params(rollout_engine.model)
+        dims = head_dims(rollout_engine.model)
+        n_params = dims["params"]
         print(f"rollout done ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
-        train = bench_train(a, ckpt, pad, device, mem, rollout_engine, n_params, peak, ids)
+        train = bench_train(a, ckpt, pad, device, mem, rollout_engine, dims, peak, ids)
         print(f"train done ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
         rollout_engine.close()
         del rollout_engine
         free(device)
-        ratios = {
-            "rollout_over_hf_generate": rollout["engine"]["tokens_per_s"] / rollout["hf_generate"]["tokens_per_s"],
-            "rollout_over_sampling_loop": rollout["engine"]["tokens_per_s"] / rollout["sampling_loop"]["tokens_per_s"],
+        ratios = {**rollout_ratios(rollout),
             "train_over_plain_autocast": train["fsdp"]["train"]["tokens_per_s"] / train["plain"]["train"]["tokens_per_s"],
             "torch_train_over_plain_autocast": train["torch"]["train"]["tokens_per_s"] / train["plain"]["train"]["tokens_per_s"],
             "log_prob_over_plain": train["fsdp"]["log_prob"]["tokens_per_s"] / train["plain"]["log_prob"]["tokens_per_s"],
@@ -889,13 +1029,13 @@ def main(argv=None) -> int:
                         "torch": torch.__version__, "transformers": __import__("transformers").__version__,
                         "platform": platform.platform(), "peak": peak_what},
             "args": {k: (str(v) if isinstance(v, torch.device) else v) for k, v in vars(a).items()},
-            "model": {"name": a.model, "params": n_params, "dtype": a.dtype},
+            "model": {"name": a.model, "dtype": a.dtype, **dims},
             "rollout": rollout, "train": train, "ratios": ratios,
         }
         if memory is not None:
             res["memory"] = memory
         if not a.skip_e2e:
-            res["e2e"] = bench_e2e(a, ckpt, device, n_params, peak, work)
+            res["e2e"] = bench_e2e(a, ckpt, device, dims, peak, work)
             print(f"e2e done ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
         res["ru_maxrss_gb"] = ru_maxrss_gb()
         res["wall_s"] = time.perf_counter() - t_start

@@ -1,6 +1,7 @@
-"""benchmarks/single_device.py at its smallest sizes on the CPU: the built-in tiny model, every part
-(rollout against HF generate and a plain sampling loop, the fsdp and torch train steps against a plain
-AdamW loop, log-prob passes, in-process weight syncs) and one step of the real trainer through Ray.
+"""benchmarks/single_device.py at its smallest sizes on the CPU: the built-in tiny model, every part (the
+rollout engine's eager and static paths against HF generate and a plain sampling loop, the fsdp and torch
+train steps against the plain loop, log-prob passes, in-process weight syncs) and one step of the real
+trainer through Ray.
 
 It checks what the benchmark reports, not how fast anything is: the JSON's ratios and end-to-end
 figures exist and are finite and positive, and the token counts add up to the sizes asked for."""
@@ -49,24 +50,36 @@ def result(tmp_path_factory):
 
 def test_ratios_are_finite_and_positive(result):
     ratios = result["ratios"]
-    for key in ("rollout_over_hf_generate", "rollout_over_sampling_loop", "train_over_plain_autocast",
-                "log_prob_over_plain", "sync_over_load_state_dict"):
+    for key in ("rollout_over_hf_generate", "rollout_over_sampling_loop", "static_rollout_over_hf_generate",
+                "static_rollout_over_sampling_loop", "train_over_plain_autocast", "log_prob_over_plain",
+                "sync_over_load_state_dict"):
         assert positive(ratios[key]), (key, ratios[key])
+    # the static+compiled HF generate is skipped on the CPU (no --static-generate): no ratio against it
+    assert ratios["static_rollout_over_hf_static_generate"] is None
+    assert "hf_generate_static" not in result["rollout"] and result["rollout"]["skipped"]["hf_generate_static"]
     # each ratio is the quotient of the two throughputs it names, measured in this run
     ro, tr = result["rollout"], result["train"]
     assert ratios["rollout_over_hf_generate"] == pytest.approx(
         ro["engine"]["tokens_per_s"] / ro["hf_generate"]["tokens_per_s"])
+    assert ratios["static_rollout_over_hf_generate"] == pytest.approx(
+        ro["engine_static"]["tokens_per_s"] / ro["hf_generate"]["tokens_per_s"])
     assert ratios["train_over_plain_autocast"] == pytest.approx(
         tr["fsdp"]["train"]["tokens_per_s"] / tr["plain"]["train"]["tokens_per_s"])
 
 
 def test_every_part_measured(result):
     ro, tr = result["rollout"], result["train"]
-    for k in ("engine", "hf_generate", "sampling_loop"):
+    assert ro["default_engine"] == "engine"       # the CPU's default path: the eager decode
+    for k in ("engine", "engine_static", "hf_generate", "sampling_loop"):
         assert positive(ro[k]["tokens_per_s"]) and len(ro[k]["all_s"]) == 1
         assert ro[k]["tokens_per_s"] * ro[k]["s"] == pytest.approx(ROWS * NEW)
     assert positive(ro["peak_mem_gb"])
-    assert tr["tokens"] == 2 * (4 + 4)
+    assert tr["tokens"] == 2 * (4 + 4) and tr["response_tokens"] == 2 * 4
+    # MFU divides the needed FLOPs: the backbone on every token, the head on response tokens only
+    m = result["model"]
+    assert tr["flops"]["train"] == 6 * (m["backbone_params"] * 16 + m["hidden"] * m["vocab"] * 8)
+    assert tr["flops"]["log_prob"] * 3 == tr["flops"]["train"]
+    assert tr["plain"]["train"]["mfu"] == pytest.approx(tr["flops"]["train"] / tr["plain"]["train"]["s"] / 1e12)
     for k in ("fsdp", "torch", "plain"):
         for part in ("train", "log_prob"):
             assert positive(tr[k][part]["tokens_per_s"]) and positive(tr[k][part]["mfu"]), (k, part, tr[k][part])
