@@ -661,8 +661,11 @@ class Trainer:
         if train_mfc is None:
             return None
         directory = Path(self.cfg.trainer.output_dir) / "hf" / checkpoint_dir(self.cfg.trainer.output_dir, step).name
-        self._get([w.save_hf.remote("actor", str(directory)) for w in self.workers[self.plan.group_of(train_mfc)]],
-                  f"saving the policy as a Hugging Face checkpoint in {directory}")
+        written = self._get([w.save_hf.remote("actor", str(directory))
+                             for w in self.workers[self.plan.group_of(train_mfc)]],
+                            f"saving the policy as a Hugging Face checkpoint in {directory}")
+        if not any(written):   # no model to write (simulated stages)
+            return None
         link_final(directory.parent, directory)
         self._hf_step = step
         return directory

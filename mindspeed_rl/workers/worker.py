@@ -289,6 +289,8 @@ class Worker:
         from .engine_set import TRAIN
         engine = self.engines.train[model]
         decl = next(d for d in self.spec.engines if d.model == model and d.role == TRAIN)
+        if not decl.model_path:   # an engine without a model (simulated stages): no weights to write
+            return None
         with engine.holding(False, "export"):
             buckets = engine.export_weights(SHARD_BYTES)
             if self.spec.rank != 0:
