@@ -14,6 +14,20 @@ def _plan():
     return plan_placement(MFCS, ROLES, ClusterSpec(1, 4, "cpu"))
 
 
+@pytest.fixture(autouse=True)
+def _resources_come_back(ray_session):
+    """Each test leaves the shared Ray instance as it found it: a removed placement group (or a killed actor)
+    gives its CPUs back asynchronously, and the next module's trainer checks the free CPUs at once."""
+    import time
+    before = ray_session.available_resources().get("CPU", 0.0)
+    yield
+    deadline = time.monotonic() + 30
+    while ray_session.available_resources().get("CPU", 0.0) < before - 1e-9:
+        assert time.monotonic() < deadline, ("the test's placement groups or actors still hold CPUs 30 s after it "
+                                             f"ended: {ray_session.available_resources()}")
+        time.sleep(0.1)
+
+
 def _live_groups(ray):
     return {pg_id for pg_id, info in ray.util.placement_group_table().items() if info["state"] != "REMOVED"}
 
