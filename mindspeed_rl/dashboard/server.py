@@ -271,12 +271,9 @@ class DashboardServer:
         if entry is None:
             return
         _, addr, head = entry
-        try:
-            data = conn.recv(65536)
-        except (BlockingIOError, InterruptedError):
+        data = _recv(conn)
+        if data is None:
             return
-        except OSError:
-            data = b""
         if not data:  # the client closed (or reset) before finishing its request
             self._unwait(sel, conn)
             _close(conn)
@@ -331,13 +328,7 @@ class DashboardServer:
             self._closed(sel, conn)
 
     def _read_closing(self, sel: selectors.BaseSelector, conn: socket.socket) -> None:
-        try:
-            data = conn.recv(65536)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            data = b""
-        if not data:
+        if _recv(conn) == b"":
             self._closed(sel, conn)
 
     def _closed(self, sel: selectors.BaseSelector, conn: socket.socket) -> None:
@@ -412,6 +403,16 @@ def _refuse(conn: socket.socket, code: int, reason: str, body: bytes, extra: str
     except OSError:
         return False
     return True
+
+
+def _recv(conn: socket.socket) -> bytes | None:
+    """What a non-blocking connection has sent: b"" when it closed or was reset, None when nothing is there."""
+    try:
+        return conn.recv(65536)
+    except (BlockingIOError, InterruptedError):
+        return None
+    except OSError:
+        return b""
 
 
 def _drain(sock: socket.socket) -> None:
