@@ -154,8 +154,10 @@ def test_the_worker_holds_each_stage_and_the_sync(tmp_path):
     """The real worker's stages (`run_stage`), sync and checkpoint, in a step's order: the actor's state
     comes to the device for each and leaves after it; the reference's parameters for its pass only."""
     from tests.workers.test_wake_before_sync import local_worker, run_step
+    # device auto (an accelerator where there is one): the plan refuses offload on a group pinned to the cpu
     worker, dock, plan = local_worker(tmp_path, actor_config={"offload": {"params": True, "optimizer": True}},
-                                      ref_config={"offload": True})
+                                      ref_config={"offload": True},
+                                      placement={"groups": {"integrated": {"device": "auto"}}})
     actor, ref = worker.engines.train["actor"].offloader, worker.engines.infer["ref"].offloader
     worker.sync_weights("actor", 0)
     reports = run_step(worker, dock, plan, 0)
