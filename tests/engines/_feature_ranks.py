@@ -11,23 +11,12 @@ import torch.distributed as dist
 from mindspeed_rl.engines.base import MicroBatch, OptimConfig, TrainSpec
 
 from ._common import PAD
+from ._fsdp_ranks import nll_loss, value_loss
 
 HOST = "127.0.0.1"
 OPTIM = OptimConfig(lr=1e-2, eps=1e-4)
 # (gradient_checkpointing, max_tokens_per_micro_batch): the plain path first
 COMBOS = [(False, None), (True, None), (False, 24), (True, 24)]
-
-
-def nll_loss(out, mb):
-    from mindspeed_rl.algorithms import masked_mean
-    loss = masked_mean(-out.log_probs, out.response_mask)
-    return loss, {"loss": loss.item(), "entropy": masked_mean(out.entropy, out.response_mask).item()}
-
-
-def value_loss(out, mb):
-    from mindspeed_rl.algorithms import masked_mean
-    loss = masked_mean((out.values - 1.0) ** 2, out.response_mask)
-    return loss, {"vf_loss": loss.item()}
 
 
 def _join(rank: int, world: int, port: int) -> None:
