@@ -872,7 +872,7 @@ ROLLOUT_RATIOS = {   # name: (the engine's row, the baseline's row)
 
 
 def rollout_ratios(rollout: dict) -> dict:
-    """Each engine path's tokens/s over each baseline's, from the same run; None where a row was skipped."""
+    """Each engine path's tokens/s over each baseline's, from the same run; None where a row is skipped."""
     return {name: (rollout[e]["tokens_per_s"] / rollout[b]["tokens_per_s"] if e in rollout and b in rollout else None)
             for name, (e, b) in ROLLOUT_RATIOS.items()}
 

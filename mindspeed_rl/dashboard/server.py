@@ -406,7 +406,7 @@ def _refuse(conn: socket.socket, code: int, reason: str, body: bytes, extra: str
 
 
 def _recv(conn: socket.socket) -> bytes | None:
-    """What a non-blocking connection has sent: b"" when it closed or was reset, None when nothing is there."""
+    """What a non-blocking connection has sent: b"" when it closed or reset the connection, None when nothing is there."""
     try:
         return conn.recv(65536)
     except (BlockingIOError, InterruptedError):

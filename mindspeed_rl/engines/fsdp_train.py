@@ -486,7 +486,7 @@ class FSDPTrainEngine(TrainEngine):
 
     # ------------------------------------------------------------------ checkpoints
     def _state_options(self):
-        """A LoRA model's checkpoint holds its adapters only (the base is the checkpoint it was loaded from);
+        """A LoRA model's checkpoint holds its adapters only (the base is the checkpoint it loads from);
         loading leaves the frozen base as it is."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions
         return StateDictOptions(ignore_frozen_params=True, strict=False) if self.lora is not None else None

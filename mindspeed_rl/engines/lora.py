@@ -213,7 +213,7 @@ def merged_buckets(module: torch.nn.Module, dtype: torch.dtype, bucket_bytes: in
 
 def adapter_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The adapters' weights by parameter name: what a checkpoint holds of the model (the base is the
-    unchanged checkpoint it was loaded from)."""
+    unchanged checkpoint it loads from)."""
     return {n: p.detach() for n, p in module.named_parameters() if p.requires_grad}
 
 

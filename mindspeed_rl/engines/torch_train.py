@@ -635,7 +635,7 @@ class TorchTrainEngine(TrainEngine):
 
     # ---- checkpoints
     def state_dict(self) -> dict:
-        """With LoRA the model's part is the adapters alone: the base is the checkpoint it was loaded from."""
+        """With LoRA the model's part is the adapters alone: the base is the checkpoint it loads from."""
         from .lora import adapter_state
         model = adapter_state(self.module) if self.lora is not None else self.module.state_dict()
         return {"model": model, "version": self.version,

@@ -216,7 +216,7 @@ def _dcp_metadata(directory: Path):
 
 # ------------------------------------------------------------------------------------------------ LoRA
 def export_lora(saved: SavedModel, out: Path, *, adapter_only: bool, shard_bytes: int = SHARD_BYTES) -> Path:
-    """A LoRA policy's checkpoint (its adapters) with the base it was trained on: the merged weights, made by
+    """A LoRA policy's checkpoint (its adapters) with the base it trains on: the merged weights, made by
     the engines' own merge (`engines/lora.py`: the base as the engine held it, W + alpha / r * B @ A in fp32,
     cast to the compute dtype) so they equal the run's `save_hf`; or, `adapter_only`, a peft adapter
     directory (`adapter_config.json`, `adapter_model.safetensors`) for `PeftModel.from_pretrained` on the base.

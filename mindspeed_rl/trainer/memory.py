@@ -291,7 +291,7 @@ def fmt_bytes(b: float) -> str:
 
 @dataclass
 class Term:
-    """One figure of an estimate: what it is, its bytes, how it was computed, the keys that shrink it."""
+    """One figure of an estimate: what it is, its bytes, how it is computed, the keys that shrink it."""
     name: str
     bytes: float
     how: str = ""
