@@ -1,4 +1,4 @@
-"""Colocated weight sync through shared memory / CUDA IPC (`engines/ipc_sync.py`) against an
+"""Colocated weight sync through shared memory / CUDA IPC (`engines/sync/ipc_sync.py`) against an
 in-process `load_state_dict` of the same weights.
 
     python benchmarks/ipc_sync.py [--device cpu|cuda] [--dtype bfloat16] [--bucket-mb 64,256,512]
@@ -85,8 +85,8 @@ def _sync_dev(device: str) -> None:
 
 def sender_main(args, to_reader, from_reader, results) -> None:
     from mindspeed_rl.engines.base import hf_named_weights
-    from mindspeed_rl.engines.ipc_sync import IPCSender, QueueChannel, send_ipc
-    from mindspeed_rl.engines.weight_sync import Checksum
+    from mindspeed_rl.engines.sync.ipc_sync import IPCSender, QueueChannel, send_ipc
+    from mindspeed_rl.engines.sync.weight_sync import Checksum
     try:
         torch.set_num_threads(args.threads)
         model = build_model(getattr(torch, args.dtype), args.device, 0, args.layers)
@@ -124,8 +124,8 @@ def sender_main(args, to_reader, from_reader, results) -> None:
 
 
 def reader_main(args, from_sender, to_sender, results) -> None:
-    from mindspeed_rl.engines.ipc_sync import IPCAttachments, IPCReceiver, QueueChannel, serve_ipc
-    from mindspeed_rl.engines.weight_sync import Checksum
+    from mindspeed_rl.engines.sync.ipc_sync import IPCAttachments, IPCReceiver, QueueChannel, serve_ipc
+    from mindspeed_rl.engines.sync.weight_sync import Checksum
     try:
         torch.set_num_threads(args.threads)
         model = build_model(getattr(torch, args.dtype), args.device, 1, args.layers)

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mindspeed_rl.engines.base import SamplingParams  # noqa: E402
-from mindspeed_rl.engines.sampling import filter_logits, row_uniforms, sample_next  # noqa: E402
+from mindspeed_rl.engines.rollout.sampling import filter_logits, row_uniforms, sample_next  # noqa: E402
 
 
 def per_row_generators(logits: torch.Tensor, params: SamplingParams, gens: list) -> tuple:

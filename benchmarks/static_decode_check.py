@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from single_device import build_checkpoint, random_rows  # noqa: E402
 
 from mindspeed_rl.engines.base import SamplingParams  # noqa: E402
-from mindspeed_rl.engines.hf_rollout import HFRolloutEngine  # noqa: E402
+from mindspeed_rl.engines.rollout.hf_rollout import HFRolloutEngine  # noqa: E402
 from mindspeed_rl.models import load_causal_lm  # noqa: E402
 
 

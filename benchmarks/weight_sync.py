@@ -106,7 +106,7 @@ def _timed(group, fn) -> float:
 def _flat_bytes(model, dtype: torch.dtype, bucket_bytes: int) -> int:
     """The bytes a sync of `model` in `dtype` puts on the wire (cast a bucket at a time)."""
     from mindspeed_rl.engines.base import bucketed, hf_named_weights
-    from mindspeed_rl.engines.weight_sync import BucketSpec
+    from mindspeed_rl.engines.sync.weight_sync import BucketSpec
 
     named = ((n, t.to(dtype)) for n, t in hf_named_weights(model))
     return sum(BucketSpec.describe(b).nbytes for b in bucketed(named, bucket_bytes))
@@ -131,7 +131,7 @@ def _sync_case(group, is_sender: bool, case: dict, repeats: int, send_iter, rece
     """One configuration: a warm-up sync, `repeats` timed syncs (buffers kept between them, as in a
     run; each after a timed broadcast of `flat` when given), then one sync from released buffers
     with the peak RSS measured. `receive(case)`: the receiver's whole side of one sync."""
-    from mindspeed_rl.engines.weight_sync import send_buckets
+    from mindspeed_rl.engines.sync.weight_sync import send_buckets
 
     def sync():
         if is_sender:
@@ -178,7 +178,7 @@ def _plan(dtype: str, buckets_mb: list[int], variants: bool, copy_out: bool) -> 
             {**base, "dtype": dtype, "bucket_mb": mid, "receiver": {"prefetch": False, "reuse_buffers": False},
              "copy_out": True, "recv": "copy out, fresh per bucket"},
         ]
-    from mindspeed_rl.engines.weight_sync import INPLACE_MIN_BYTES
+    from mindspeed_rl.engines.sync.weight_sync import INPLACE_MIN_BYTES
     for c in cases:
         c["bucket_bytes"] = c["bucket_mb"] * MiB
         if c["inplace_min_bytes"] is None:
@@ -189,8 +189,8 @@ def _plan(dtype: str, buckets_mb: list[int], variants: bool, copy_out: bool) -> 
 def _receiver(group, model):
     """The rollout worker's side of a sync over `model`: `receive_weights` into an HFRolloutEngine
     (parameters offered as targets) or, for a case with `copy_out`, one that offers none."""
-    from mindspeed_rl.engines.hf_rollout import HFRolloutEngine
-    from mindspeed_rl.engines.weight_sync import receive_weights
+    from mindspeed_rl.engines.rollout.hf_rollout import HFRolloutEngine
+    from mindspeed_rl.engines.sync.weight_sync import receive_weights
 
     engine, copying = HFRolloutEngine(model, pad_token_id=0), HFRolloutEngine(model, pad_token_id=0)
     copying.receive_targets = lambda: None
@@ -208,7 +208,7 @@ def _into_flat(model, dtype: torch.dtype, nbytes: int) -> torch.Tensor:
     """Move the model's parameters (cast to `dtype`) into views of one flat byte buffer of `nbytes`
     (the bytes a sync sends: the tied lm_head travels twice, so the tail is filler). The floor then
     broadcasts the model's own bytes at no extra memory, the way FSDP's flat parameters would."""
-    from mindspeed_rl.engines.weight_sync import _align
+    from mindspeed_rl.engines.sync.weight_sync import _align
 
     flat = torch.empty(nbytes, dtype=torch.uint8)
     off = 0
@@ -229,7 +229,7 @@ def single_rank(rank: int, port: int, args: dict) -> dict:
     the sync take turns, so both see the same load on a shared machine. The sender's parameters
     live in its flat buffer; the receiver holds its model and a flat buffer (at most ~7 GB in all)."""
     from mindspeed_rl.engines.base import bucketed, hf_named_weights
-    from mindspeed_rl.engines.weight_sync import checksum, stateless_group
+    from mindspeed_rl.engines.sync.weight_sync import checksum, stateless_group
 
     torch.set_num_threads(args["threads"])
     group = stateless_group(HOST, port, rank, 2, "gloo", timeout_s=900)
@@ -270,7 +270,7 @@ def fsdp_rank(rank: int, ports: tuple[int, int], args: dict) -> dict:
     import torch.distributed as dist
 
     from mindspeed_rl.engines.base import TrainSpec, hf_named_weights
-    from mindspeed_rl.engines.weight_sync import checksum, stateless_group
+    from mindspeed_rl.engines.sync.weight_sync import checksum, stateless_group
 
     torch.set_num_threads(args["threads"])
     fsdp_port, sync_port = ports
@@ -283,7 +283,7 @@ def fsdp_rank(rank: int, ports: tuple[int, int], args: dict) -> dict:
     if rank < 2:
         dist.init_process_group("gloo", init_method=f"tcp://{HOST}:{fsdp_port}", rank=rank, world_size=2,
                                 timeout=datetime.timedelta(seconds=900))
-        from mindspeed_rl.engines.fsdp_train import FSDPTrainEngine
+        from mindspeed_rl.engines.train.fsdp_train import FSDPTrainEngine
 
         spec = TrainSpec(model_path="(in memory)", dtype=dtypes[0], process_group=dist.group.WORLD)
         engine = FSDPTrainEngine(build_model(torch.float32, seed=0), spec)   # fp32 shards
@@ -449,7 +449,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-verify", action="store_true", help="skip the sha256 of both sides after the syncs")
     ap.add_argument("--json", help="write the results here")
     ns = ap.parse_args(argv)
-    from mindspeed_rl.engines.weight_sync import free_port
+    from mindspeed_rl.engines.sync.weight_sync import free_port
 
     args = {"dtypes": ns.dtypes.split(","), "buckets_mb": [int(x) for x in ns.bucket_mb.split(",")],
             "fsdp_buckets_mb": [int(x) for x in ns.fsdp_bucket_mb.split(",")], "repeats": ns.repeats,
@@ -471,7 +471,7 @@ def main(argv=None) -> dict:
     fsdp_state = "not asked for (--cases)"
     if "fsdp" in cases:
         try:
-            from mindspeed_rl.engines.fsdp_train import FSDPTrainEngine  # noqa: F401
+            from mindspeed_rl.engines.train.fsdp_train import FSDPTrainEngine  # noqa: F401
         except ImportError as e:
             fsdp_state = f"not run: {e}"
         else:

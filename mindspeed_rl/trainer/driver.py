@@ -728,7 +728,7 @@ class Trainer:
                     ray.kill(w)
                 except Exception:
                     pass
-        from ..engines.shm_cleanup import remove_vllm_shm
+        from ..engines.sync.shm_cleanup import remove_vllm_shm
         try:  # what vLLM's tensor-parallel engines left in /dev/shm, also when they died (their recorded objects)
             remove_vllm_shm([info["pid"] for info in self.worker_info.values() if "pid" in info],
                             started_after=self._t_start)

@@ -11,7 +11,7 @@ trained model in its backend's own format:
   where each rank's piece lies, so the pieces of any dp, tp or pp layout are read back here as whole
   tensors, in a single process (a pipeline stage keeps HF names with global layer indexes);
 - LoRA (torch or fsdp): only the adapters (the base is the checkpoint the run started from, unchanged):
-  merged into the base as the engine's own export merges them (`engines/lora.py`), or written as a peft
+  merged into the base as the engine's own export merges them (`engines/train/lora.py`), or written as a peft
   adapter (`adapter_only`).
 
 Weights are read and cast to the run's compute dtype (`actor_config.dtype`, what the engine's own
@@ -217,11 +217,11 @@ def _dcp_metadata(directory: Path):
 # ------------------------------------------------------------------------------------------------ LoRA
 def export_lora(saved: SavedModel, out: Path, *, adapter_only: bool, shard_bytes: int = SHARD_BYTES) -> Path:
     """A LoRA policy's checkpoint (its adapters) with the base it trains on: the merged weights, made by
-    the engines' own merge (`engines/lora.py`: the base as the engine held it, W + alpha / r * B @ A in fp32,
+    the engines' own merge (`engines/train/lora.py`: the base as the engine held it, W + alpha / r * B @ A in fp32,
     cast to the compute dtype) so they equal the run's `save_hf`; or, `adapter_only`, a peft adapter
     directory (`adapter_config.json`, `adapter_model.safetensors`) for `PeftModel.from_pretrained` on the base.
     The base model is loaded whole (an adapter's merge needs its layer's base weight, and peft its model)."""
-    from ..engines.lora import apply_lora, load_adapter_state, merged_buckets
+    from ..engines.train.lora import apply_lora, load_adapter_state, merged_buckets
     from ..models import load_causal_lm, resolve_model_path
     from ..models.hf_export import model_layout
 

@@ -93,7 +93,7 @@ def launch_workers(cfg: Config, plan: Plan, docks: list, placement_groups: Mappi
         sync_members[model] = members + remote
         if remote:
             src = workers[train_group][0]
-            # IPC (engines/ipc_sync.py, shared memory, no group): weight_sync.backend ipc, or auto when
+            # IPC (engines/sync/ipc_sync.py, shared memory, no group): weight_sync.backend ipc, or auto when
             # rank 0 and every remote reader compute on one GPU (same CUDA uuid; NCCL refuses that)
             keys = (get([w.device_key.remote() for w in [src] + remote], f"devices of '{model}'")
                     if cfg.weight_sync.backend in ("ipc", "auto") else [])

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 GB = 1e9
-# fp32 logits of one chunk of the LM head (engines/torch_train.py LOGITS_CHUNK_BYTES, read without torch)
+# fp32 logits of one chunk of the LM head (engines/train/torch_train.py LOGITS_CHUNK_BYTES, read without torch)
 LOGITS_CHUNK_BYTES = 128 << 20
 # a trainer process on an accelerator: the CUDA/CANN context, the collective's buffers, allocator slack.
 # An allowance, not a measurement (vLLM's gpu_memory_utilization covers its own process)
@@ -233,7 +233,7 @@ def log_prob_pass_bytes(layers_peak: float, logits_peak: float, tokens: int, d: 
 
 def chunked_logits_bytes(d: ModelDims, response_tokens: int, train: bool, compute_bytes: int = 4,
                          head_trained: bool = True, chunk_bytes: int = LOGITS_CHUNK_BYTES) -> float:
-    """The LM head a chunk of tokens at a time (engines/torch_train.py head_log_probs): at most
+    """The LM head a chunk of tokens at a time (engines/train/torch_train.py head_log_probs): at most
     `chunk_bytes` of fp32 logits per chunk (fewer when the micro-batch's response tokens are fewer).
     Without grad: the fp32 logits and their log-softmax (2 chunks), and the 16-bit logits they were cast
     from (half a chunk more). With grad: 4 chunks (the chunk recomputed in the backward with its gradient),
@@ -259,7 +259,7 @@ def kv_cache_bytes(d: ModelDims, rows: int, seq_len: int, compute_bytes: int) ->
     """The hf engine's KV cache: keys and values of every layer for rows x (prompt + response) tokens, 2 x
     layers x kv_heads x head_dim x bytes per token. The eager decode's DynamicCache appends by concatenation,
     so while a step appends one layer's keys (or values) exist twice: x (1 + 1 / (2 layers)); the static
-    CUDA decode (engines/static_decode.py) preallocates its buffers, which the same figure bounds."""
+    CUDA decode (engines/rollout/static_decode.py) preallocates its buffers, which the same figure bounds."""
     full = 2 * d.layers * d.kv_dim * compute_bytes * rows * seq_len
     return full * (1 + 1 / (2 * d.layers))
 

@@ -451,7 +451,7 @@ def _check_lora_targets(cfg: Config, model_paths: dict[str, str], trained) -> No
     config = _model_config(model_paths.get("actor", cfg.actor_config.model_path))
     if config is None:
         return
-    from ..engines.lora import check_target_modules_of_config
+    from ..engines.train.lora import check_target_modules_of_config
     try:
         check_target_modules_of_config(config, lora.target_modules)
     except ValueError as e:

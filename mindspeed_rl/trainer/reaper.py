@@ -4,7 +4,7 @@ Why: the driver shuts Ray down itself on every end it sees (a finished run, an e
 SIGTERM). kill -9 of the driver is the one it cannot see: Ray's processes (GCS, raylet, the
 dashboard and runtime-env agents, the worker actors, and vLLM's TP workers below them) lose their
 parent and linger (the agents about 60 s; the rest until they notice), and what vLLM put in /dev/shm
-stays (engines/shm_cleanup.py).
+stays (engines/sync/shm_cleanup.py).
 
 How: `start_reaper()`, called by the driver right before it starts Ray itself (never with
 `placement.ray_address`: that cluster is not the driver's to end), starts this file as a separate
@@ -100,7 +100,7 @@ def _own_start_ticks() -> int:
 
 # ------------------------------------------------------------------------------------ the reaper process
 def _load_shm_cleanup():
-    """engines/shm_cleanup.py by path: importing the package would import torch (seconds, 300 MB)."""
+    """engines/sync/shm_cleanup.py by path: importing the package would import torch (seconds, 300 MB)."""
     path = Path(__file__).resolve().parents[1] / "engines" / "shm_cleanup.py"
     spec = importlib.util.spec_from_file_location("_mindspeed_rl_shm_cleanup", path)
     module = importlib.util.module_from_spec(spec)

@@ -35,7 +35,7 @@ class EngineDecl:
     cuda_graphs: bool | None = None      # generate_config.cuda_graphs (RolloutSpec.cuda_graphs)
     features: dict = field(default_factory=dict)  # TrainSpec's model features (engines.base.MODEL_FEATURES) set
     base_of: str = ""                    # INFER only: the model trained here with LoRA whose base (adapters off)
-                                         # this engine is; no weights of its own are loaded (engines/lora.py)
+                                         # this engine is; no weights of its own are loaded (engines/train/lora.py)
 
 
 class EngineSet:
@@ -75,7 +75,7 @@ class EngineSet:
                     max_seq_len=d.max_seq_len, cuda_graphs=d.cuda_graphs))
                 continue
             if d.base_of:   # the LoRA policy's own engine with its adapters off: no second copy of the weights
-                from ..engines.lora import BaseReference
+                from ..engines.train.lora import BaseReference
                 self.infer[d.model] = BaseReference(self.train[d.base_of])
                 continue
             optim = OptimConfig(**d.optim) if isinstance(d.optim, dict) else d.optim
@@ -183,7 +183,7 @@ class EngineSet:
     def holding(self, mfc, training: bool):
         """The state an MFC's train or inference engine needs on the device while its stage runs
         (`TrainEngine.holding`: what offload put on the host comes back, and leaves after the stage;
-        engines/offload.py). After a train stage the cached device memory goes back to the driver, so a
+        engines/train/offload.py). After a train stage the cached device memory goes back to the driver, so a
         rollout sharing the device in another process (vLLM waking from sleep) finds it free."""
         from .compute import check_mfc
         kind = check_mfc(mfc).engine

@@ -173,7 +173,7 @@ def run_stage(dock, impl, roles: LoopRoles, *, stage: str, rank: int, step: int,
 def _on_device(impl, train: bool):
     """The one place every MFC's engine calls go through: its engine's state on the device while the stage
     runs, the optimizer state too for training (an engine that offloads between stages brings it back
-    here and puts it away after: engines/offload.py, `EngineSet.holding`)."""
+    here and puts it away after: engines/train/offload.py, `EngineSet.holding`)."""
     return impl.ctx.host.holding(impl.ctx.mfc, train)
 
 

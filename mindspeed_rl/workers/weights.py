@@ -2,8 +2,8 @@
 
 The trainer's ranks export and hand each bucket to their own local readers (a copy in one process);
 rank 0 also sends it to readers in other workers: by a broadcast in a stateless group of its own
-(gloo/nccl/hccl, `engines/weight_sync.py`) or, when the trainer and its readers share one device, by
-IPC handles (`engines/ipc_sync.py`). Nobody holds the whole model twice.
+(gloo/nccl/hccl, `engines/sync/weight_sync.py`) or, when the trainer and its readers share one device, by
+IPC handles (`engines/sync/ipc_sync.py`). Nobody holds the whole model twice.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ class WeightHost:
     def init_sync_group(self, model: str, host: str, port: int, rank: int, world_size: int,
                         timeout_s: float = 60.0) -> None:
         from ..device import dist_backend, resolve_device
-        from ..engines.weight_sync import stateless_group
+        from ..engines.sync.weight_sync import stateless_group
         backend = self.sync_cfg.backend
         device = resolve_device(self.device) if backend == "auto" else torch.device("cpu")
         self.sync_groups[model] = stateless_group(host, port, rank, world_size, dist_backend(device), timeout_s,
@@ -48,16 +48,16 @@ class WeightHost:
         return f"{dev.type}:" + ray.get_runtime_context().get_node_id()
 
     def init_ipc_sync(self, model: str, role: str, peers=()) -> None:
-        """weight_sync.backend ipc (engines/ipc_sync.py): "send" on the trainer's rank 0 (one staging
+        """weight_sync.backend ipc (engines/sync/ipc_sync.py): "send" on the trainer's rank 0 (one staging
         sender, kept for the job; `peers`: the reader actors), "read" on a worker hosting readers."""
         from ..device import resolve_device
-        from ..engines.ipc_sync import IPCAttachments, IPCSender, Mailbox
+        from ..engines.sync.ipc_sync import IPCAttachments, IPCSender, Mailbox
         dev = resolve_device(self.device)
         if role == "send":
             sender = IPCSender(self.sync_cfg.bucket_mb << 20, dev)
             # zero copy: an engine whose exported tensors are its own, unsharded parameters declares
             # the module holding them (`ipc_shareable_module`); sharded engines gather into transients
-            # parameters: an engine that offloads them between stages (engines/offload.py) frees that memory,
+            # parameters: an engine that offloads them between stages (engines/train/offload.py) frees that memory,
             # which a registered handle would keep alive; it sends packed copies instead
             engine = self.engines.train[model]
             shareable = getattr(engine, "ipc_shareable_module", None)
@@ -100,7 +100,7 @@ class WeightHost:
         them). Nobody holds the whole model twice. With `weight_sync.verify` every side reports a checksum
         of what it sent, received and now serves.
         """
-        from ..engines.weight_sync import Checksum
+        from ..engines.sync.weight_sync import Checksum
         t0 = time.perf_counter()
         readers = self.engines.readers(model)
         digest = Checksum() if self.sync_cfg.verify else None
@@ -114,7 +114,7 @@ class WeightHost:
         return out
 
     def _sync(self, model: str, version: int, readers: list, digest, out: dict) -> None:
-        from ..engines.weight_sync import receive_weights
+        from ..engines.sync.weight_sync import receive_weights
         group = self.sync_groups.get(model)
         if model in self.engines.train:
             engine = self.engines.train[model]
@@ -126,7 +126,7 @@ class WeightHost:
             if digest is not None and self.rank == 0:
                 out["sent"] = digest.hexdigest()
         elif model in self.ipc_mailboxes:  # mapped from the trainer's memory into a reader's own
-            from ..engines.ipc_sync import IPCReceiver, serve_ipc
+            from ..engines.sync.ipc_sync import IPCReceiver, serve_ipc
             rx = IPCReceiver.for_readers(readers, version, digest, self.ipc_attach[model])
             info = serve_ipc(rx, self.ipc_mailboxes[model], self._ipc_timeout(), finish=rx.finish_readers)
             out["bytes_into_targets"] = info["bytes_into_targets"]
@@ -141,12 +141,12 @@ class WeightHost:
 
     def _send(self, model: str, engine, version: int, readers: list, digest, out: dict, group) -> None:
         """The trainer's side: export, hand each bucket to the local readers, and on rank 0 send it on."""
-        from ..engines.weight_sync import send_buckets, tee_buckets
+        from ..engines.sync.weight_sync import send_buckets, tee_buckets
         stream = tee_buckets(engine.export_weights(self.sync_cfg.bucket_mb << 20), readers, version, digest)
         if model in self.ipc_senders and self.rank == 0:
             import ray
 
-            from ..engines.ipc_sync import CallChannel, send_ipc
+            from ..engines.sync.ipc_sync import CallChannel, send_ipc
             chans = [CallChannel(lambda x, p=p: p.ipc_deliver.remote(model, x),
                                  lambda ref, t: ray.get(ref, timeout=t)) for p in self.ipc_peers[model]]
             out["transfer"] = send_ipc(self.ipc_senders[model], stream, chans, self._ipc_timeout())
@@ -158,6 +158,6 @@ class WeightHost:
 
 
 def _offloads_params(engine) -> bool:
-    from ..engines.offload import PARAMS
+    from ..engines.train.offload import PARAMS
     return engine.offloader is not None and PARAMS in engine.offloader.parts
 

@@ -92,7 +92,7 @@ class Worker:
                 "rank": self.spec.rank, "node_id": ray.get_runtime_context().get_node_id()}
 
     def free_port(self) -> int:
-        from ..engines.weight_sync import free_port
+        from ..engines.sync.weight_sync import free_port
         return free_port()
 
     def init_ddp(self, host: str, port: int, timeout_s: float = 60.0) -> None:

@@ -279,7 +279,7 @@ def test_a_call_marker_that_is_not_one_token_is_refused():
 # ------------------------------------------------------------------------------ the real engine
 @pytest.fixture(scope="module")
 def tool_model():
-    from mindspeed_rl.engines.hf_rollout import HFRolloutEngine
+    from mindspeed_rl.engines.rollout.hf_rollout import HFRolloutEngine
     from mindspeed_rl.models import load_causal_lm, load_tokenizer
     tok = load_tokenizer("builtin:tiny-qwen2-tool")
     return HFRolloutEngine(load_causal_lm("builtin:tiny-qwen2-tool"), tok.pad_token_id), tok

@@ -41,7 +41,7 @@ def test_reference_needed_only_for_a_kl_term(use_kl_loss, coef, adaptive, expect
 
 def _loss_inputs(with_ref: bool):
     from mindspeed_rl.engines import OptimConfig
-    from mindspeed_rl.engines.torch_train import TorchTrainEngine
+    from mindspeed_rl.engines.train.torch_train import TorchTrainEngine
     from tests.engines._common import PAD, random_rows, tiny_qwen2
     engine = TorchTrainEngine(tiny_qwen2(seed=0), PAD, OptimConfig())
     prompts, responses = random_rows(3, [2, 3, 1], seed=1), random_rows(3, [2, 1, 3], seed=2)

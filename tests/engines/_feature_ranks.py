@@ -48,7 +48,7 @@ def fsdp(rank: int, world: int, port: int, path: str, rows: tuple, sizes: list[i
     a policy, then a critic's values and step; the local gradient shards, the metrics, how many forwards
     each micro-batch split into here and how often the first decoder layer ran."""
     from mindspeed_rl.engines.batching import forward_groups
-    from mindspeed_rl.engines.fsdp_train import FSDPTrainEngine, decoder_layers
+    from mindspeed_rl.engines.train.fsdp_train import FSDPTrainEngine, decoder_layers
 
     _join(rank, world, port)
     prompts, responses = rows
@@ -79,7 +79,7 @@ def fsdp(rank: int, world: int, port: int, path: str, rows: tuple, sizes: list[i
 def mesh(rank: int, world: int, port: int, path: str, options: dict, rows: tuple, sizes: list[int]) -> dict:
     """As `fsdp` on a mesh (the reader is given the rows, the others None): log-probs, a train step,
     log-probs after, per combination."""
-    from mindspeed_rl.engines.mesh_train import MeshTrainEngine
+    from mindspeed_rl.engines.train.mesh_train import MeshTrainEngine
 
     _join(rank, world, port)
     prompts, responses = rows

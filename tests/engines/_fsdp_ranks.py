@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from mindspeed_rl.algorithms import masked_mean
 from mindspeed_rl.engines.base import MicroBatch, OptimConfig, TrainSpec
-from mindspeed_rl.engines.fsdp_train import FSDPTrainEngine
+from mindspeed_rl.engines.train.fsdp_train import FSDPTrainEngine
 
 from ._common import PAD
 

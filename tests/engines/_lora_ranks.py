@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_rl.engines.base import MicroBatch, OptimConfig, TrainSpec
-from mindspeed_rl.engines.fsdp_train import FSDPTrainEngine
-from mindspeed_rl.engines.lora import BaseReference
-from mindspeed_rl.engines.torch_train import TorchTrainEngine
+from mindspeed_rl.engines.train.fsdp_train import FSDPTrainEngine
+from mindspeed_rl.engines.train.lora import BaseReference
+from mindspeed_rl.engines.train.torch_train import TorchTrainEngine
 
 from ._common import PAD, nll_loss_fn
 

@@ -38,7 +38,7 @@ def exported(engine, bucket_bytes: int = 1 << 30) -> list[tuple[str, torch.Tenso
 
 
 def _engine(path: str, options: dict, optim: OptimConfig | None, kind: str = "causal_lm", dtype: str = "float32"):
-    from mindspeed_rl.engines.mesh_train import MeshTrainEngine
+    from mindspeed_rl.engines.train.mesh_train import MeshTrainEngine
     return MeshTrainEngine.build(TrainSpec(model_path=path, model_kind=kind, pad_token_id=PAD, optim=optim, seed=0,
                                            options=options, dtype=dtype))
 

@@ -20,7 +20,7 @@ def run(rank: int, world: int, port: int, path: str, options: dict, calls: list,
     version 1 and makes its replica's first call again."""
     dist.init_process_group("gloo", init_method=f"tcp://{HOST}:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
-    from mindspeed_rl.engines.mesh_rollout import MeshRolloutEngine
+    from mindspeed_rl.engines.rollout.mesh_rollout import MeshRolloutEngine
 
     engine = MeshRolloutEngine.build(RolloutSpec(model_path=path, pad_token_id=PAD, seed=0, options=options))
     m = engine.model

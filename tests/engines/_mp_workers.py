@@ -25,8 +25,8 @@ import torch
 import torch.nn.parallel  # noqa: F401  (imported once by the fork server, as is the model code below)
 
 from mindspeed_rl.engines import OptimConfig
-from mindspeed_rl.engines.hf_rollout import HFRolloutEngine
-from mindspeed_rl.engines.torch_train import TorchTrainEngine
+from mindspeed_rl.engines.rollout.hf_rollout import HFRolloutEngine
+from mindspeed_rl.engines.train.torch_train import TorchTrainEngine
 
 from ._common import PAD, tiny_qwen2, token_mean_nll
 
@@ -180,7 +180,7 @@ def as_process_group(group):
 
 
 def ddp_construct_with_stateless_pg(rank: int, world: int, port: int) -> str:
-    from mindspeed_rl.engines.weight_sync import stateless_group
+    from mindspeed_rl.engines.sync.weight_sync import stateless_group
     group = stateless_group(HOST, port, rank, world, timeout_s=60)
     engine = TorchTrainEngine(tiny_qwen2(seed=rank), PAD, OptimConfig(), process_group=group.pg)
     return type(engine.model).__name__
@@ -191,7 +191,7 @@ def ddp_train(rank: int, world: int, port: int, rows: tuple, micro_batch_size: i
     Rank r starts from a model with seed r: DDP must broadcast rank 0's weights at construction."""
     from mindspeed_rl.engines import MicroBatch
     from mindspeed_rl.engines.base import hf_named_weights
-    from mindspeed_rl.engines.weight_sync import checksum, stateless_group
+    from mindspeed_rl.engines.sync.weight_sync import checksum, stateless_group
 
     from ._common import flat_params, nll_loss_fn
     prompts, responses = rows

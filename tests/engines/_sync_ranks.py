@@ -13,7 +13,7 @@ import torch
 
 from mindspeed_rl.engines.base import bucketed, hf_named_weights
 from mindspeed_rl.engines.base import load_named as load_by_name
-from mindspeed_rl.engines.weight_sync import (Checksum, checksum, receive_buckets, send_buckets,
+from mindspeed_rl.engines.sync.weight_sync import (Checksum, checksum, receive_buckets, send_buckets,
                                               stateless_group, tee_buckets)
 
 from ._common import spy_update_weights, tiny_qwen2
@@ -90,9 +90,9 @@ def flat_sync(rank: int, port: int, bucket_bytes: int, inplace_min_bytes: int) -
     an optimizer step between, to an `HFRolloutEngine` (rank 1) through `receive_weights`, the
     worker's path. Every broadcast either side issues on the real gloo group is counted."""
     from mindspeed_rl.engines import MicroBatch, OptimConfig
-    from mindspeed_rl.engines.hf_rollout import HFRolloutEngine
-    from mindspeed_rl.engines.torch_train import TorchTrainEngine
-    from mindspeed_rl.engines.weight_sync import receive_weights
+    from mindspeed_rl.engines.rollout.hf_rollout import HFRolloutEngine
+    from mindspeed_rl.engines.train.torch_train import TorchTrainEngine
+    from mindspeed_rl.engines.sync.weight_sync import receive_weights
 
     from ._common import PAD, nll_loss_fn, random_rows
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mindspeed_rl.engines import MicroBatch, OptimConfig, TrainSpec
-from mindspeed_rl.engines.torch_train import TorchTrainEngine
+from mindspeed_rl.engines.train.torch_train import TorchTrainEngine
 
 from ._common import PAD, flat_grads, nll_loss_fn, random_rows, tiny_qwen2
 
@@ -32,7 +32,7 @@ def pair_loss(out, mb):
 
 def layer_calls(engine) -> list[int]:
     """A counter of forward calls of the model's first decoder layer (recomputes included)."""
-    from mindspeed_rl.engines.fsdp_train import decoder_layers
+    from mindspeed_rl.engines.train.fsdp_train import decoder_layers
     calls = [0]
     decoder_layers(engine.module)[0].register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     return calls
@@ -77,7 +77,7 @@ def test_an_inference_engine_ignores_it(tmp_path):
 
 
 def test_megatron_recompute_options():
-    from mindspeed_rl.engines.megatron.engine import recompute_kwargs
+    from mindspeed_rl.engines.train.megatron.engine import recompute_kwargs
     assert recompute_kwargs(False) == {}
     assert recompute_kwargs(True) == {"recompute_granularity": "full", "recompute_method": "uniform",
                                       "recompute_num_layers": 1}

@@ -83,7 +83,7 @@ def test_weights_exported_by_a_train_backend_load_into_a_reader(train, reader_ki
     """export_weights -> update_weights: the reader then serves exactly the trainer's weights (one rank; the
     one-rank replica is every backend's data-parallel deployment)."""
     from mindspeed_rl.engines import OptimConfig, RolloutSpec, TrainSpec, make_rollout_engine, make_train_engine
-    from mindspeed_rl.engines.weight_sync import Checksum, tee_buckets
+    from mindspeed_rl.engines.sync.weight_sync import Checksum, tee_buckets
     path, _ = _tiny()
     torch.manual_seed(0)
     trainer = make_train_engine(train, TrainSpec(model_path=path, optim=OptimConfig(lr=0.1), seed=3))

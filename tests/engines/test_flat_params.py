@@ -4,7 +4,7 @@ import torch
 
 from mindspeed_rl.engines import OptimConfig
 from mindspeed_rl.engines.base import ALIGN, flatten_parameters
-from mindspeed_rl.engines.torch_train import TorchTrainEngine
+from mindspeed_rl.engines.train.torch_train import TorchTrainEngine
 
 from ._common import PAD, nll_loss_fn, random_rows, tiny_qwen2
 

@@ -6,8 +6,8 @@ import torch
 from mindspeed_rl.algorithms import log_probs_from_logits, masked_mean
 from mindspeed_rl.engines.base import OptimConfig
 from mindspeed_rl.engines.batching import collate, unpad_rows
-from mindspeed_rl.engines.torch_train import response_logits, response_values
-from mindspeed_rl.engines.weight_sync import free_port
+from mindspeed_rl.engines.train.torch_train import response_logits, response_values
+from mindspeed_rl.engines.sync.weight_sync import free_port
 from mindspeed_rl.models import load_causal_lm, load_value_model, resolve_model_path
 
 from . import _fsdp_ranks as F
@@ -201,7 +201,7 @@ def test_single_rank_without_process_group(path, tmp_path):
     """process_group None and no default group: the plain module behind the same members, one
     step equal to the plain reference, a DCP checkpoint written without a group."""
     from mindspeed_rl.engines.base import TrainSpec
-    from mindspeed_rl.engines.fsdp_train import FSDPTrainEngine
+    from mindspeed_rl.engines.train.fsdp_train import FSDPTrainEngine
     from mindspeed_rl.engines.registry import make_train_engine
 
     data = rows(4, seed=51)

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from mindspeed_rl.engines.base import MicroBatch, OptimConfig, TrainSpec
-from mindspeed_rl.engines.hf_rollout import HFRolloutEngine
-from mindspeed_rl.engines.lora import BaseReference, check_target_modules, check_target_modules_of_config
-from mindspeed_rl.engines.torch_train import TorchTrainEngine
-from mindspeed_rl.engines.weight_sync import copy_weights
+from mindspeed_rl.engines.rollout.hf_rollout import HFRolloutEngine
+from mindspeed_rl.engines.train.lora import BaseReference, check_target_modules, check_target_modules_of_config
+from mindspeed_rl.engines.train.torch_train import TorchTrainEngine
+from mindspeed_rl.engines.sync.weight_sync import copy_weights
 from mindspeed_rl.models import load_causal_lm, resolve_model_path
 
 from ._common import PAD, TINY_CONFIG, nll_loss_fn, random_rows, tiny_qwen2

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from mindspeed_rl.engines.base import MicroBatch, OptimConfig, TrainSpec
-from mindspeed_rl.engines.torch_train import TorchTrainEngine
-from mindspeed_rl.engines.weight_sync import free_port
+from mindspeed_rl.engines.train.torch_train import TorchTrainEngine
+from mindspeed_rl.engines.sync.weight_sync import free_port
 from mindspeed_rl.models import load_causal_lm, resolve_model_path
 
 from . import _lora_ranks as L

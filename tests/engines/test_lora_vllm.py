@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from mindspeed_rl.engines.base import MicroBatch, OptimConfig, RolloutSpec, SamplingParams, TrainSpec
-from mindspeed_rl.engines.lora import BaseReference
-from mindspeed_rl.engines.torch_train import TorchTrainEngine
+from mindspeed_rl.engines.train.lora import BaseReference
+from mindspeed_rl.engines.train.torch_train import TorchTrainEngine
 from mindspeed_rl.models import resolve_model_path
 
 from ._common import EOS, PAD, nll_loss_fn, random_rows

@@ -3,7 +3,7 @@ layout, gated MLP, TP shards, PP stages), a decoder layer and a whole model comp
 from the megatron-layout tensors against HF's modules, the right-padded batch layout, and the
 vocab-parallel log-softmax (one rank, and two gloo ranks with gradients).
 
-The engine itself needs CUDA (mindspeed_rl/engines/megatron/engine.py says so); here it is only
+The engine itself needs CUDA (mindspeed_rl/engines/train/megatron/engine.py says so); here it is only
 checked to refuse the CPU clearly. Where megatron-core imports (not in CI), one more test builds its
 real GPTModel on two gloo ranks (TP=2) from the converted weights and compares logits with HF's.
 """
@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mindspeed_rl.engines.megatron import convert as C
-from mindspeed_rl.engines.megatron.engine import right_padded, vocab_parallel_log_probs
+from mindspeed_rl.engines.train.megatron import convert as C
+from mindspeed_rl.engines.train.megatron.engine import right_padded, vocab_parallel_log_probs
 
 from . import _mp_workers as W
 from ._common import TINY_CONFIG
@@ -359,7 +359,7 @@ def _vocab_parallel_rank(rank: int, world: int, port: int) -> dict:
 
 @pytest.mark.slow
 def test_vocab_parallel_log_probs_two_gloo_ranks(tmp_path):
-    from mindspeed_rl.engines.weight_sync import free_port
+    from mindspeed_rl.engines.sync.weight_sync import free_port
     port = free_port()
     r0, r1 = W.run_procs([(_vocab_parallel_rank, (r, 2, port)) for r in range(2)], tmp_path, TIMEOUT_S)
     g = torch.Generator().manual_seed(5)
@@ -378,7 +378,7 @@ def test_vocab_parallel_log_probs_two_gloo_ranks(tmp_path):
 # ------------------------------------------------------------------------------ the engine on CPU
 def test_engine_refuses_what_it_cannot_run(tmp_path):
     from mindspeed_rl.engines.base import TrainSpec
-    from mindspeed_rl.engines.megatron.engine import MegatronTrainEngine
+    from mindspeed_rl.engines.train.megatron.engine import MegatronTrainEngine
     with pytest.raises(ValueError, match=r"unknown option\(s\) \['zero'\]"):
         MegatronTrainEngine.build(TrainSpec(model_path=str(tmp_path), options={"zero": 1}))
     with pytest.raises(ValueError, match="layer_spec='fused'"):
@@ -440,7 +440,7 @@ def _megatron_rank(rank: int, world: int, port: int, overrides: dict) -> dict:
 @pytest.mark.parametrize("overrides", [{**TIED, "num_attention_heads": 4, "num_key_value_heads": 2}, UNTIED],
                          ids=["tied", "untied"])
 def test_real_megatron_gpt_model_matches_hf(overrides, tmp_path):
-    from mindspeed_rl.engines.weight_sync import free_port
+    from mindspeed_rl.engines.sync.weight_sync import free_port
     port = free_port()
     results = W.run_procs([(_megatron_rank, (r, 2, port, overrides)) for r in range(2)], tmp_path, TIMEOUT_S)
     for r in results:
@@ -478,7 +478,7 @@ def _engine_rank(rank: int, world: int, port: int, ckpt: str, options: dict, dev
 
     from mindspeed_rl.device import dist_backend
     from mindspeed_rl.engines.base import OptimConfig, TrainSpec
-    from mindspeed_rl.engines.megatron.engine import MegatronTrainEngine
+    from mindspeed_rl.engines.train.megatron.engine import MegatronTrainEngine
     device = f"cuda:{rank}" if device_kind == "cuda" else device_kind
     if device_kind == "cuda":
         torch.cuda.set_device(rank)
@@ -521,7 +521,7 @@ def _engine_rank(rank: int, world: int, port: int, ckpt: str, options: dict, dev
 
 def _engine_reference(ckpt: str) -> dict:
     from mindspeed_rl.engines.base import OptimConfig
-    from mindspeed_rl.engines.torch_train import TorchTrainEngine
+    from mindspeed_rl.engines.train.torch_train import TorchTrainEngine
     from mindspeed_rl.models import load_causal_lm
     eng = TorchTrainEngine(load_causal_lm(ckpt), 0, OptimConfig(**ENGINE_OPTIM))
     prompts, responses = _engine_data()
@@ -578,7 +578,7 @@ def test_megatron_engine_on_cuda_matches_torch_backend(tp, pp, dp, tied, dist_op
     world = tp * pp * dp
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
-    from mindspeed_rl.engines.weight_sync import free_port
+    from mindspeed_rl.engines.sync.weight_sync import free_port
     ckpt = _save_engine_checkpoint(tmp_path / "hf", tied)
     options = {"tp": tp, "pp": pp, "use_distributed_optimizer": dist_opt}
     port = free_port()
@@ -595,7 +595,7 @@ def test_megatron_engine_on_cuda_matches_torch_backend(tp, pp, dp, tied, dist_op
 def test_megatron_engine_te_layer_spec_on_cuda(tp, tmp_path):
     if torch.cuda.device_count() < tp:
         pytest.skip(f"needs {tp} GPUs")
-    from mindspeed_rl.engines.weight_sync import free_port
+    from mindspeed_rl.engines.sync.weight_sync import free_port
     ckpt = _save_engine_checkpoint(tmp_path / "hf", tied=True)
     options = {"tp": tp, "pp": 1, "layer_spec": "te"}
     port = free_port()

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from mindspeed_rl.engines.base import SamplingParams
-from mindspeed_rl.engines.hf_rollout import HFRolloutEngine
-from mindspeed_rl.engines.weight_sync import free_port
+from mindspeed_rl.engines.rollout.hf_rollout import HFRolloutEngine
+from mindspeed_rl.engines.sync.weight_sync import free_port
 
 from . import _mesh_rollout_ranks as R
 from . import _mp_workers as W

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from mindspeed_rl.engines.base import OptimConfig
-from mindspeed_rl.engines.torch_train import TorchTrainEngine
-from mindspeed_rl.engines.weight_sync import free_port
+from mindspeed_rl.engines.train.torch_train import TorchTrainEngine
+from mindspeed_rl.engines.sync.weight_sync import free_port
 
 from . import _mesh_ranks as M
 from . import _mp_workers as W

@@ -6,8 +6,8 @@ import torch
 
 from mindspeed_rl.engines import MicroBatch, OptimConfig, TrainSpec
 from mindspeed_rl.engines.base import cast_bucket
-from mindspeed_rl.engines.torch_train import TorchTrainEngine
-from mindspeed_rl.engines.weight_sync import BucketSpec
+from mindspeed_rl.engines.train.torch_train import TorchTrainEngine
+from mindspeed_rl.engines.sync.weight_sync import BucketSpec
 
 from ._common import PAD, flat_params, nll_loss_fn, random_rows, tiny_qwen2
 
@@ -108,7 +108,7 @@ def test_cpu_default_stays_fp32(checkpoint):
 def test_fsdp_one_rank_keeps_fp32_masters_and_optimizer_state_and_exports_dtype(checkpoint):
     """fsdp on one rank (no MixedPrecisionPolicy there): fp32 master weights and AdamW state, exports
     in the compute dtype; on the CPU it computes in fp32, as over a mesh (autocast is for devices)."""
-    from mindspeed_rl.engines.fsdp_train import FSDPTrainEngine
+    from mindspeed_rl.engines.train.fsdp_train import FSDPTrainEngine
     engine = FSDPTrainEngine.build(TrainSpec(model_path=checkpoint, dtype="bfloat16", pad_token_id=PAD,
                                              optim=OptimConfig(lr=1e-3)))
     assert all(p.dtype == torch.float32 for p in engine.model.parameters())

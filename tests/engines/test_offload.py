@@ -1,4 +1,4 @@
-"""Offload between MFCs (engines/offload.py): the moves themselves, the state machine's order, and the worker's
+"""Offload between MFCs (engines/train/offload.py): the moves themselves, the state machine's order, and the worker's
 hooks around every stage, the weight export and checkpoints.
 
 On the CPU the device is the host, so an engine's offloader moves nothing (its log says 0 bytes) while its
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from mindspeed_rl.engines.base import MicroBatch, OptimConfig, TrainSpec
-from mindspeed_rl.engines.offload import (OFFLOADED, ON_DEVICE, OPTIMIZER, PARAMS, OffloadOptions, Offloader,
+from mindspeed_rl.engines.train.offload import (OFFLOADED, ON_DEVICE, OPTIMIZER, PARAMS, OffloadOptions, Offloader,
                                           move_optimizer_state, move_parameters)
-from mindspeed_rl.engines.torch_train import TorchTrainEngine
+from mindspeed_rl.engines.train.torch_train import TorchTrainEngine
 
 from ._common import nll_loss_fn, random_rows, tiny_qwen2
 
@@ -143,7 +143,7 @@ def test_bad_offload_options_are_refused():
 
 
 def test_fsdp_cpu_offload_needs_a_mesh():
-    from mindspeed_rl.engines.fsdp_train import FSDPTrainEngine
+    from mindspeed_rl.engines.train.fsdp_train import FSDPTrainEngine
     with pytest.raises(ValueError, match="one rank without a process group"):
         FSDPTrainEngine.build(TrainSpec(model_path=_tiny_path(), optim=OPTIM, offload={"fsdp_cpu_offload": True}))
     engine = FSDPTrainEngine.build(TrainSpec(model_path=_tiny_path(), optim=OPTIM, offload={"params": True}))
@@ -187,7 +187,7 @@ def _fsdp_rank(rank: int, world: int, port: int, path: str, rows: tuple, cpu_off
 
     import torch.distributed as dist
 
-    from mindspeed_rl.engines.fsdp_train import FSDPTrainEngine
+    from mindspeed_rl.engines.train.fsdp_train import FSDPTrainEngine
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
@@ -209,7 +209,7 @@ def _fsdp_rank(rank: int, world: int, port: int, path: str, rows: tuple, cpu_off
 def test_fsdp_cpu_offload_policy_trains_as_without_it(tmp_path):
     """FSDP2's CPUOffloadPolicy (pin_memory off: the CPU has nothing to pin for) runs over gloo and gives the
     losses and weights of the same two ranks without it."""
-    from mindspeed_rl.engines.weight_sync import free_port
+    from mindspeed_rl.engines.sync.weight_sync import free_port
 
     from . import _mp_workers as W
     rows = (random_rows(4, [3, 2, 4, 1], 0), random_rows(4, [2, 3, 1, 2], 1))

@@ -9,8 +9,8 @@ import torch
 from mindspeed_rl.algorithms import bradley_terry_loss, preference_accuracy
 from mindspeed_rl.engines import MicroBatch, OptimConfig
 from mindspeed_rl.engines.base import TrainSpec
-from mindspeed_rl.engines.fsdp_train import FSDPTrainEngine
-from mindspeed_rl.engines.torch_train import TorchTrainEngine
+from mindspeed_rl.engines.train.fsdp_train import FSDPTrainEngine
+from mindspeed_rl.engines.train.torch_train import TorchTrainEngine
 
 from ._common import PAD, random_rows, tiny_qwen2
 

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from mindspeed_rl.engines import SamplingParams
-from mindspeed_rl.engines.hf_rollout import HFRolloutEngine
-from mindspeed_rl.engines.hf_rollout import filter_logits
-from mindspeed_rl.engines.sampling import row_uniforms, sample_next
+from mindspeed_rl.engines.rollout.hf_rollout import HFRolloutEngine
+from mindspeed_rl.engines.rollout.hf_rollout import filter_logits
+from mindspeed_rl.engines.rollout.sampling import row_uniforms, sample_next
 
 from ._common import PAD, random_rows, tiny_qwen2
 
@@ -186,7 +186,7 @@ def test_a_row_samples_the_same_tokens_alone_or_in_any_batch(flat_engine, prompt
 def test_rollout_log_probs_are_the_trainers_log_probs_of_the_sampled_tokens(flat_engine, prompts, temperature):
     """The behaviour log-probs the rollout returns equal a full forward's log_softmax(logits / T) at
     the sampled tokens: the trainer's old_log_prob for on-policy rows."""
-    from mindspeed_rl.engines.torch_train import TorchTrainEngine
+    from mindspeed_rl.engines.train.torch_train import TorchTrainEngine
     out = flat_engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=temperature,
                                                        stop_token_ids=(2,)), seeds_for(len(prompts), 9))
     trainer = TorchTrainEngine(flat_engine.model, PAD, temperature=temperature)

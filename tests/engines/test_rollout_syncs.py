@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mindspeed_rl.engines.base import SamplingParams
-from mindspeed_rl.engines.hf_rollout import HFRolloutEngine, prompt_mask
+from mindspeed_rl.engines.rollout.hf_rollout import HFRolloutEngine, prompt_mask
 
 SYNCING = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::is_nonzero", "aten::equal",
            "aten::item"}
@@ -58,7 +58,7 @@ def test_at_most_one_sync_per_check_every_tokens():
 
 
 def test_the_static_decode_reads_one_count_per_check_every_tokens():
-    """The static loop (engines/static_decode.py) run eagerly, bucket moves included: its only host read is the
+    """The static loop (engines/rollout/static_decode.py) run eagerly, bucket moves included: its only host read is the
     running count every `check_every` tokens (on CUDA a pinned copy read one check later), and a move to a
     smaller bucket selects the running rows by a sort, not a `nonzero`."""
     engine = _engine(check_every=8, cuda_graphs=True)

@@ -1,4 +1,4 @@
-"""The counter-based sampler (mindspeed_rl/engines/sampling.py) and the device-side response
+"""The counter-based sampler (mindspeed_rl/engines/rollout/sampling.py) and the device-side response
 bookkeeping with batch compaction (hf_rollout.ResponseBuilder): a row's draws depend on its seed and
 logits alone, the returned log-prob is the filtered distribution's, filtered-out tokens are never
 drawn, the draws follow the distribution, and dropping finished rows changes no token."""
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from mindspeed_rl.engines import SamplingParams
-from mindspeed_rl.engines.hf_rollout import HFRolloutEngine, ResponseBuilder
-from mindspeed_rl.engines.sampling import (filter_logits, inverse_cdf_draw, row_uniforms, sample_next,
+from mindspeed_rl.engines.rollout.hf_rollout import HFRolloutEngine, ResponseBuilder
+from mindspeed_rl.engines.rollout.sampling import (filter_logits, inverse_cdf_draw, row_uniforms, sample_next,
                                            splitmix64)
 
 from ._common import PAD, random_rows, tiny_qwen2
@@ -187,7 +187,7 @@ def test_dropping_finished_rows_changes_no_token(monkeypatch):
     monkeypatch.setattr(DynamicCache, "batch_select_indices", spy)
 
     def run(check_every):
-        monkeypatch.setattr("mindspeed_rl.engines.hf_rollout.default_check_every", lambda device: check_every)
+        monkeypatch.setattr("mindspeed_rl.engines.rollout.hf_rollout.default_check_every", lambda device: check_every)
         selects.clear()
         return engine.generate(prompts, params, seeds), list(selects)
     never, none_dropped = run(10**6)

@@ -1,4 +1,4 @@
-"""engines/shm_cleanup.py with real processes and real /dev/shm objects: an "engine" process records
+"""engines/sync/shm_cleanup.py with real processes and real /dev/shm objects: an "engine" process records
 a shared-memory segment and a named semaphore of its own and a segment of its "vLLM worker" (a
 grandchild named VLLM::Worker_TP1), is killed with SIGKILL together with its process group (as
 Ctrl-C / SIGTERM to a run's group or a crash does: no resource tracker survives to unlink), and
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from mindspeed_rl.engines import shm_cleanup
-from mindspeed_rl.engines.shm_cleanup import ShmRecorder, record_path, remove_vllm_shm, same_process_alive, start_ticks
+from mindspeed_rl.engines.sync import shm_cleanup
+from mindspeed_rl.engines.sync.shm_cleanup import ShmRecorder, record_path, remove_vllm_shm, same_process_alive, start_ticks
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not os.path.isdir("/proc/self") or not os.path.isdir("/dev/shm"),
@@ -39,7 +39,7 @@ time.sleep(300)
 ENGINE = r"""
 import json, os, subprocess, sys, time
 from multiprocessing import get_context, resource_tracker, shared_memory
-from mindspeed_rl.engines.shm_cleanup import ShmRecorder
+from mindspeed_rl.engines.sync.shm_cleanup import ShmRecorder
 seg = shared_memory.SharedMemory(create=True, size=1 << 20)
 lock = get_context("spawn").Lock()                # a named semaphore, /dev/shm/sem.mp-*
 # the whole group is killed below, its resource tracker with it: nothing unlinks these afterwards

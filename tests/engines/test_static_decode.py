@@ -1,4 +1,4 @@
-"""The static decode (engines/static_decode.py) samples the eager loop's tokens for the same seeds.
+"""The static decode (engines/rollout/static_decode.py) samples the eager loop's tokens for the same seeds.
 
 On the CPU the fixed-shape step runs eagerly (`cuda_graphs=True` without CUDA): what a CUDA graph would
 replay is exactly this function, so equality here is equality of the captured step's arithmetic up to the
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from mindspeed_rl.engines.base import RolloutSpec, SamplingParams
-from mindspeed_rl.engines.hf_rollout import HFRolloutEngine
-from mindspeed_rl.engines.static_decode import buckets
+from mindspeed_rl.engines.rollout.hf_rollout import HFRolloutEngine
+from mindspeed_rl.engines.rollout.static_decode import buckets
 
 
 def _tiny() -> torch.nn.Module:

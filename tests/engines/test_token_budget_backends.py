@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mindspeed_rl.engines.weight_sync import free_port
+from mindspeed_rl.engines.sync.weight_sync import free_port
 
 from . import _feature_ranks as F
 from . import _mp_workers as W

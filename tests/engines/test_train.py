@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mindspeed_rl.engines import OptimConfig
-from mindspeed_rl.engines.torch_train import TorchTrainEngine
+from mindspeed_rl.engines.train.torch_train import TorchTrainEngine
 
 from ._common import PAD, flat_grads, flat_params, random_rows, tiny_qwen2, token_mean_nll
 
@@ -292,7 +292,7 @@ def ddp_budget_rank(rank: int, world: int, port: int, rows: tuple, budget: int) 
     step again with activation checkpointing (DDP's hooks must fire once per parameter through the
     recompute)."""
     from mindspeed_rl.engines import MicroBatch
-    from mindspeed_rl.engines.weight_sync import stateless_group
+    from mindspeed_rl.engines.sync.weight_sync import stateless_group
 
     from ._common import nll_loss_fn
     from ._mp_workers import HOST, as_process_group
@@ -313,7 +313,7 @@ def ddp_budget_rank(rank: int, world: int, port: int, rows: tuple, budget: int) 
 @pytest.mark.slow
 def test_token_budget_under_ddp_equals_one_process_on_the_union(tmp_path):
     from mindspeed_rl.engines import MicroBatch
-    from mindspeed_rl.engines.weight_sync import free_port
+    from mindspeed_rl.engines.sync.weight_sync import free_port
 
     from . import _mp_workers as W
     prompts = random_rows(8, [3, 5, 2, 4, 6, 3, 4, 2], seed=11)
@@ -335,7 +335,7 @@ def test_train_step_combines_metrics_by_their_names(backend):
     """Over micro-batches an engine sums a metric, but takes the max of a `_max` and the min of a `_min`
     (algorithms/metrics.py): `is_weight_max` of two micro-batches is the larger one, not their sum."""
     from mindspeed_rl.engines import MicroBatch
-    from mindspeed_rl.engines.fsdp_train import FSDPTrainEngine
+    from mindspeed_rl.engines.train.fsdp_train import FSDPTrainEngine
     from mindspeed_rl.engines.base import TrainSpec
     seen = iter([{"is_weight_max": 1.5, "weight_version_min": 3.0, "n": 1.0},
                  {"is_weight_max": 1.25, "weight_version_min": 2.0, "n": 1.0}])

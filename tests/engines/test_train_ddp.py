@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from mindspeed_rl.engines import OptimConfig
-from mindspeed_rl.engines.torch_train import TorchTrainEngine
-from mindspeed_rl.engines.weight_sync import free_port
+from mindspeed_rl.engines.train.torch_train import TorchTrainEngine
+from mindspeed_rl.engines.sync.weight_sync import free_port
 
 from . import _mp_workers as W
 from ._common import PAD, flat_grads, flat_params, random_rows, tiny_qwen2, token_mean_nll

@@ -267,7 +267,7 @@ def test_sleep_wake_up_are_no_ops_on_cpu_and_checksum_is_none(engine, base_model
 
 
 def test_unknown_option_is_refused(ckpt):
-    from mindspeed_rl.engines.vllm_rollout import VLLMRolloutEngine
+    from mindspeed_rl.engines.rollout.vllm_rollout import VLLMRolloutEngine
     with pytest.raises(ValueError, match="kv_cache_gib"):
         VLLMRolloutEngine.build(RolloutSpec(model_path=ckpt, options={"kv_cache_gib": 1}))
 

@@ -101,7 +101,7 @@ def max_diff(model, prompts, rollout, temperature=1.0):
 
 
 def test_threads_bind_splits_the_cpus_into_one_block_per_rank():
-    from mindspeed_rl.engines.vllm_rollout import cpu_threads_bind
+    from mindspeed_rl.engines.rollout.vllm_rollout import cpu_threads_bind
     assert cpu_threads_bind(2, [0, 1]) == "0|1"
     assert cpu_threads_bind(2, [3, 0, 1, 2, 4]) == "0,1,2|3,4"
     assert cpu_threads_bind(3, [5]) == "5|5|5"  # fewer CPUs than ranks: shared
@@ -145,7 +145,7 @@ def test_a_killed_tp_worker_is_named_and_its_shared_memory_removed(ckpt):
     import sys
     import threading
 
-    from mindspeed_rl.engines.shm_cleanup import record_path, remove_vllm_shm, same_process_alive
+    from mindspeed_rl.engines.sync.shm_cleanup import record_path, remove_vllm_shm, same_process_alive
     t0 = time.time()
     proc = subprocess.Popen([sys.executable, "-c", KILLED_WORKER_ENGINE, ckpt,
                              json.dumps({**OPTIONS, "tensor_parallel_size": 2})],

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from mindspeed_rl.engines.base import bucketed, flatten_parameters, hf_named_weights
-from mindspeed_rl.engines.weight_sync import (ALIGN, BucketSpec, Checksum, checksum, copy_weights, free_port,
+from mindspeed_rl.engines.sync.weight_sync import (ALIGN, BucketSpec, Checksum, checksum, copy_weights, free_port,
                                               tee_buckets)
 from mindspeed_rl.engines.base import load_named as load_by_name
 
@@ -80,7 +80,7 @@ class _Wire:
         self.sent, self.kv = [], {}
 
     def group(self, rank):
-        from mindspeed_rl.engines.weight_sync import SyncGroup
+        from mindspeed_rl.engines.sync.weight_sync import SyncGroup
         return SyncGroup(pg=_WirePG(self, rank), store=self, rank=rank, world_size=2)
 
     def set(self, key, value):
@@ -119,7 +119,7 @@ def test_send_and_receive_with_late_completing_broadcasts(inplace_min_bytes, ove
     """The whole protocol in one process (headers, layout in the store, in-place and packed
     segments, two staging slots, prefetching receivers) against a group whose broadcasts complete
     only when waited for; then a second sync with another layout."""
-    from mindspeed_rl.engines.weight_sync import receive_buckets, send_buckets
+    from mindspeed_rl.engines.sync.weight_sync import receive_buckets, send_buckets
 
     wire = _Wire()
     tx, rx = wire.group(0), wire.group(1)
@@ -316,9 +316,9 @@ def _sync_to_reader_worker(bucket_bytes, inplace_min_bytes, corrupt=None, flat_s
     Returns what a test looks at (`verified`: the driver's verdict)."""
     from types import SimpleNamespace
 
-    from mindspeed_rl.engines.hf_rollout import HFRolloutEngine
-    from mindspeed_rl.engines.torch_train import TorchTrainEngine
-    from mindspeed_rl.engines.weight_sync import send_buckets
+    from mindspeed_rl.engines.rollout.hf_rollout import HFRolloutEngine
+    from mindspeed_rl.engines.train.torch_train import TorchTrainEngine
+    from mindspeed_rl.engines.sync.weight_sync import send_buckets
 
     wire = _Wire()
     sender = tiny_qwen2(seed=0, initializer_range=0.3)
@@ -384,8 +384,8 @@ def test_reader_worker_receives_big_tensors_into_its_rollout_engine_bit_exact(bu
 def test_reader_worker_without_targets_loads_every_bucket():
     """A reader that offers no targets (vLLM) gets the whole stream through `update_weights`: the
     same weights, nothing received in place."""
-    from mindspeed_rl.engines import weight_sync as W
-    from mindspeed_rl.engines.hf_rollout import HFRolloutEngine
+    from mindspeed_rl.engines.sync import weight_sync as W
+    from mindspeed_rl.engines.rollout.hf_rollout import HFRolloutEngine
 
     wire = _Wire()
     sender = tiny_qwen2(seed=0)
@@ -414,7 +414,7 @@ def test_verify_catches_a_corrupted_bucket_received_in_place(corrupt):
 def _flat_specs(bucket_bytes):
     """The layout a flattened train engine's export takes (what `flat_sync`'s sender sends)."""
     from mindspeed_rl.engines import OptimConfig
-    from mindspeed_rl.engines.torch_train import TorchTrainEngine
+    from mindspeed_rl.engines.train.torch_train import TorchTrainEngine
 
     engine = TorchTrainEngine(tiny_qwen2(seed=0), 0, OptimConfig())
     return [BucketSpec.describe(b, 4096) for b in engine.export_weights(bucket_bytes)]
@@ -458,7 +458,7 @@ def test_contiguous_bucket_into_targets_that_lie_otherwise_is_copied_out_right(r
     tensors (plain), or one buffer but two same-shaped targets swapped in the dict. Those spans
     go into the receive buffer and are copied out by name (a wrong direct receive would swap
     q and k): the reader ends bit-exact; spans whose targets do lie right still go straight in."""
-    from mindspeed_rl.engines.weight_sync import receive_buckets, send_buckets
+    from mindspeed_rl.engines.sync.weight_sync import receive_buckets, send_buckets
 
     wire = _Wire()
     sender, reader = tiny_qwen2(seed=0), tiny_qwen2(seed=1)
@@ -508,7 +508,7 @@ def test_span_with_another_target_in_its_padding_is_not_received_in_place(intrud
     included. A reader laid out the same way takes it in place, unless another of its targets
     lives in the padding: then the span is received into the buffer and copied out, and that
     target keeps its value."""
-    from mindspeed_rl.engines.weight_sync import receive_buckets, send_buckets
+    from mindspeed_rl.engines.sync.weight_sync import receive_buckets, send_buckets
 
     def laid_out(fill):
         buf = torch.full((128,), fill, dtype=torch.uint8)

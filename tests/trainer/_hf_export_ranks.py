@@ -30,9 +30,9 @@ def build(backend: str, path: str, options: dict, kind: str = "causal_lm"):
     spec = TrainSpec(model_path=path, model_kind=kind, pad_token_id=PAD, optim=OPTIM, seed=0, options=options,
                      process_group=dist.group.WORLD if backend == "fsdp" else None, lora=lora)
     if backend == "fsdp":
-        from mindspeed_rl.engines.fsdp_train import FSDPTrainEngine
+        from mindspeed_rl.engines.train.fsdp_train import FSDPTrainEngine
         return FSDPTrainEngine.build(spec)
-    from mindspeed_rl.engines.mesh_train import MeshTrainEngine
+    from mindspeed_rl.engines.train.mesh_train import MeshTrainEngine
     return MeshTrainEngine.build(spec)
 
 

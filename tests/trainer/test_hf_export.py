@@ -23,7 +23,7 @@ from safetensors.torch import load_file as read_safetensors
 
 from mindspeed_rl.config import Config
 from mindspeed_rl.engines.base import MicroBatch, OptimConfig, TrainSpec
-from mindspeed_rl.engines.torch_train import TorchTrainEngine
+from mindspeed_rl.engines.train.torch_train import TorchTrainEngine
 from mindspeed_rl.models import resolve_model_path
 from mindspeed_rl.models.hf_export import INDEX_NAME, ExportError, link_final, write_hf_checkpoint
 from mindspeed_rl.trainer.checkpoint import save_driver_state
@@ -335,7 +335,7 @@ LAYOUTS = {"fsdp-dp2": ("fsdp", {}, {"backend": "fsdp", "dp": 2, "tp": 1, "pp": 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_sharded_engines_export_their_forward_and_the_cli_reads_their_checkpoint(tmp_path, capsys, layout):
-    from mindspeed_rl.engines.weight_sync import free_port
+    from mindspeed_rl.engines.sync.weight_sync import free_port
 
     from ..engines._mp_workers import run_procs
     from . import _hf_export_ranks as R

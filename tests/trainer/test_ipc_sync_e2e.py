@@ -1,5 +1,5 @@
 """weight_sync.backend=ipc end to end: the real trainer with the rollout in another Ray actor
-(placement disaggregated), its weights handed over through shared memory (engines/ipc_sync.py: on
+(placement disaggregated), its weights handed over through shared memory (engines/sync/ipc_sync.py: on
 the CPU, /dev/shm segments; the trainer's parameters adopted into them, so the reader copies straight
 from them). Same losses as the gloo group, and the rollout's log-probs equal the trainer's."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mindspeed_rl.config import config_from_dict
-from mindspeed_rl.engines.ipc_sync import _NAME_RE, PREFIX, shm_dir
+from mindspeed_rl.engines.sync.ipc_sync import _NAME_RE, PREFIX, shm_dir
 from mindspeed_rl.trainer import Trainer
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

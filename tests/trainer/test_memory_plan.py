@@ -120,7 +120,7 @@ def test_logits_kv_and_token_terms():
 
 
 def test_engines_source_the_chunk_size():
-    from mindspeed_rl.engines.torch_train import LOGITS_CHUNK_BYTES
+    from mindspeed_rl.engines.train.torch_train import LOGITS_CHUNK_BYTES
     assert M.LOGITS_CHUNK_BYTES == LOGITS_CHUNK_BYTES
 
 

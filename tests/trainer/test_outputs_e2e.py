@@ -57,7 +57,7 @@ def test_hf_final_is_the_trainers_final_weights(run):
     from transformers import AutoModelForCausalLM
 
     from mindspeed_rl.engines.base import TrainSpec
-    from mindspeed_rl.engines.torch_train import TorchTrainEngine
+    from mindspeed_rl.engines.train.torch_train import TorchTrainEngine
     final = run / "hf" / "final"
     assert os.readlink(final) == f"step_{STEPS:06d}"
     ckpt = run / "checkpoints" / f"step_{STEPS:06d}"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from mindspeed_rl.engines.shm_cleanup import record_path, same_process_alive, start_ticks
+from mindspeed_rl.engines.sync.shm_cleanup import record_path, same_process_alive, start_ticks
 from mindspeed_rl.trainer.reaper import SESSION_RE
 
 pytestmark = [pytest.mark.slow,
@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.slow,
 OWNER = r"""
 import json, sys, time
 from multiprocessing import resource_tracker, shared_memory
-from mindspeed_rl.engines.shm_cleanup import ShmRecorder
+from mindspeed_rl.engines.sync.shm_cleanup import ShmRecorder
 seg = shared_memory.SharedMemory(create=True, size=1 << 20)
 resource_tracker.unregister(seg._name, "shared_memory")   # as when the tracker was killed too
 ShmRecorder().scan()

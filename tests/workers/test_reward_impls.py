@@ -33,7 +33,7 @@ def test_combine_reward_sums_by_weight_and_reports_each_source():
 
 
 def test_scores_through_the_reward_models_own_tokenizer(tmp_path):
-    from mindspeed_rl.engines.torch_train import TorchTrainEngine
+    from mindspeed_rl.engines.train.torch_train import TorchTrainEngine
     from mindspeed_rl.models.reward import init_reward_model, save_reward_model
     builtin = str(resolve_model_path("builtin:tiny-qwen2"))
     assert retokenizer(builtin, builtin) is None   # the policy's own tokenizer: its ids are read directly

@@ -19,7 +19,7 @@ import torch
 
 from mindspeed_rl.config import config_from_dict
 from mindspeed_rl.engines.base import WAKE_TAGS, RolloutSpec
-from mindspeed_rl.engines.hf_rollout import HFRolloutEngine
+from mindspeed_rl.engines.rollout.hf_rollout import HFRolloutEngine
 
 from .test_simulate import LocalDock
 
@@ -177,7 +177,7 @@ def test_vllm_cpu_runs_the_sync_path_with_sleep_mode_asked_for(tmp_path):
 
     from mindspeed_rl.engines.base import SamplingParams
     from mindspeed_rl.engines.registry import make_rollout_engine
-    from mindspeed_rl.engines.torch_train import TorchTrainEngine
+    from mindspeed_rl.engines.train.torch_train import TorchTrainEngine
     from mindspeed_rl.models.checkpoint import resolve_model_path
     from mindspeed_rl.workers.engine_set import EngineSet
     from mindspeed_rl.workers.weights import WeightHost

@@ -92,8 +92,8 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 import torch
 
-from ..transfer_dock.shm import pid_alive
-from .base import ALIGN, Bucket
+from ...transfer_dock.shm import pid_alive
+from ..base import ALIGN, Bucket
 from .weight_sync import Checksum, _dtype, _dtype_name, direct_reader
 
 PREFIX = "msrl-ipc-"

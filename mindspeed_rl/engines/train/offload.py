@@ -37,7 +37,7 @@ memory is free for the next user of the device, in this process or another.
 
 FSDP2's own `CPUOffloadPolicy` (`fsdp_cpu_offload`) is another thing: the sharded parameters, their
 gradients and the optimizer step live on the host for good and each layer is copied to the device for
-its forward and backward (engines/fsdp_train.py passes it to `fully_shard`); nothing is left to move
+its forward and backward (engines/train/fsdp_train.py passes it to `fully_shard`); nothing is left to move
 between stages, so such an engine has no `Offloader`.
 """
 from __future__ import annotations
@@ -50,7 +50,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..device import empty_cache, host_empty, is_accelerator, synchronize
+from ...device import empty_cache, host_empty, is_accelerator, synchronize
 
 ON_DEVICE, OFFLOADED = "on_device", "offloaded"
 PARAMS, OPTIMIZER = "params", "optimizer"

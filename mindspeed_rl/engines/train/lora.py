@@ -26,10 +26,12 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from .base import ALIGN, Bucket, TrainEngine, bucketed
+from ..base import ALIGN, Bucket, TrainEngine, bucketed
 
 ALL_LINEAR = "all-linear"
 ADAPTER = "default"   # peft's adapter name: one adapter per model here
+ORIGINAL = ".original_module."                 # a modules_to_save layer's frozen base, in parameter names
+TRAINED = f".modules_to_save.{ADAPTER}."       # and its trained copy
 
 
 def linear_layer_names(model: torch.nn.Module) -> list[str]:
@@ -114,7 +116,8 @@ def apply_lora(model: torch.nn.Module, lora: dict, base_dtype: torch.dtype, lock
                 p.data = p.data.to(base_dtype)
     config = LoraConfig(r=int(lora["rank"]), lora_alpha=float(lora.get("alpha", 16.0)),
                         target_modules=peft_target(lora.get("target_modules", [ALL_LINEAR])),
-                        lora_dropout=float(lora.get("dropout", 0.0)), bias="none")
+                        lora_dropout=float(lora.get("dropout", 0.0)), bias="none",
+                        modules_to_save=list(lora.get("modules_to_save") or []) or None)
     peft_model = get_peft_model(model, config)
     if peft_model.base_model.model is not model:   # the engine keeps running `model` itself
         raise RuntimeError("peft did not inject its adapters into the model in place")
@@ -142,9 +145,14 @@ def export_plan(model: torch.nn.Module, adapters: bool = True) -> list[Export]:
     from peft.tuners.lora import LoraLayer
 
     layers = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    copied = ORIGINAL if not adapters else TRAINED
     out = []
     for name, _ in model.named_parameters(remove_duplicate=False):
         if ".lora_" in name:
+            continue
+        if ORIGINAL in name or TRAINED in name:   # a module peft copies to train whole (modules_to_save)
+            if copied in name:
+                out.append(Export(name.replace(copied, "."), name))
             continue
         owner, _, leaf = name.rpartition(".")
         if owner.endswith(".base_layer") and owner[:-len(".base_layer")] in layers:
@@ -248,7 +256,7 @@ class BaseReference(TrainEngine):
         self.collective_forward = engine.collective_forward
 
     def holding(self, for_training: bool, why: str):
-        """The policy's parameters on the device for a pass of its base (engines/offload.py: a policy that
+        """The policy's parameters on the device for a pass of its base (engines/train/offload.py: a policy that
         offloads between stages brings them back here too)."""
         return self.engine.holding(False, why)
 
@@ -263,7 +271,7 @@ class BaseReference(TrainEngine):
     def state_checksum(self) -> str:
         """Of the base's weights as a reader would get them: unchanged by training (only adapters train).
         On a sharded engine every rank calls it (the gathers are collective)."""
-        from .weight_sync import Checksum
+        from ..sync.weight_sync import Checksum
         digest = Checksum()
         for bucket in self.export_weights(64 << 20):
             digest.update(bucket)

@@ -33,10 +33,10 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .base import NamedTensors, Rollout, RolloutEngine, RolloutSpec, SamplingParams, TrainSpec
-from .batching import left_pad, positions
+from ..base import NamedTensors, Rollout, RolloutEngine, RolloutSpec, SamplingParams, TrainSpec
+from ..batching import left_pad, positions
 from .hf_rollout import ResponseBuilder
-from .mesh_train import MeshTrainEngine
+from ..train.mesh_train import MeshTrainEngine
 from .sampling import row_uniforms, sample_next
 
 OPTIONS = {"tp", "pp", "dp"}

@@ -59,7 +59,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
-from .base import ALIGN, Bucket, NamedTensors  # ALIGN: byte alignment of every tensor in a bucket's wire buffer
+from ..base import ALIGN, Bucket, NamedTensors  # ALIGN: byte alignment of every tensor in a bucket's wire buffer
 
 INPLACE_MIN_BYTES = 1 << 20     # tensors this large are broadcast in place, smaller ones packed
 _KEY = "weight_sync/layout"     # store keys: f"{_KEY}/{version}/{bucket index}" -> a BucketSpec's JSON
@@ -125,7 +125,7 @@ def stateless_group(host: str, port: int, rank: int, world_size: int, backend: s
     """
     import torch.distributed as dist
 
-    from ..device import dist_backend
+    from ...device import dist_backend
 
     if backend is None:
         backend = dist_backend(device if device is not None else "cpu")

@@ -87,9 +87,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..algorithms.metrics import merge_metrics
-from .base import Bucket, LossFn, MicroBatch, ModelOutput, NamedTensors, TrainEngine, TrainSpec, bucketed
-from .batching import SequenceBatch, collate, forward_groups, join_groups, positions, right_pad, unpad_rows
+from ...algorithms.metrics import merge_metrics
+from ..base import Bucket, LossFn, MicroBatch, ModelOutput, NamedTensors, TrainEngine, TrainSpec, bucketed
+from ..batching import SequenceBatch, collate, forward_groups, join_groups, positions, right_pad, unpad_rows
 
 OPTIONS = {"tp", "pp", "dp", "pp_microbatches", "pp_schedule", "dp_shard"}
 SCHEDULES = ("1f1b", "gpipe")
@@ -281,7 +281,7 @@ class MeshTrainEngine(TrainEngine):
     # ------------------------------------------------------------------ construction
     @classmethod
     def build(cls, spec: TrainSpec) -> "MeshTrainEngine":
-        from ..models import load_causal_lm, load_value_model
+        from ...models import load_causal_lm, load_value_model
 
         device = torch.device(spec.device)
         if device.type != "cpu" and device.index is not None:
@@ -390,7 +390,7 @@ class MeshTrainEngine(TrainEngine):
         return box[0]
 
     def _bcast_batch(self, data: dict | None) -> dict:
-        from ..parallel.broadcast import broadcast_micro_batch
+        from ...parallel.broadcast import broadcast_micro_batch
 
         if self.replica_group is None:
             return data

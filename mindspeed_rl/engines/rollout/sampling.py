@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from .base import SamplingParams
+from ..base import SamplingParams
 
 # SplitMix64 (Steele, Lea, Flood 2014; the seeder of xoshiro): constants as signed int64, since
 # torch has no uint64 arithmetic; int64 multiplication and addition wrap like uint64 ones.

@@ -89,9 +89,9 @@ from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ...algorithms.metrics import merge_metrics
-from ..base import Bucket, LossFn, MicroBatch, ModelOutput, NamedTensors, TrainEngine, TrainSpec, bucketed
-from ..batching import forward_groups, join_groups, right_pad
+from ....algorithms.metrics import merge_metrics
+from ...base import Bucket, LossFn, MicroBatch, ModelOutput, NamedTensors, TrainEngine, TrainSpec, bucketed
+from ...batching import forward_groups, join_groups, right_pad
 from . import convert as C
 
 OPTIONS = {"tp": 1, "pp": 1, "dp": None, "layer_spec": C.LOCAL, "make_vocab_size_divisible_by": 128,
@@ -350,7 +350,7 @@ class MegatronTrainEngine(TrainEngine):
             raise ValueError(f"megatron backend: dtype={spec.dtype!r}; use one of {sorted(DTYPES)}")
         if spec.dtype == "float16" and spec.optim is not None:
             raise ValueError("megatron backend: training in float16 (loss scaling) is not supported; use bfloat16")
-        from ...device import device_type, set_device
+        from ....device import device_type, set_device
         kind = device_type(spec.device)   # "npu:0" parses before torch_npu is imported
         if kind == "npu":
             _import_npu_adaptor(opts["npu_adaptor"])   # torch_npu, then the adaptor, before megatron
@@ -456,7 +456,7 @@ class MegatronTrainEngine(TrainEngine):
 
     def _bcast_rows(self, data: dict | None) -> dict:
         """The reader's columns ({name: [1-D tensor per row]}) on every rank of the replica."""
-        from ...parallel.broadcast import broadcast_micro_batch
+        from ....parallel.broadcast import broadcast_micro_batch
         if self.replica_group is None:
             return data
         n = len(next(iter(data.values()))) if self.is_dock_reader and data else 0
@@ -798,7 +798,7 @@ class MegatronTrainEngine(TrainEngine):
 
 # ------------------------------------------------------------------------------ build helpers
 def _import_npu_adaptor(name: str | None) -> None:
-    from ...device import require_torch_npu
+    from ....device import require_torch_npu
     require_torch_npu()
     tried = [name] if name else list(NPU_ADAPTORS)
     for module in tried:
@@ -818,8 +818,8 @@ def _init_process_group(model_ranks: int, device: torch.device) -> bool:
     if model_ranks != 1:
         raise RuntimeError(f"megatron backend: tp*pp = {model_ranks} ranks need torch.distributed initialized over "
                            f"all of the model's ranks before build (the worker group starts them)")
-    from ...device import dist_backend
-    from ..weight_sync import free_port
+    from ....device import dist_backend
+    from ...sync.weight_sync import free_port
     dist.init_process_group(dist_backend(device), init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     return True
 

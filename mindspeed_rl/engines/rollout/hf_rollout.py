@@ -19,9 +19,9 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .base import (NamedTensors, Rollout, RolloutEngine, RolloutSpec, SamplingParams, flatten_parameters,
+from ..base import (NamedTensors, Rollout, RolloutEngine, RolloutSpec, SamplingParams, flatten_parameters,
                    hf_named_weights, load_named)
-from .batching import left_pad, positions
+from ..batching import left_pad, positions
 from .sampling import filter_logits, row_uniforms, sample_next  # noqa: F401  (filter_logits: the engine's API)
 from .static_decode import StaticDecoder, StaticDecoders, sampling_key
 
@@ -145,7 +145,7 @@ class HFRolloutEngine(RolloutEngine):
 
     @classmethod
     def build(cls, spec: RolloutSpec) -> "HFRolloutEngine":
-        from ..models import load_causal_lm
+        from ...models import load_causal_lm
         return cls(load_causal_lm(spec.model_path, spec.dtype), spec.pad_token_id, spec.device,
                    cuda_graphs=spec.cuda_graphs, max_seq_len=spec.max_seq_len)
 
@@ -236,5 +236,5 @@ class HFRolloutEngine(RolloutEngine):
         return hf_named_weights(self.model)
 
     def state_checksum(self) -> str:
-        from .weight_sync import checksum
+        from ..sync.weight_sync import checksum
         return checksum(self.named_weights())

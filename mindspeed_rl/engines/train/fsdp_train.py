@@ -43,10 +43,10 @@ from typing import Iterable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from ..algorithms.metrics import merge_metrics
-from .base import Bucket, LossFn, MicroBatch, ModelOutput, NamedTensors, TrainEngine, TrainSpec, bucketed
+from ...algorithms.metrics import merge_metrics
+from ..base import Bucket, LossFn, MicroBatch, ModelOutput, NamedTensors, TrainEngine, TrainSpec, bucketed
 from .offload import OffloadOptions, Offloader
-from .batching import SequenceBatch, collate, forward_groups, join_groups, right_pad, unpad_rows
+from ..batching import SequenceBatch, collate, forward_groups, join_groups, right_pad, unpad_rows
 from .torch_train import (adamw_kernel, check_token_budget, enable_gradient_checkpointing, pair_rows, response_log_probs,
                           response_values, sequence_scores)
 
@@ -135,7 +135,7 @@ class FSDPTrainEngine(TrainEngine):
             if spec.gradient_checkpointing:   # before fully_shard: each layer's recompute gathers it again
                 enable_gradient_checkpointing(model)
         self.max_tokens = check_token_budget(spec.max_tokens_per_micro_batch)
-        # LoRA (engines/lora.py) before fully_shard, which shards the adapters with their layers; the
+        # LoRA (engines/train/lora.py) before fully_shard, which shards the adapters with their layers; the
         # adapters' lock is the one-call lock, so a reference pass and the policy's calls never overlap
         self.lora = None
         if spec.lora:
@@ -177,7 +177,7 @@ class FSDPTrainEngine(TrainEngine):
             where = trained[0].device if trained else self.device
             self.optimizer = torch.optim.AdamW(trained, lr=lr, betas=tuple(o.betas), eps=o.eps,
                                                weight_decay=o.weight_decay, **adamw_kernel(where))
-        # between stages (engines/offload.py): the parameters and AdamW state wait on the host
+        # between stages (engines/train/offload.py): the parameters and AdamW state wait on the host
         self.offloader = Offloader.for_engine(offload, lambda: self.model, lambda: self.optimizer, self.device)
 
     # ------------------------------------------------------------------ construction
@@ -244,7 +244,7 @@ class FSDPTrainEngine(TrainEngine):
 
     def adapters_in_use(self):
         """Held around each forward (and backward) of the policy: a LoRA reference pass, which turns the
-        adapters off model-wide, waits for it (engines/lora.py). On a mesh `_one_call` holds it already;
+        adapters off model-wide, waits for it (engines/train/lora.py). On a mesh `_one_call` holds it already;
         without one it is what keeps a reference pass and the policy's forwards apart."""
         return self.lora.in_use() if self.lora is not None else contextlib.nullcontext()
 

@@ -125,9 +125,9 @@ from typing import Any, Sequence
 
 import torch
 
-from ..device import accelerator_share
-from .base import WAKE_TAGS, NamedTensors, Rollout, RolloutEngine, RolloutSpec, SamplingParams
-from .shm_cleanup import ShmRecorder
+from ...device import accelerator_share
+from ..base import WAKE_TAGS, NamedTensors, Rollout, RolloutEngine, RolloutSpec, SamplingParams
+from ..sync.shm_cleanup import ShmRecorder
 
 logger = logging.getLogger(__name__)
 

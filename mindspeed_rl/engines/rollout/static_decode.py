@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from .base import Rollout, SamplingParams
+from ..base import Rollout, SamplingParams
 from .sampling import sample_next
 
 

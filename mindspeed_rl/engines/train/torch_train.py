@@ -38,11 +38,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..algorithms import entropy_from_logits, last_token_scores, log_probs_from_logits
-from ..algorithms.metrics import merge_metrics
-from .base import (Bucket, LossFn, MicroBatch, ModelOutput, NamedTensors, OptimConfig, TrainEngine, TrainSpec,
+from ...algorithms import entropy_from_logits, last_token_scores, log_probs_from_logits
+from ...algorithms.metrics import merge_metrics
+from ..base import (Bucket, LossFn, MicroBatch, ModelOutput, NamedTensors, OptimConfig, TrainEngine, TrainSpec,
                    cast_buckets, flatten_parameters, hf_named_weights, load_named)
-from .batching import SequenceBatch, collate, forward_groups, join_groups, right_pad, unpad_rows
+from ..batching import SequenceBatch, collate, forward_groups, join_groups, right_pad, unpad_rows
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # fp32 logits of one chunk of tokens: the most `head_log_probs` holds at once. On the CPU 128 MiB (Qwen2.5's
@@ -336,8 +336,8 @@ def load_model(spec: TrainSpec, stored: str) -> torch.nn.Module:
     """The HF model of `spec.model_kind`, parameters in `stored`: a causal LM (policy, reference), a critic
     (the checkpoint with a fresh one-output token head), or a reward model (a one-label sequence
     classifier; to train one, a causal LM's backbone gets a fresh head)."""
-    from ..models import load_causal_lm, load_value_model
-    from ..models.reward import init_reward_model, load_reward_model
+    from ...models import load_causal_lm, load_value_model
+    from ...models.reward import init_reward_model, load_reward_model
     if spec.model_kind not in MODEL_KINDS:
         raise ValueError(f"model_kind={spec.model_kind!r}: expected one of {list(MODEL_KINDS)}")
     if spec.model_kind == "reward":
@@ -399,7 +399,7 @@ class TorchTrainEngine(TrainEngine):
                  lora: dict | None = None):
         self.device = torch.device(device)
         self.compute_dtype = compute_dtype_of(dtype, model)
-        # LoRA (engines/lora.py): the base frozen in `dtype`, fp32 adapters the only masters
+        # LoRA (engines/train/lora.py): the base frozen in `dtype`, fp32 adapters the only masters
         self.lora = None
         if lora:
             from .lora import apply_lora
@@ -453,7 +453,7 @@ class TorchTrainEngine(TrainEngine):
                      model_kind=spec.model_kind, dtype=spec.dtype,
                      max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch,
                      gradient_checkpointing=spec.gradient_checkpointing, lora=spec.lora)
-        # between stages (engines/offload.py): the parameters and AdamW state wait on the host
+        # between stages (engines/train/offload.py): the parameters and AdamW state wait on the host
         from .offload import OffloadOptions, Offloader
         engine.offloader = Offloader.for_engine(OffloadOptions.of(spec.offload, "torch"), lambda: engine.model,
                                                 lambda: engine.optimizer, engine.device)
@@ -514,7 +514,7 @@ class TorchTrainEngine(TrainEngine):
     # ---- inference
     def adapters_in_use(self):
         """Held around the policy's forwards (and backwards): a LoRA reference pass, which turns the
-        adapters off model-wide, waits for it (engines/lora.py); nothing without LoRA."""
+        adapters off model-wide, waits for it (engines/train/lora.py); nothing without LoRA."""
         return self.lora.in_use() if self.lora is not None else contextlib.nullcontext()
 
     def _infer(self, prompts, responses, micro_batch_size: int, fn) -> list[torch.Tensor]:
@@ -620,7 +620,7 @@ class TorchTrainEngine(TrainEngine):
 
     def state_checksum(self) -> str:
         """Of the weights as exported (in the compute dtype): what a reader holds and compares."""
-        from .weight_sync import Checksum
+        from ..sync.weight_sync import Checksum
         digest = Checksum()
         for bucket in self.export_weights(64 << 20):
             digest.update(bucket)
@@ -663,11 +663,11 @@ class TorchTrainEngine(TrainEngine):
         if self._rank() != 0:
             return []
         os.makedirs(directory, exist_ok=True)
-        from ..models.files import save_file  # a full disk names the file and leaves no .tmp
+        from ...models.files import save_file  # a full disk names the file and leaves no .tmp
         return [save_file(self.state_dict(), os.path.join(directory, "engine.pt"))]
 
     def load_checkpoint(self, directory: str) -> None:
-        from ..models.files import load_file  # a damaged or missing file is named, with the fix
+        from ...models.files import load_file  # a damaged or missing file is named, with the fix
         state = load_file(os.path.join(directory, "engine.pt"), map_location=self.device, what="engine state")
         try:
             self.load_state_dict(state)
