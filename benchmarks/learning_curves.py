@@ -36,12 +36,23 @@ def first_reaching(values: list[float], target: float) -> int | None:
     return next((i for i, v in enumerate(curve) if v >= target), None)
 
 
-def summarize(rows: list[dict], target: float) -> dict:
-    rewards = [r["reward/mean"] for r in rows]
-    parts = sorted(k for k in rows[-1] if k.startswith("reward/") and k.endswith("_mean") and k != "reward/mean"
-                   and "penalty" not in k)
-    out = {"steps": len(rows), "steps_s": round(sum(r["timing/step"] for r in rows), 1),
-           "median_step_s": round(median(r["timing/step"] for r in rows), 3),
+def mean_at(values: list[float], step: int, window: int = 10) -> float | None:
+    """The mean of the window of values ending at index `step` (what a run stopped after step+1 values
+    reports as its last-10 mean); None when the run is shorter."""
+    return round(rolling(values, window)[step], 3) if 0 <= step < len(values) else None
+
+
+def summarize(rows: list[dict], target: float, metric: str = "reward/mean") -> dict:
+    """Per run: steps, step times, `metric` over the first and last 10 records that hold it and the record
+    where its 10-record mean first reaches `target`, and the last-10 mean of every other reward part."""
+    rewards = [r[metric] for r in rows if metric in r]
+    if not rewards:
+        raise SystemExit(f"no record holds {metric!r}; keys of the last one: {sorted(rows[-1]) if rows else []}")
+    parts = sorted(k for k in rows[-1] if k.startswith("reward/") and k.endswith("_mean") and k != metric
+                   and k != "reward/mean" and "penalty" not in k)
+    steps_s = [r["timing/step"] for r in rows if "timing/step" in r]
+    out = {"steps": len(rows), "steps_s": round(sum(steps_s), 1),
+           "median_step_s": round(median(steps_s), 3) if steps_s else None,
            "reward_first10": round(sum(rewards[:10]) / len(rewards[:10]), 3),
            "reward_last10": round(sum(rewards[-10:]) / len(rewards[-10:]), 3),
            "reaches_target_at_step": first_reaching(rewards, target)}
