@@ -101,7 +101,7 @@ def _own_start_ticks() -> int:
 # ------------------------------------------------------------------------------------ the reaper process
 def _load_shm_cleanup():
     """engines/sync/shm_cleanup.py by path: importing the package would import torch (seconds, 300 MB)."""
-    path = Path(__file__).resolve().parents[1] / "engines" / "shm_cleanup.py"
+    path = Path(__file__).resolve().parents[1] / "engines" / "sync" / "shm_cleanup.py"
     spec = importlib.util.spec_from_file_location("_mindspeed_rl_shm_cleanup", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
