@@ -13,7 +13,9 @@ from .load import ConfigError
 from .schema import Config
 from .vocab import AGENT_SYNTAXES, AGG_MODES, KL_CONTROLLER_KINDS, KL_KINDS, REWARD_SOURCES
 
-PLACEMENT_MODES = ("colocated", "disaggregated", "custom", "mesh")
+MESH_MODE = "mesh"                        # placement.mode whose groups follow from placement.mfcs
+PLACEMENT_MODES = ("colocated", "disaggregated", "custom", MESH_MODE)
+WEIGHT_SYNC_BACKENDS = ("auto", "gloo", "ipc")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 LOGGER_EXTRAS = {"wandb": "wandb", "mlflow": "mlflow"}   # a logger whose package is an extra -> the extra's name
 SAVE_HF = ("final", "every_save", "never")
@@ -104,31 +106,54 @@ def _reward_model(e: list, cfg: Config, models: Collection[str] | None) -> None:
                      "pair once; set it to 1 (rl_config.prompts_per_step counts pairs)")
 
 
-def validate_config(cfg: Config, models: Collection[str] | None = None) -> None:
+def validate_config(cfg: Config, models: Collection[str] | None = None,
+                    option_sections: Collection[str] | None = None) -> None:
     """Raise one ConfigError listing every problem found (so a user fixes them in one go).
 
     `models`: the model roles of the algorithm's graph (`actor`, `ref`, `critic`, ...). The section
     `<role>_config` of a model that is not in the graph is not checked: nothing reads it (GRPO has no
     critic; a run without a KL term loads no reference). None checks every section.
+    `option_sections`: the config sections of backend options the run's backends read (the engine
+    registry's `Backend.section`, e.g. generate_config.vllm); a check that holds only for a section's
+    backend runs when its section is read. None checks every section.
     """
     def used(role: str) -> bool:
         return models is None or role in models
 
+    def read(section: str) -> bool:
+        return option_sections is None or section in option_sections
+
     e: list[str] = []
-    t, a, g, rl, d = cfg.trainer, cfg.actor_config, cfg.generate_config, cfg.rl_config, cfg.data
+    _trainer(e, cfg.trainer)
+    _loggers(e, cfg.trainer)
+    _simulation(e, cfg.trainer)
+    _steps(e, cfg.rl_config)
+    _batch_sizes(e, cfg, used)
+    _generation(e, cfg.generate_config)
+    _weight_sync(e, cfg.weight_sync)
+    _vllm(e, cfg, read(VLLM_SECTION))
+    _optimizer(e, cfg.actor_config)
+    _policy_loss(e, cfg.actor_config)
+    if used("critic"):
+        _critic(e, cfg.critic_config, cfg.rl_config.prompts_per_step)
+    _reward_model(e, cfg, models)
+    _advantage(e, cfg.rl_config)
+    _agent(e, cfg.generate_config.agent)
+    _overlong(e, cfg.rl_config.overlong_buffer, cfg.generate_config.max_new_tokens)
+    _dynamic_sampling(e, cfg.rl_config)
+    _data(e, cfg.data)
+    _placement(e, cfg.placement)
+    _validation(e, cfg)
+    if e:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(e))
+
+
+def _trainer(e: list[str], t) -> None:
+    """trainer: step counts, checkpoints, the run's names, its Hugging Face export, the dashboard's port, the seed."""
     _positive(e, "trainer.total_steps", t.total_steps, allow_zero=True)
     _positive(e, "trainer.save_interval", t.save_interval, "0 turns periodic checkpoints off", allow_zero=True)
     _positive(e, "trainer.keep_checkpoints", t.keep_checkpoints, "0 keeps every checkpoint", allow_zero=True)
     _positive(e, "trainer.stage_timeout_s", t.stage_timeout_s)
-    for lg in t.logger:
-        _one_of(e, "trainer.logger", lg, LOGGERS)
-    if "tensorboard" in t.logger and not installed("tensorboard"):
-        e.append("trainer.logger=[..., tensorboard]: the tensorboard package is not installed; "
-                 "`pip install tensorboard` (it is in requirements.txt), or drop tensorboard from trainer.logger")
-    for lg, extra in LOGGER_EXTRAS.items():
-        if lg in t.logger and not installed(lg):
-            e.append(f"trainer.logger=[..., {lg}]: the {lg} package is not installed; `pip install -e .[{extra}]` "
-                     f"(an optional extra), or drop {lg} from trainer.logger")
     if not isinstance(t.project_name, str) or not t.project_name:
         e.append(f"trainer.project_name={t.project_name!r}: must be a non-empty string (wandb's project, mlflow's "
                  "experiment)")
@@ -143,6 +168,25 @@ def validate_config(cfg: Config, models: Collection[str] | None = None) -> None:
     if not 0 <= t.dashboard_port <= 65535:
         e.append(f"trainer.dashboard_port={t.dashboard_port}: must be a TCP port in [0, 65535]; "
                  "0 picks a free one (printed at start)")
+    if t.seed < 0:
+        e.append(f"trainer.seed={t.seed}: must be >= 0 (numpy seeds are non-negative)")
+
+
+def _loggers(e: list[str], t) -> None:
+    """trainer.logger: known names, each with its package installed."""
+    for lg in t.logger:
+        _one_of(e, "trainer.logger", lg, LOGGERS)
+    if "tensorboard" in t.logger and not installed("tensorboard"):
+        e.append("trainer.logger=[..., tensorboard]: the tensorboard package is not installed; "
+                 "`pip install tensorboard` (it is in requirements.txt), or drop tensorboard from trainer.logger")
+    for lg, extra in LOGGER_EXTRAS.items():
+        if lg in t.logger and not installed(lg):
+            e.append(f"trainer.logger=[..., {lg}]: the {lg} package is not installed; `pip install -e .[{extra}]` "
+                     f"(an optional extra), or drop {lg} from trainer.logger")
+
+
+def _simulation(e: list[str], t) -> None:
+    """trainer.simulate_*: seconds per row, slots and spread of a run without models."""
     for stage, cost in t.simulate_cost_s_per_row.items():  # stage names: checked against the graph in the plan
         if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0 <= cost < float("inf"):
             e.append(f"trainer.simulate_cost_s_per_row.{stage}={cost!r}: must be seconds per row, a number >= 0 "
@@ -151,8 +195,10 @@ def validate_config(cfg: Config, models: Collection[str] | None = None) -> None:
         e.append(f"trainer.simulate_generate_slots={t.simulate_generate_slots}: must be >= 0 (0: rows one after another)")
     if t.simulate_generate_sigma < 0:
         e.append(f"trainer.simulate_generate_sigma={t.simulate_generate_sigma}: must be >= 0 (0: every row costs the same)")
-    if t.seed < 0:
-        e.append(f"trainer.seed={t.seed}: must be >= 0 (numpy seeds are non-negative)")
+
+
+def _steps(e: list[str], rl) -> None:
+    """rl_config: the rows of a step, how far rollout may run ahead, the dock's micro-batch."""
     if rl.n_samples_per_prompt < 1:  # >= 2 for algorithms that compare a prompt's responses: see the plan
         e.append(f"rl_config.n_samples_per_prompt={rl.n_samples_per_prompt}: must be >= 1 (GRPO needs 2 or more: "
                  "set it to 2 or more, 8 is common)")
@@ -164,8 +210,13 @@ def validate_config(cfg: Config, models: Collection[str] | None = None) -> None:
                  "runs a step's stages one after another, so no step can run ahead of another; set "
                  "rl_config.blocking=false (or max_weight_staleness=0)")
     _positive(e, "rl_config.dock_micro_batch_size", rl.dock_micro_batch_size)
-    # row sizes (*_per_device, dock_micro_batch_size) only need to be > 0: what they must divide they are rounded
-    # to (config/sizes.py, printed by the plan); prompt sizes must divide the step's prompts
+
+
+def _batch_sizes(e: list[str], cfg: Config, used) -> None:
+    """Micro- and mini-batch sizes of the actor, the reference and generation. Row sizes (*_per_device) only need
+    to be > 0: what they must divide they are rounded to (config/sizes.py, printed by the plan); prompt sizes must
+    divide the step's prompts."""
+    a, rl = cfg.actor_config, cfg.rl_config
     if used("actor"):
         _positive(e, "actor_config.ppo_micro_batch_size_per_device", a.ppo_micro_batch_size_per_device)
         _positive(e, "actor_config.log_prob_micro_batch_size_per_device", a.log_prob_micro_batch_size_per_device)
@@ -173,48 +224,73 @@ def validate_config(cfg: Config, models: Collection[str] | None = None) -> None:
     if used("ref"):
         _positive(e, "ref_config.log_prob_micro_batch_size_per_device",
                   cfg.ref_config.log_prob_micro_batch_size_per_device)
-    _positive(e, "generate_config.micro_batch_size_per_device", g.micro_batch_size_per_device)
+    _positive(e, "generate_config.micro_batch_size_per_device", cfg.generate_config.micro_batch_size_per_device)
+
+
+def _generation(e: list[str], g) -> None:
+    """generate_config's sampling: length, temperature, top-p, top-k (backend names are checked by the plan
+    against the engine registry, engines/registry.py)."""
     _positive(e, "generate_config.max_new_tokens", g.max_new_tokens)
     _positive(e, "generate_config.temperature", g.temperature, "0 means greedy", allow_zero=True)
     if not 0 < g.top_p <= 1:
         e.append(f"generate_config.top_p={g.top_p}: must be in (0, 1]")
     _positive(e, "generate_config.top_k", g.top_k, "0 turns it off", allow_zero=True)
-    # backend names are checked by the plan against the engine registry (engines/registry.py)
-    ws = cfg.weight_sync
+
+
+def _weight_sync(e: list[str], ws) -> None:
+    """weight_sync: bucket size and how buckets move."""
     _positive(e, "weight_sync.bucket_mb", ws.bucket_mb, "weights move in buckets of this many MiB (512 is usual)")
-    _one_of(e, "weight_sync.backend", ws.backend, ("auto", "gloo", "ipc"))
-    v = g.vllm
+    _one_of(e, "weight_sync.backend", ws.backend, WEIGHT_SYNC_BACKENDS)
+
+
+VLLM_SECTION = "generate_config.vllm"   # the options section of the rollout backend that takes max_model_len
+
+
+def _vllm(e: list[str], cfg: Config, read: bool) -> None:
+    """generate_config.vllm: its values; when its backend reads it (`read`), a context that holds the longest
+    prompt and response."""
+    g, v = cfg.generate_config, cfg.generate_config.vllm
     if not 0 < v.gpu_memory_utilization <= 1:
-        e.append(f"generate_config.vllm.gpu_memory_utilization={v.gpu_memory_utilization}: must be in (0, 1]")
-    _positive(e, "generate_config.vllm.kv_cache_gb", v.kv_cache_gb, "vLLM on CPU needs an explicit KV-cache size")
-    if v.max_model_len is not None:
-        _positive(e, "generate_config.vllm.max_model_len", v.max_model_len, "or null for prompt + response lengths")
-        longest = (cfg.data.max_prompt_length or 0) + g.max_new_tokens
-        if g.backend == "vllm" and cfg.data.max_prompt_length and 0 < v.max_model_len < longest:
-            e.append(f"generate_config.vllm.max_model_len={v.max_model_len}: below data.max_prompt_length + "
-                     f"generate_config.max_new_tokens = {cfg.data.max_prompt_length} + {g.max_new_tokens} = {longest}, "
-                     "so vLLM would refuse the longest prompt at the first generate; raise it to at least "
-                     f"{longest}, or null (prompt + response lengths)")
+        e.append(f"{VLLM_SECTION}.gpu_memory_utilization={v.gpu_memory_utilization}: must be in (0, 1]")
+    _positive(e, f"{VLLM_SECTION}.kv_cache_gb", v.kv_cache_gb, "vLLM on CPU needs an explicit KV-cache size")
+    if v.max_model_len is None:
+        return
+    _positive(e, f"{VLLM_SECTION}.max_model_len", v.max_model_len, "or null for prompt + response lengths")
+    prompt = cfg.data.max_prompt_length
+    longest = (prompt or 0) + g.max_new_tokens
+    if read and prompt and 0 < v.max_model_len < longest:
+        e.append(f"{VLLM_SECTION}.max_model_len={v.max_model_len}: below data.max_prompt_length + "
+                 f"generate_config.max_new_tokens = {prompt} + {g.max_new_tokens} = {longest}, "
+                 "so vLLM would refuse the longest prompt at the first generate; raise it to at least "
+                 f"{longest}, or null (prompt + response lengths)")
+
+
+def _optimizer(e: list[str], a) -> None:
+    """actor_config's optimizer: dtype, learning rate, token budget, clipping, AdamW's betas and decay, LoRA."""
     _one_of(e, "actor_config.dtype", a.dtype, DTYPES)
-    _one_of(e, "actor_config.loss_agg_mode", a.loss_agg_mode, AGG_MODES)
-    _one_of(e, "actor_config.kl_loss_type", a.kl_loss_type, KL_KINDS)
-    _one_of(e, "actor_config.kl_ctrl", a.kl_ctrl, KL_CONTROLLER_KINDS)
     _positive(e, "actor_config.lr", a.lr)
     if a.max_tokens_per_micro_batch is not None:
         _positive(e, "actor_config.max_tokens_per_micro_batch", a.max_tokens_per_micro_batch,
                   "or null for one forward per micro-batch")
     _positive(e, "actor_config.grad_clip", a.grad_clip)
     _lora(e, a.lora)
+    if len(a.betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
+                                    for b in a.betas):
+        e.append(f"actor_config.betas={a.betas}: AdamW needs two betas, numbers in [0, 1), e.g. [0.9, 0.999]")
+    _positive(e, "actor_config.weight_decay", a.weight_decay, allow_zero=True)
+
+
+def _policy_loss(e: list[str], a) -> None:
+    """actor_config's loss: aggregation, KL kind and controller, the clip bounds, the off-policy weight's cap."""
+    _one_of(e, "actor_config.loss_agg_mode", a.loss_agg_mode, AGG_MODES)
+    _one_of(e, "actor_config.kl_loss_type", a.kl_loss_type, KL_KINDS)
+    _one_of(e, "actor_config.kl_ctrl", a.kl_ctrl, KL_CONTROLLER_KINDS)
     if a.tis_cap < 1:
         e.append(f"actor_config.tis_cap={a.tis_cap}: must be >= 1 (a fresh on-policy token has weight 1; a cap below "
                  "would shrink or drop it)")
     _positive(e, "actor_config.kl_loss_coef", a.kl_loss_coef, allow_zero=True)
     if a.clip_ratio_c <= 1:
         e.append(f"actor_config.clip_ratio_c={a.clip_ratio_c}: the dual-clip bound must be > 1 (3.0 is usual)")
-    if len(a.betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
-                                    for b in a.betas):
-        e.append(f"actor_config.betas={a.betas}: AdamW needs two betas, numbers in [0, 1), e.g. [0.9, 0.999]")
-    _positive(e, "actor_config.weight_decay", a.weight_decay, allow_zero=True)
     if not 0 < a.clip_ratio_low < 1:
         e.append(f"actor_config.clip_ratio_low={a.clip_ratio_low}: must be in (0, 1); the ratio is clipped to "
                  "[1 - low, 1 + high]")
@@ -222,65 +298,89 @@ def validate_config(cfg: Config, models: Collection[str] | None = None) -> None:
     if a.kl_ctrl == "adaptive":
         _positive(e, "actor_config.kl_target", a.kl_target, "the adaptive controller steers the KL towards it")
         _positive(e, "actor_config.kl_horizon", a.kl_horizon, "the adaptive controller's time constant in rows")
-    c = cfg.critic_config
-    if used("critic"):
-        _positive(e, "critic_config.lr", c.lr)
-        _positive(e, "critic_config.grad_clip", c.grad_clip)
-        _positive(e, "critic_config.weight_decay", c.weight_decay, allow_zero=True)
-        _positive(e, "critic_config.ppo_micro_batch_size_per_device", c.ppo_micro_batch_size_per_device)
-        _positive(e, "critic_config.forward_micro_batch_size_per_device", c.forward_micro_batch_size_per_device)
-        _positive(e, "critic_config.cliprange_value", c.cliprange_value)
-        _one_of(e, "critic_config.loss_agg_mode", c.loss_agg_mode, AGG_MODES)
-        _mini_batch(e, "critic_config", c.ppo_mini_batch_size, rl.prompts_per_step)
-        if c.max_tokens_per_micro_batch is not None:
-            _positive(e, "critic_config.max_tokens_per_micro_batch", c.max_tokens_per_micro_batch,
-                      "or null for one forward per micro-batch")
-    _reward_model(e, cfg, models)
+
+
+def _critic(e: list[str], c, prompts_per_step: int) -> None:
+    """critic_config, when the graph has a critic."""
+    _positive(e, "critic_config.lr", c.lr)
+    _positive(e, "critic_config.grad_clip", c.grad_clip)
+    _positive(e, "critic_config.weight_decay", c.weight_decay, allow_zero=True)
+    _positive(e, "critic_config.ppo_micro_batch_size_per_device", c.ppo_micro_batch_size_per_device)
+    _positive(e, "critic_config.forward_micro_batch_size_per_device", c.forward_micro_batch_size_per_device)
+    _positive(e, "critic_config.cliprange_value", c.cliprange_value)
+    _one_of(e, "critic_config.loss_agg_mode", c.loss_agg_mode, AGG_MODES)
+    _mini_batch(e, "critic_config", c.ppo_mini_batch_size, prompts_per_step)
+    if c.max_tokens_per_micro_batch is not None:
+        _positive(e, "critic_config.max_tokens_per_micro_batch", c.max_tokens_per_micro_batch,
+                  "or null for one forward per micro-batch")
+
+
+def _advantage(e: list[str], rl) -> None:
+    """rl_config.gamma and lam (GAE) lie in [0, 1]."""
     for key, value in (("rl_config.gamma", rl.gamma), ("rl_config.lam", rl.lam)):
         if not 0 <= value <= 1:
             e.append(f"{key}={value}: must be in [0, 1] (1.0 is verl's default for outcome rewards)")
-    ag = g.agent
-    if ag.enable:
-        if ag.max_turns < 1:
-            e.append(f"generate_config.agent.max_turns={ag.max_turns}: must be >= 1 (generate turns per row)")
-        _positive(e, "generate_config.agent.tool_timeout_s", ag.tool_timeout_s,
-                  "a tool call gets this many seconds before an error result")
-        _one_of(e, "generate_config.agent.syntax", ag.syntax, AGENT_SYNTAXES)
-        if not isinstance(ag.tools, list) or not ag.tools or not all(isinstance(t, str) and t.strip() for t in ag.tools):
-            e.append(f"generate_config.agent.tools={ag.tools!r}: must be a non-empty list of tool names (built-in: "
-                     "calc) or dotted paths pkg.module:function")
-        else:
-            _return_direct(e, ag)
-    ob = rl.overlong_buffer
-    if not 0 <= ob.length <= g.max_new_tokens:
+
+
+def _agent(e: list[str], ag) -> None:
+    """generate_config.agent, when on: turns, the tools' timeout, the call syntax, the tools and which end a row."""
+    if not ag.enable:
+        return
+    if ag.max_turns < 1:
+        e.append(f"generate_config.agent.max_turns={ag.max_turns}: must be >= 1 (generate turns per row)")
+    _positive(e, "generate_config.agent.tool_timeout_s", ag.tool_timeout_s,
+              "a tool call gets this many seconds before an error result")
+    _one_of(e, "generate_config.agent.syntax", ag.syntax, AGENT_SYNTAXES)
+    if not isinstance(ag.tools, list) or not ag.tools or not all(isinstance(t, str) and t.strip() for t in ag.tools):
+        e.append(f"generate_config.agent.tools={ag.tools!r}: must be a non-empty list of tool names (built-in: "
+                 "calc) or dotted paths pkg.module:function")
+    else:
+        _return_direct(e, ag)
+
+
+def _overlong(e: list[str], ob, max_new_tokens: int) -> None:
+    """rl_config.overlong_buffer: a penalty window inside the response limit."""
+    if not 0 <= ob.length <= max_new_tokens:
         e.append(f"rl_config.overlong_buffer.length={ob.length}: must be in [0, generate_config.max_new_tokens="
-                 f"{g.max_new_tokens}] (the last tokens before the limit over which the penalty grows; 0: off)")
+                 f"{max_new_tokens}] (the last tokens before the limit over which the penalty grows; 0: off)")
     _positive(e, "rl_config.overlong_buffer.penalty_factor", ob.penalty_factor, allow_zero=True)
-    if rl.dynamic_sampling:
-        if not rl.max_oversample >= 1:
-            e.append(f"rl_config.max_oversample={rl.max_oversample}: must be >= 1 (at most this many times "
-                     "rl_config.prompts_per_step prompts are drawn per step; 1 draws none in place of dropped groups)")
-        if rl.blocking:
-            e.append("rl_config.dynamic_sampling=true with rl_config.blocking=true: the groups dropped after their "
-                     "rewards are replaced while the rollout still runs, which needs the overlapped stages; set "
-                     "rl_config.blocking=false (or dynamic_sampling=false)")
-        if rl.max_weight_staleness:
-            e.append(f"rl_config.dynamic_sampling=true with rl_config.max_weight_staleness={rl.max_weight_staleness}: "
-                     "the prompts drawn in place of dropped groups would interleave between steps in flight; set "
-                     "max_weight_staleness=0 (or dynamic_sampling=false)")
-        if rl.n_samples_per_prompt < 2:
-            e.append(f"rl_config.dynamic_sampling=true with rl_config.n_samples_per_prompt="
-                     f"{rl.n_samples_per_prompt}: a group of one response is always all-equal and would be dropped; "
-                     "use 2 or more samples per prompt")
-    _one_of(e, "placement.mode", cfg.placement.mode, PLACEMENT_MODES)
-    n_cpus = cfg.placement.ray_num_cpus
-    if n_cpus is not None and (n_cpus < 1 or float(n_cpus) != int(n_cpus)):
-        e.append(f"placement.ray_num_cpus={n_cpus}: Ray needs a whole number >= 1 (or null for all cores); "
-                 "fractions belong in placement.groups.<name>.num_cpus")
+
+
+def _dynamic_sampling(e: list[str], rl) -> None:
+    """rl_config.dynamic_sampling needs overlapped, on-policy steps and groups of two or more."""
+    if not rl.dynamic_sampling:
+        return
+    if not rl.max_oversample >= 1:
+        e.append(f"rl_config.max_oversample={rl.max_oversample}: must be >= 1 (at most this many times "
+                 "rl_config.prompts_per_step prompts are drawn per step; 1 draws none in place of dropped groups)")
+    if rl.blocking:
+        e.append("rl_config.dynamic_sampling=true with rl_config.blocking=true: the groups dropped after their "
+                 "rewards are replaced while the rollout still runs, which needs the overlapped stages; set "
+                 "rl_config.blocking=false (or dynamic_sampling=false)")
+    if rl.max_weight_staleness:
+        e.append(f"rl_config.dynamic_sampling=true with rl_config.max_weight_staleness={rl.max_weight_staleness}: "
+                 "the prompts drawn in place of dropped groups would interleave between steps in flight; set "
+                 "max_weight_staleness=0 (or dynamic_sampling=false)")
+    if rl.n_samples_per_prompt < 2:
+        e.append(f"rl_config.dynamic_sampling=true with rl_config.n_samples_per_prompt="
+                 f"{rl.n_samples_per_prompt}: a group of one response is always all-equal and would be dropped; "
+                 "use 2 or more samples per prompt")
+
+
+def _data(e: list[str], d) -> None:
+    """data: prompt length and the built-in task's sizes."""
     _positive(e, "data.max_prompt_length", d.max_prompt_length)
     _positive(e, "data.num_digits", d.num_digits)
     _positive(e, "data.size", d.size)
-    pl = cfg.placement
+
+
+def _placement(e: list[str], pl) -> None:
+    """placement: mode, Ray's CPUs, nodes and devices, and the keys that go with each mode."""
+    _one_of(e, "placement.mode", pl.mode, PLACEMENT_MODES)
+    n_cpus = pl.ray_num_cpus
+    if n_cpus is not None and (n_cpus < 1 or float(n_cpus) != int(n_cpus)):
+        e.append(f"placement.ray_num_cpus={n_cpus}: Ray needs a whole number >= 1 (or null for all cores); "
+                 "fractions belong in placement.groups.<name>.num_cpus")
     _positive(e, "placement.n_nodes", pl.n_nodes)
     if pl.device_memory_gb is not None:
         _positive(e, "placement.device_memory_gb", pl.device_memory_gb,
@@ -289,22 +389,24 @@ def validate_config(cfg: Config, models: Collection[str] | None = None) -> None:
     _one_of(e, "placement.device_kind", pl.device_kind, DEVICE_KINDS)
     _positive(e, "placement.cpus_per_device", pl.cpus_per_device, "0 is fine for gpu/npu devices",
               allow_zero=pl.device_kind != "cpu")
-    if pl.mfcs and pl.mode != "mesh":
+    if pl.mfcs and pl.mode != MESH_MODE:
         e.append(f"placement.mfcs is set but placement.mode={pl.mode!r}; per-MFC meshes need placement.mode=mesh "
                  "(or drop placement.mfcs)")
-    if pl.mode == "mesh" and pl.groups:
+    if pl.mode == MESH_MODE and pl.groups:
         e.append("placement.groups is set with placement.mode=mesh; in mesh mode the worker groups follow from "
                  "placement.mfcs: drop placement.groups")
-    for name, grp in cfg.placement.groups.items():
+    _groups(e, pl.groups)
+
+
+def _groups(e: list[str], groups: dict) -> None:
+    """placement.groups.<name>: replicas, resources, threads and device of each worker group."""
+    for name, grp in groups.items():
         k = f"placement.groups.{name}"
         _positive(e, f"{k}.dp", grp.dp)
         for field in RAY_RESOURCES:  # num_cpus, num_gpus, num_npus
             _positive(e, f"{k}.{field}", getattr(grp, field), allow_zero=True)
         _positive(e, f"{k}.torch_threads", grp.torch_threads)
         _one_of(e, f"{k}.device", grp.device, WORKER_DEVICES)
-    _validation(e, cfg)
-    if e:
-        raise ConfigError("invalid config:\n  - " + "\n  - ".join(e))
 
 
 def _validation(e: list[str], cfg: Config) -> None:
@@ -317,7 +419,7 @@ def _validation(e: list[str], cfg: Config) -> None:
         e.append(f"trainer.val_interval={t.val_interval}, val_before_train={t.val_before_train}: validation needs "
                  "data.val_dataset (a .jsonl/.parquet file of prompts and answers, or builtin:<kind> for a built-in "
                  "task's held-out split); or set trainer.val_interval=0 and val_before_train=false")
-    if on and cfg.rl_config.algorithm == "reward_modeling":
+    if on and cfg.rl_config.algorithm == REWARD_MODELING:
         e.append("trainer.val_interval / val_before_train: reward modeling generates nothing to validate; its "
                  "held-out pairs are data.eval_size and trainer.eval_interval")
     if d.val_dataset is not None and (not isinstance(d.val_dataset, str) or not d.val_dataset.strip()):

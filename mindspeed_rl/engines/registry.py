@@ -310,6 +310,14 @@ def chosen_backends(cfg) -> tuple[str, str]:
     return cfg.generate_config.backend, cfg.actor_config.backend
 
 
+def option_sections(cfg) -> set[str]:
+    """The config sections of options that the backends a config names read (`Backend.section`); a name the
+    registry lacks reads none (the plan refuses it, listing the names)."""
+    rollout, train = chosen_backends(cfg)
+    return {table[name].section for table, name in ((ROLLOUT_BACKENDS, rollout), (TRAIN_BACKENDS, train))
+            if name in table}
+
+
 def backend_options(cfg, backend: Backend) -> dict:
     """A backend's options from its config section (`Backend.section`); {} for one without options."""
     if not backend.section or backend.name == SIMULATE:

@@ -158,7 +158,8 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
     except ValueError as e:
         validate_config(cfg)  # value problems first, with every section: a bad algorithm name must not hide them
         raise ConfigError(f"rl_config.algorithm={rl.algorithm!r}: {e}") from None
-    validate_config(cfg, models={m.model_name for m in mfcs})
+    from ..engines.registry import option_sections
+    validate_config(cfg, models={m.model_name for m in mfcs}, option_sections=option_sections(cfg))
     order = topological_order(graph)
     trained = trained_models(graph)
     by_name = {m.name: m for m in order}

@@ -572,3 +572,16 @@ def test_the_one_gpu_config_switches_to_hf_rollout_with_one_override():
 def test_a_group_no_backend_implies_is_still_refused():
     with pytest.raises(ConfigError, match=r"placement.groups.nosuch: no such worker group"):
         make_plan(config_from_dict(with_overrides({"placement.groups.nosuch": {"num_cpus": 1}})), check_files=False)
+
+
+def test_an_options_check_runs_only_where_its_backend_reads_the_section():
+    """generate_config.vllm.max_model_len below prompt + response is refused where the rollout backend reads
+    generate_config.vllm (the engine registry's Backend.section), and ignored where it does not."""
+    short = {"generate_config.vllm.max_model_len": 10}
+    assert "raise it to at least 19" in error_of({**short, "generate_config.backend": "vllm"}, "plan",
+                                                 check_files=False)
+    run_stage({**short, "generate_config.backend": "hf"}, "plan", check_files=False)
+    cfg = config_from_dict(with_overrides(short))
+    validate_config(cfg, option_sections={"generate_config.backend_options"})
+    with pytest.raises(ConfigError, match="raise it to at least 19"):
+        validate_config(cfg, option_sections={"generate_config.vllm"})
