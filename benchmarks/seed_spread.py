@@ -155,14 +155,14 @@ def run_seed(cmd: list[str], out_dir: Path, rerun: bool, log) -> dict:
         if rec.get("command") == command and (out_dir / "metrics.jsonl").is_file():
             log(f"{out_dir}: finished run of this command at {rec.get('commit')}: read, not run again")
             return rec
-    load_before = os.getloadavg()[0]
+    load_before, at_commit = os.getloadavg()[0], commit()  # the code the run starts with
     log(f"$ {command}")
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     wall = round(time.time() - t0, 1)
     if proc.returncode != 0:
         raise SystemExit(f"seed run failed (exit {proc.returncode}): {command}\n{proc.stderr[-3000:]}")
-    rec = {"command": command, "commit": commit(), "wall_s": wall, "load_before": round(load_before, 2),
+    rec = {"command": command, "commit": at_commit, "wall_s": wall, "load_before": round(load_before, 2),
            "load_after": round(os.getloadavg()[0], 2), "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     record_path.write_text(json.dumps(rec, indent=1))
     return rec
