@@ -12,7 +12,7 @@ from .grpo import DATASET_KEYS as GRPO_DATASET_KEYS
 from .grpo import grpo_mfcs
 from .mfc import InterfaceType, MFCDef
 from .options import AlgorithmOptions, options_from_config, uses_kl_loss
-from .registry import ALGORITHMS, algorithm_graph, get_algorithm, known_algorithms
+from .registry import ALGORITHMS, algorithm_graph, get_algorithm, known_algorithms, register_algorithm
 
 __all__ = [
     "InterfaceType", "MFCDef",
@@ -20,6 +20,6 @@ __all__ = [
     "dataset_readers", "version_edges", "trained_models", "weight_sync_targets", "same_step_readers", "train_time_mfcs",
     "worker_groups", "describe",
     "DATASET_KEYS", "grpo_mfcs", "GRPO_DATASET_KEYS",
-    "ALGORITHMS", "known_algorithms", "get_algorithm", "algorithm_graph",
+    "ALGORITHMS", "register_algorithm", "known_algorithms", "get_algorithm", "algorithm_graph",
     "AlgorithmOptions", "options_from_config", "uses_kl_loss",
 ]
