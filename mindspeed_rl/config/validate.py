@@ -450,6 +450,8 @@ def _lora(e: list[str], lora) -> None:
         e.append(f"{k}.dropout={lora.dropout}: must be in [0, 1)")
     if lora.lr is not None:
         _positive(e, f"{k}.lr", lora.lr, "or null for actor_config.lr")
+    if lora.modules_to_save_lr is not None:
+        _positive(e, f"{k}.modules_to_save_lr", lora.modules_to_save_lr, "or null for the adapters' lr")
     tm = lora.target_modules
     if not isinstance(tm, list) or not tm or not all(isinstance(t, str) and t.strip() for t in tm):
         e.append(f"{k}.target_modules={tm!r}: must be a non-empty list of module names (e.g. [q_proj, v_proj]) or "

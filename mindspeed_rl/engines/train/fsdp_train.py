@@ -170,12 +170,12 @@ class FSDPTrainEngine(TrainEngine):
         self.optimizer = None
         if spec.optim is not None:
             o = spec.optim
-            # only what trains has AdamW state: with LoRA, the adapters (at lora.lr, else the actor's lr)
-            trained = [p for p in self.model.parameters() if p.requires_grad]
-            lr = (spec.lora.get("lr") if spec.lora else None) or o.lr
+            # only what trains has AdamW state: with LoRA, the adapters and the modules trained whole
+            from .lora import trained_groups
+            groups = trained_groups(self.model, spec.lora, o.lr)
             # the kernel by where the shards live: fsdp_cpu_offload keeps them (and the update) on the host
-            where = trained[0].device if trained else self.device
-            self.optimizer = torch.optim.AdamW(trained, lr=lr, betas=tuple(o.betas), eps=o.eps,
+            where = next((p.device for g in groups for p in g["params"]), self.device)
+            self.optimizer = torch.optim.AdamW(groups, betas=tuple(o.betas), eps=o.eps,
                                                weight_decay=o.weight_decay, **adamw_kernel(where))
         # between stages (engines/train/offload.py): the parameters and AdamW state wait on the host
         self.offloader = Offloader.for_engine(offload, lambda: self.model, lambda: self.optimizer, self.device)

@@ -128,6 +128,23 @@ def apply_lora(model: torch.nn.Module, lora: dict, base_dtype: torch.dtype, lock
     return Adapters(peft_model, lock)
 
 
+def trained_groups(module: torch.nn.Module, lora: dict | None, lr: float) -> list[dict]:
+    """AdamW's parameter groups of what trains in `module`: without LoRA every parameter at `lr`; with LoRA
+    the adapters at `lora.lr` (else `lr`) and the modules peft trains whole (`modules_to_save`, e.g. the
+    RMSNorm weights) at `lora.modules_to_save_lr` (else the adapters' lr). A norm's weight scales the
+    logits directly, so on a base whose head cannot grow (frozen) it is what sharpens the policy, and it
+    needs a step size of its own: the adapters' B @ A product moves quadratically in theirs."""
+    trained = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    if not lora:
+        return [{"params": [p for _, p in trained], "lr": lr}]
+    adapter_lr = lora.get("lr") or lr
+    whole = [p for n, p in trained if TRAINED in n]
+    groups = [{"params": [p for n, p in trained if TRAINED not in n], "lr": adapter_lr}]
+    if whole:
+        groups.append({"params": whole, "lr": lora.get("modules_to_save_lr") or adapter_lr})
+    return groups
+
+
 # ---------------------------------------------------------------------------- merged weights
 @dataclass(frozen=True)
 class Export:

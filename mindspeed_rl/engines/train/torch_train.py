@@ -431,10 +431,10 @@ class TorchTrainEngine(TrainEngine):
             if process_group is not None:
                 from torch.nn.parallel import DistributedDataParallel
                 self.model = DistributedDataParallel(ResponseStates(self.module), process_group=process_group)
-            # only what trains has AdamW state: with LoRA, the adapters (at lora.lr, else the actor's lr)
-            trained = [p for p in self.module.parameters() if p.requires_grad]
-            lr = (lora.get("lr") if lora else None) or optim.lr
-            self.optimizer = torch.optim.AdamW(trained, lr=lr, betas=optim.betas, eps=optim.eps,
+            # only what trains has AdamW state: with LoRA, the adapters and the modules trained whole
+            from .lora import trained_groups
+            self.optimizer = torch.optim.AdamW(trained_groups(self.module, lora, optim.lr), betas=optim.betas,
+                                               eps=optim.eps,
                                                weight_decay=optim.weight_decay, **adamw_kernel(self.device))
         else:
             self.module.eval()
