@@ -12,8 +12,9 @@ the step where its 10-step mean first reaches `--target`, the 10-step mean endin
 a run shortened to that many steps + 1 would end at), the run's wall time (Ray's start included) and the
 sum of its step times; then min / median / max over the seeds. The JSON names the command, the
 commit (`git rev-parse --short HEAD`, `-dirty` when the tree has uncommitted changes) and the machine
-(CPUs, CPU model, load average before each run). Runs are deterministic per seed with
-`rl_config.guarantee_order: true`; the times depend on the machine's load.
+(CPUs, CPU model, load average before and after each run). `--also KEY` adds another metric's last-10
+mean and its sum over the run (`dynamic_sampling/short`: the steps the cap ended short). Runs are
+deterministic per seed with `rl_config.guarantee_order: true`; the times depend on the machine's load.
 
 A seed whose output directory already holds a finished run of this command (`seed_spread.json` written
 after the run, with the same command) is read, not run again; `--rerun` runs it anyway.
@@ -97,13 +98,18 @@ def spread(values: list) -> dict:
     return {"min": vals[0], "median": mid, "max": vals[-1]}
 
 
-def seed_row(seed: int, rows: list[dict], metric: str, target: float, at: list[int], wall_s: float | None) -> dict:
+def seed_row(seed: int, rows: list[dict], metric: str, target: float, at: list[int], wall_s: float | None,
+             also: list[str] = ()) -> dict:
     s = lc.summarize(rows, target, metric)
     values = [r[metric] for r in rows if metric in r]
     row = {"seed": seed, "first10": s["reward_first10"], "last10": s["reward_last10"],
            "reaches_target_at": s["reaches_target_at_step"]}
     for step in at:
         row[f"mean10_at_{step}"] = lc.mean_at(values, step)
+    for key in also:  # another metric: its last-10 mean and its sum over the run (a count, for a 0/1 flag)
+        vals = [r[key] for r in rows if key in r]
+        row[f"{key}_last10"] = round(sum(vals[-10:]) / len(vals[-10:]), 3) if vals else None
+        row[f"{key}_sum"] = round(sum(vals), 3) if vals else None
     row.update({"steps": s["steps"], "wall_s": wall_s, "steps_s": s["steps_s"]})
     return row
 
@@ -178,6 +184,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--metric", default="reward/mean", help="the metrics.jsonl key to summarise")
     ap.add_argument("--target", type=float, default=0.8)
     ap.add_argument("--at", help="steps (0-based, comma-separated) at which to report the 10-step mean")
+    ap.add_argument("--also", action="append", default=[], help="another metrics.jsonl key: its last-10 mean and sum")
     ap.add_argument("--out", help="the seeds' output directories go under here (default outputs/seed_spread/NAME)")
     ap.add_argument("--json", help="write the table, the spread, the commit and the machine here")
     ap.add_argument("--rerun", action="store_true", help="run seeds whose finished runs are there again")
@@ -198,7 +205,7 @@ def main(argv=None) -> dict:
         rec = run_seed(seed_command(cli, args.config_name, seed, args.steps, out_dir, overrides), out_dir,
                        args.rerun, log)
         runs[seed] = rec
-        rows.append(seed_row(seed, lc.load(out_dir), args.metric, args.target, at, rec["wall_s"]))
+        rows.append(seed_row(seed, lc.load(out_dir), args.metric, args.target, at, rec["wall_s"], args.also))
     spreads = summary_rows(rows)
     commits = sorted({r["commit"] for r in runs.values()})
     head = (f"{args.config_name}, {len(seeds)} seeds, {args.steps} steps, {args.metric} (10-step means; "

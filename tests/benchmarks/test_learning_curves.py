@@ -97,6 +97,9 @@ def test_seed_spread_rows_spread_and_table():
     assert seed_rows[0] == {"seed": 1, "first10": 0.045, "last10": 0.445, "reaches_target_at": None,
                             "mean10_at_9": 0.045, "mean10_at_49": 0.445, "mean10_at_60": None,
                             "steps": 50, "wall_s": 10.0, "steps_s": 25.0}
+    also = ss.seed_row(1, [{"reward/mean": 0.5, "flag": float(i % 2)} for i in range(20)], "reward/mean", 0.8, [],
+                       None, also=["flag", "missing"])
+    assert (also["flag_last10"], also["flag_sum"], also["missing_last10"]) == (0.5, 10.0, None)
     assert seed_rows[2]["reaches_target_at"] == 32  # 0.03 x (22..31) averages 0.795, 0.03 x (23..32) 0.825
     assert ss.spread([3, None, 1]) == {"min": 1, "median": 3, "max": None}, "never reached counts as largest"
     assert ss.spread([1, 2, 4, 10]) == {"min": 1, "median": 3.0, "max": 10}
