@@ -15,7 +15,8 @@ from ._common import PAD, nll_loss_fn, random_rows
 
 pytestmark = pytest.mark.slow
 WORLD, PER_RANK = 2, 3
-LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["all-linear"], "dropout": 0.0, "lr": 0.01}
+LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["all-linear"], "dropout": 0.0, "lr": 0.01,
+        "modules_to_save": ["norm"], "modules_to_save_lr": 0.02}   # the RMSNorms trained whole too
 OPTIM = OptimConfig(lr=1e-4, eps=1e-4)   # eps large next to tiny gradients: Adam's steps stay smooth
 
 
@@ -53,7 +54,7 @@ def test_two_ranks_train_the_adapters_as_one_process_on_the_union(run, backend):
     if backend == "torch":
         assert results[0]["torch"]["merged"] == results[1]["torch"]["merged"]
         reduced = results[0]["torch"]["reduced"]
-        assert reduced and all(".lora_A." in n or ".lora_B." in n for n in reduced)
+        assert reduced and all(".lora_A." in n or ".lora_B." in n or ".modules_to_save." in n for n in reduced)
 
 
 @pytest.mark.parametrize("backend", ["torch", "fsdp"])
@@ -75,7 +76,7 @@ def test_fsdp_resume_from_adapter_checkpoint_is_bit_exact(run):
     results, _, _, _, _ = run
     for r in results:
         got = r["fsdp"]
-        keys = got["checkpoint_keys"]   # the checkpoint holds the adapters of the model, not its base
-        assert keys and all(".lora_A." in k or ".lora_B." in k for k in keys)
+        keys = got["checkpoint_keys"]   # the checkpoint holds the adapters and norm copies, not the base
+        assert keys and all(".lora_A." in k or ".lora_B." in k or ".modules_to_save." in k for k in keys)
         assert got["resumed_norms"] == got["norms"][1:]
         assert all(torch.equal(got["resumed_weights"][n], got["weights"][n]) for n in got["weights"])
