@@ -14,6 +14,8 @@ import re
 from importlib import resources
 from pathlib import Path
 
+from ..dataflow.metrics import chart_specs
+
 REPORT_FILE = "report.html"
 
 
@@ -29,6 +31,8 @@ def _embed_json(data: dict) -> str:
 def render_page(snapshot: dict | None) -> str:
     """The page's HTML: live (polls /api/state) when `snapshot` is None, else a static report."""
     mode = "live" if snapshot is None else "report"
+    if snapshot is not None and "charts" not in snapshot.get("info", {}):  # a snapshot saved without its charts
+        snapshot = {**snapshot, "info": {**snapshot.get("info", {}), "charts": chart_specs()}}
     title = "mindspeed_rl dashboard" if snapshot is None else \
         f"mindspeed_rl report: {snapshot.get('info', {}).get('title', '')}"
     values = {"TITLE": html.escape(title), "MODE": mode, "CSS": _static("dashboard.css"),

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..dataflow.metrics import chart_specs
+
 TIMELINE_STEPS = 3      # steps the Gantt chart shows (and the run directory keeps)
 REFRESH_S = 0.5         # the page polls every second; the dock is asked at most this often
 DOCK_TIMEOUT_S = 5.0    # a status call that takes longer is given up (the last values stay)
@@ -34,14 +36,16 @@ def _number(v: Any) -> bool:
 class DashboardState:
     """Thread-safe: the trainer's thread writes, the dashboard server's threads read.
 
-    `info` describes the run: title, consumers, columns, rows_per_step and the expected
-    `lanes` (``[{"stage", "worker"}]``); see `mindspeed_rl.trainer.driver` for what it holds.
+    `info` describes the run: title, consumers, columns, rows_per_step, the expected
+    `lanes` (``[{"stage", "worker"}]``) and the per-step `charts` (``[{"title", "keys", "stageKeys"}]``,
+    the registered metrics' by default); see `mindspeed_rl.trainer.run_dashboard` for what it holds.
     """
 
     def __init__(self, info: dict):
         self._lock = threading.RLock()
         self.info = dict(info)
         self.info.setdefault("started", time.time())
+        self.info.setdefault("charts", chart_specs())   # the per-step charts the page draws (dataflow/metrics.py)
         total = int(self.info.get("rows_per_step", 0))
         self.docks: list = []
         self.step_offset = 0  # trainer step of the dock's step 0 (a resumed run starts later)

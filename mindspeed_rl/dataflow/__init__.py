@@ -2,7 +2,8 @@
 
 An RL algorithm is a list of `MFCDef`; `build_graph` turns it into a checked networkx graph, and
 the trainer derives the dock's columns and consumers, the stage order, the worker groups and the
-weight-sync points from that graph. `draw` renders it (SVG, or PNG with matplotlib).
+weight-sync points from that graph. `draw` renders it (SVG, or PNG with matplotlib). `metrics` lists
+the step metrics the stages' reports make, and how each is shown.
 """
 from .dataset import DATASET_KEYS
 from .graph import (build_graph, data_graph, dataset_readers, describe, dock_columns, dock_consumers,

@@ -18,13 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-CONSOLE_KEYS = (("reward/mean", "reward", ".3f"), ("reward/rule_mean", "rule", ".3f"), ("reward/model_mean", "model", "+.3f"),
-                ("reward/loss", "rm_loss", ".4f"), ("reward/accuracy", "rm_acc", ".3f"), ("eval/accuracy", "eval_acc", ".3f"),
-                ("actor/pg_loss", "pg_loss", "+.4f"), ("actor/kl", "kl", ".4f"),
-                ("actor/entropy", "entropy", ".3f"), ("response_length/mean", "resp_len", ".2f"),
-                ("timing/step", "step_s", ".2f"), ("throughput/tokens_per_s", "tok/s", ".0f"),
-                ("val/reward_mean", "val_reward", ".3f"), ("val/pass@1", "val_pass@1", ".3f"))
-
+from ..dataflow.metrics import console_metrics
 
 class MetricsFileError(ValueError):
     """metrics.jsonl is damaged where a crash cannot have done it (not its last line)."""
@@ -195,8 +189,10 @@ class RunLog:
 
 
 def format_line(rec: dict) -> str:
+    """The console line of a record: the step, then each registered metric with a console label
+    (dataflow/metrics.py) that the record holds."""
     parts = [f"step {rec['step']:>4}"]
-    for key, label, fmt in CONSOLE_KEYS:
+    for key, label, fmt in console_metrics():
         if key in rec:
             parts.append(f"{label} {format(rec[key], fmt)}")
     return " | ".join(parts)

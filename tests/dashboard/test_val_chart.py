@@ -9,6 +9,7 @@ import subprocess
 import pytest
 
 from mindspeed_rl.dashboard.report import _static
+from mindspeed_rl.dataflow.metrics import chart_specs
 
 NODE = shutil.which("node") or shutil.which("nodejs")
 
@@ -61,7 +62,7 @@ def _snapshot(steps: int, every: int) -> dict:
             rec.update({"val/reward_mean": 0.1 + s / steps, "val/pass@1": s / steps, "val/pass@4": 0.5,
                         "val/weight_version": float(s + 1)})
         history.append(rec)
-    return {"info": {"title": "t", "stages": []}, "status": "finished", "step": steps - 1, "now": 0.0,
+    return {"info": {"title": "t", "stages": [], "charts": chart_specs()}, "status": "finished", "step": steps - 1, "now": 0.0,
             "history": history, "consumers": {}, "columns": {}, "events": [], "spans": [], "steps": {}}
 
 
@@ -79,3 +80,16 @@ def test_validation_has_its_own_chart_with_a_point_per_validation():
     assert charts["Validation (held-out prompts)"] == {"val/reward_mean": 3, "val/pass@1": 3, "val/pass@4": 3}
     assert charts["Reward"]["reward/mean"] == 12
     assert "Validation (held-out prompts)" not in _charts(_snapshot(steps=5, every=100))  # no validation: no chart
+
+
+@pytest.mark.skipif(NODE is None, reason="node is not installed")
+def test_a_registered_metric_is_drawn_without_a_line_of_script():
+    from mindspeed_rl.dataflow.metrics import STEP_METRICS, StepMetric, register_metric
+    register_metric(StepMetric("response_length/min", chart="Shortest response"))
+    try:
+        snapshot = _snapshot(steps=5, every=100)
+    finally:
+        STEP_METRICS.pop("response_length/min")
+    for rec in snapshot["history"]:
+        rec["response_length/min"] = 1.0
+    assert _charts(snapshot)["Shortest response"] == {"response_length/min": 5}

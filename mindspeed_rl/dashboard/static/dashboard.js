@@ -333,28 +333,29 @@
   }
 
   // ------------------------------------------------------------------ per-step charts
+  // The charts come with the snapshot (info.charts: the registered step metrics' charts, dataflow/metrics.py):
+  // a key with {stage} stands for each stage, any other {name} for the keys the records hold in its place.
   function chartSpecs(s) {
     var stages = (s.info || {}).stages || [];
-    var passAtN = [];  // val/pass@<n> of generate_config.val.n, as the records name it
+    var seen = [], known = {};
     (s.history || []).forEach(function (r) {
-      Object.keys(r).forEach(function (k) {
-        if (/^val\/pass@\d+$/.test(k) && k !== "val/pass@1" && passAtN.indexOf(k) < 0) passAtN.push(k);
-      });
+      Object.keys(r).forEach(function (k) { if (!known[k]) { known[k] = true; seen.push(k); } });
     });
-    var specs = [
-      {title: "Reward", keys: ["reward/mean", "reward/max_fraction"]},
-      {title: "Validation (held-out prompts)", keys: ["val/reward_mean", "val/pass@1"].concat(passAtN)},
-      {title: "KL to the reference", keys: ["actor/kl"]},
-      {title: "Policy loss", keys: ["actor/pg_loss"]},
-      {title: "Entropy", keys: ["actor/entropy"]},
-      {title: "Gradient norm", keys: ["actor/grad_norm"]},
-      {title: "Response length", keys: ["response_length/mean", "response_length/max"]},
-      {title: "Step time (s)", keys: ["timing/step", "timing/stages", "timing/weight_sync"]},
-      {title: "Throughput (tokens/s)", keys: ["throughput/tokens_per_s"]},
-      {title: "Per-stage time (s)", keys: stages.map(function (x) { return "timing/" + x; }), stageKeys: true},
-      {title: "Per-stage compute (s)", keys: stages.map(function (x) { return "busy/" + x; }), stageKeys: true}
-    ];
-    return specs;
+    return ((s.info || {}).charts || []).map(function (spec) {
+      var keys = [];
+      spec.keys.forEach(function (pattern) {
+        expandKey(pattern, stages, seen).forEach(function (k) { if (keys.indexOf(k) < 0) keys.push(k); });
+      });
+      return {title: spec.title, keys: keys, stageKeys: spec.stageKeys};
+    });
+  }
+
+  function expandKey(pattern, stages, seen) {
+    if (pattern.indexOf("{stage}") >= 0) return stages.map(function (x) { return pattern.replace("{stage}", x); });
+    if (pattern.indexOf("{") < 0) return [pattern];
+    var parts = pattern.split(/\{[^}]*\}/).map(function (p) { return p.replace(/[.*+?^$()|[\]\\]/g, "\\$&"); });
+    var re = new RegExp("^" + parts.join("[^/]+") + "$");
+    return seen.filter(function (k) { return re.test(k); });
   }
 
   function renderCharts(s, color) {
