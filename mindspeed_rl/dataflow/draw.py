@@ -191,17 +191,37 @@ def _overlap(a, b):
 def layout(g: nx.DiGraph, title: str | None = None) -> Drawing:
     """Place graph `g` as shapes; `title` defaults to the graph's ``name`` attribute."""
     order = topological_order(g)
+    nodes, layers, edges, chains = _nodes_and_chains(g, order)
+    col_cx, col_w, content_right = _coordinates(nodes, layers, edges)
+    vedges = version_edges(g)
+    out_y, in_y = _ports(nodes, chains, vedges)
+    labels = _Labels([(nd.left - 3, nd.top - 3, nd.right + 3, nd.bottom + 3)
+                      for nd in nodes.values() if nd.kind != "dummy"])
+    items: list = []
+    graph_bottom = _version_edge_items(items, labels, nodes, vedges, out_y, in_y)
+    _data_edge_items(items, labels, nodes, edges, chains, out_y, in_y, col_cx, col_w)
+    items.extend(_box_items(g, nodes))
+    items.extend(labels.items)
+    name = title if title is not None else g.graph.get("name")
+    heading = f"{name.upper()} dataflow graph" if name else "dataflow graph"
+    items.append(Text(MARGIN, MARGIN + 16, heading, 17, bold=True, anchor="start", mono=False))
+    items.append(Text(MARGIN, MARGIN + 34, f"{len(order)} MFCs (model function calls); edge labels are the "
+                      f"dock columns an MFC reads", 11.5, MUTED_TEXT, anchor="start", mono=False))
+    width = max(content_right + MARGIN + 16 + 10 * len(vedges), _text_w(heading, 17, False) + 2 * MARGIN)
+    height = _legend_items(items, width, graph_bottom + 34) + 7 + MARGIN
+    return Drawing(width, height, heading, items)
+
+
+def _nodes_and_chains(g: nx.DiGraph, order: list) -> tuple[dict, list, list, list]:
+    """(boxes by name, the layers' names in drawing order, edges (from, to, label), each edge's chain of boxes
+    through a placeholder per layer it crosses). The dataset is layer 0; each MFC lies one right of its
+    deepest producer; the dataset's edges come first, then the data edges in topological order."""
     topo = {m.name: i for i, m in enumerate(order)}
     dg = data_graph(g)
-    readers = dataset_readers(g)
     dataset_keys = tuple(g.graph["dataset_keys"])
-
-    # layers: dataset in 0, each MFC one right of its deepest producer
     layer_of = {"dataset": 0}
     for m in order:
         layer_of[m.name] = 1 + max((layer_of[p] for p in dg.predecessors(m.name)), default=0)
-    n_layers = max(layer_of.values()) + 1
-
     nodes: dict[str, _Node] = {}
     ds_lines = ("dataset",) + dataset_keys
     ds_w = max(_text_w(ds_lines[0], NAME_SIZE), *(_text_w(k, SUB_SIZE) for k in dataset_keys)) + 2 * NODE_PAD_X
@@ -210,13 +230,10 @@ def layout(g: nx.DiGraph, title: str | None = None) -> Drawing:
         sub = f"{m.model_name} · {m.interface_type.value}"
         w = max(_text_w(m.name, NAME_SIZE), _text_w(sub, SUB_SIZE), 110) + 2 * NODE_PAD_X
         nodes[m.name] = _Node(m.name, layer_of[m.name], w, NODE_H, "mfc", (m.name, sub))
-
-    # edges (dataset first, then data edges in topological order) and their placeholder chains
-    edges = [("dataset", name, ", ".join(keys)) for name, keys in readers.items()]
-    data = sorted(((u, v, ", ".join(d["keys"])) for u, v, d in g.edges(data=True) if d["kind"] == "data"),
-                  key=lambda e: (topo[e[0]], topo[e[1]]))
-    edges += data
-    layers: list[list[str]] = [[] for _ in range(n_layers)]
+    edges = [("dataset", name, ", ".join(keys)) for name, keys in dataset_readers(g).items()]
+    edges += sorted(((u, v, ", ".join(d["keys"])) for u, v, d in g.edges(data=True) if d["kind"] == "data"),
+                    key=lambda e: (topo[e[0]], topo[e[1]]))
+    layers: list[list[str]] = [[] for _ in range(max(layer_of.values()) + 1)]
     layers[0].append("dataset")
     for m in order:
         layers[layer_of[m.name]].append(m.name)
@@ -230,9 +247,12 @@ def layout(g: nx.DiGraph, title: str | None = None) -> Drawing:
             chain.append(dummy)
         chain.append(v)
         chains.append(chain)
-    layers = _order_layers(layers, chains)
+    return nodes, _order_layers(layers, chains), edges, chains
 
-    # coordinates
+
+def _coordinates(nodes: dict, layers: list, edges: list) -> tuple[list[float], list[float], float]:
+    """Set each box's centre: columns left to right, a column's boxes centred vertically. Returns the columns'
+    centres and widths and the right edge of the last column."""
     label_w = max((_text_w(lab, LABEL_SIZE) for _, _, lab in edges), default=60)
     gap_x = min(max(150, label_w + 56), 320)
     col_w = [max([nodes[n].w for n in layer] + [40]) for layer in layers]
@@ -249,18 +269,17 @@ def layout(g: nx.DiGraph, title: str | None = None) -> Drawing:
             nodes[n].cx, nodes[n].cy = cx, y + nodes[n].h / 2
             y += nodes[n].h + GAP_Y
         x += col_w[li] + gap_x
-    content_right = x - gap_x
+    return col_cx, col_w, x - gap_x
 
-    def point_y(n):
-        return nodes[n].cy
 
-    # ports: spread the edges that leave / enter a box over its side, ordered by the other end's y
-    vedges = version_edges(g)
+def _ports(nodes: dict, chains: list, vedges: list) -> tuple[dict, dict]:
+    """(out, in): per box, the y of each edge leaving / entering it, spread over its side in the order of the
+    other end's y (version edges last)."""
     out_ports: dict[str, list] = {}
     in_ports: dict[str, list] = {}
     for ci, chain in enumerate(chains):
-        out_ports.setdefault(chain[0], []).append((point_y(chain[1]), ci))
-        in_ports.setdefault(chain[-1], []).append((point_y(chain[-2]), ci))
+        out_ports.setdefault(chain[0], []).append((nodes[chain[1]].cy, ci))
+        in_ports.setdefault(chain[-1], []).append((nodes[chain[-2]].cy, ci))
     for vi, (u, v, _) in enumerate(vedges):
         out_ports.setdefault(u, []).append((float("inf"), ("v", vi)))
         in_ports.setdefault(v, []).append((float("inf"), ("v", vi)))
@@ -271,30 +290,38 @@ def layout(g: nx.DiGraph, title: str | None = None) -> Drawing:
         step = min(10.0, node.h * 0.7 / max(k - 1, 1))
         return {key: node.cy + (i - (k - 1) / 2) * step for i, (_, key) in enumerate(ports)}
 
-    out_y = {n: spread(p, nodes[n]) for n, p in out_ports.items()}
-    in_y = {n: spread(p, nodes[n]) for n, p in in_ports.items()}
+    return ({n: spread(p, nodes[n]) for n, p in out_ports.items()},
+            {n: spread(p, nodes[n]) for n, p in in_ports.items()})
 
-    items: list = []
-    boxes = [(nd.left - 3, nd.top - 3, nd.right + 3, nd.bottom + 3) for nd in nodes.values() if nd.kind != "dummy"]
-    placed_labels: list = []
-    label_items: list = []
 
-    def place_label(text, candidates, color):
+class _Labels:
+    """Edge labels, each put at the first candidate point where it overlaps no box and no earlier label (else
+    where it overlaps least, boxes weighing 4x)."""
+
+    def __init__(self, boxes: list):
+        self.boxes = boxes
+        self.placed: list = []
+        self.items: list = []
+
+    def place(self, text: str, candidates: list, color: str) -> None:
         w, h = _text_w(text, LABEL_SIZE) + 8, LABEL_SIZE + 6
         best, best_cost = None, None
         for (px, py) in candidates:
             rect = (px - w / 2, py - h / 2, px + w / 2, py + h / 2)
-            cost = sum(_overlap(rect, b) for b in boxes) * 4 + sum(_overlap(rect, b) for b in placed_labels)
+            cost = sum(_overlap(rect, b) for b in self.boxes) * 4 + sum(_overlap(rect, b) for b in self.placed)
             if best_cost is None or cost < best_cost:
                 best, best_cost = rect, cost
             if cost == 0:
                 break
-        placed_labels.append(best)
+        self.placed.append(best)
         x0, y0, x1, y1 = best
-        label_items.append(Rect(x0, y0, x1 - x0, y1 - y0, "#ffffff", None, rx=3, opacity=0.9))
-        label_items.append(Text((x0 + x1) / 2, (y0 + y1) / 2 + LABEL_SIZE * 0.35, text, LABEL_SIZE, color))
+        self.items.append(Rect(x0, y0, x1 - x0, y1 - y0, "#ffffff", None, rx=3, opacity=0.9))
+        self.items.append(Text((x0 + x1) / 2, (y0 + y1) / 2 + LABEL_SIZE * 0.35, text, LABEL_SIZE, color))
 
-    # version edges first: they loop under everything, their labels are fixed
+
+def _version_edge_items(items: list, labels: _Labels, nodes: dict, vedges: list, out_y: dict, in_y: dict) -> float:
+    """The version edges, looping under every box (drawn first, their labels placed first); returns the y below
+    the lowest loop."""
     bottom = max(nd.bottom for nd in nodes.values())
     r = 8.0
     vlabels = []
@@ -311,10 +338,14 @@ def layout(g: nx.DiGraph, title: str | None = None) -> Drawing:
         items.append(_arrow(sv.left, y1, VERSION_EDGE_COLOR))
         vlabels.append((f"weights: {model}", ((xa + xb) / 2, yb)))
     for text, pt in vlabels:
-        place_label(text, [pt], VERSION_EDGE_COLOR)
-    graph_bottom = bottom + (30 + 24 * len(vedges) if vedges else 0)
+        labels.place(text, [pt], VERSION_EDGE_COLOR)
+    return bottom + (30 + 24 * len(vedges) if vedges else 0)
 
-    # data edges
+
+def _data_edge_items(items: list, labels: _Labels, nodes: dict, edges: list, chains: list, out_y: dict,
+                     in_y: dict, col_cx: list, col_w: list) -> None:
+    """The data edges: curves between columns, straight through a placeholder's slot; each label at the
+    first free point along its edge."""
     for ci, ((u, v, text), chain) in enumerate(zip(edges, chains)):
         pts = [(nodes[u].right, out_y[u][ci])]
         for d in chain[1:-1]:
@@ -334,17 +365,26 @@ def layout(g: nx.DiGraph, title: str | None = None) -> Drawing:
                 segments.append(("C", a, (mx, a[1]), (mx, b[1]), b))
         items.append(Path(cmds, DATA_EDGE_COLOR, 1.3, css_class="data-edge"))
         items.append(_arrow(end[0], end[1], DATA_EDGE_COLOR))
-        candidates = []
-        for seg in segments:
-            for t in (0.5, 0.38, 0.62, 0.26, 0.74, 0.15, 0.85):
-                if seg[0] == "L":
-                    (ax, ay), (bx, by) = seg[1], seg[2]
-                    candidates.append((ax + (bx - ax) * t, ay + (by - ay) * t))
-                else:
-                    candidates.append(_cubic(*seg[1:], t))
-        place_label(text, candidates, MUTED_TEXT)
+        labels.place(text, _label_points(segments), MUTED_TEXT)
 
-    # boxes
+
+def _label_points(segments: list) -> list[tuple[float, float]]:
+    """Candidate label points along an edge's segments, the middle of each first."""
+    candidates = []
+    for seg in segments:
+        for t in (0.5, 0.38, 0.62, 0.26, 0.74, 0.15, 0.85):
+            if seg[0] == "L":
+                (ax, ay), (bx, by) = seg[1], seg[2]
+                candidates.append((ax + (bx - ax) * t, ay + (by - ay) * t))
+            else:
+                candidates.append(_cubic(*seg[1:], t))
+    return candidates
+
+
+def _box_items(g: nx.DiGraph, nodes: dict) -> list:
+    """The dataset's box (its keys listed) and each MFC's (name, model and interface), colored by interface."""
+    items: list = []
+    dataset_keys = tuple(g.graph["dataset_keys"])
     for nd in nodes.values():
         if nd.kind == "dummy":
             continue
@@ -367,20 +407,15 @@ def layout(g: nx.DiGraph, title: str | None = None) -> Drawing:
         else:
             items.append(Text(nd.cx, nd.cy - 3, nd.lines[0], NAME_SIZE, bold=True))
             items.append(Text(nd.cx, nd.cy + 13, nd.lines[1], SUB_SIZE, MUTED_TEXT))
-    items.extend(label_items)
+    return items
 
-    # title and legend
-    name = title if title is not None else g.graph.get("name")
-    heading = f"{name.upper()} dataflow graph" if name else "dataflow graph"
-    items.append(Text(MARGIN, MARGIN + 16, heading, 17, bold=True, anchor="start", mono=False))
-    items.append(Text(MARGIN, MARGIN + 34, f"{len(order)} MFCs (model function calls); edge labels are the "
-                      f"dock columns an MFC reads", 11.5, MUTED_TEXT, anchor="start", mono=False))
-    width = max(content_right + MARGIN + 16 + 10 * len(vedges), _text_w(heading, 17, False) + 2 * MARGIN)
+
+def _legend_items(items: list, width: float, ly: float) -> float:
+    """The legend from `ly` down, wrapped at `width`; returns the y of its last row."""
     legend_entries = [("box", INTERFACE_COLORS[t], t) for t in INTERFACE_COLORS]
     legend_entries.append(("box", DATASET_COLORS, "dataset"))
     legend_entries.append(("line", None, "data edge: columns read"))
     legend_entries.append(("dash", None, "version edge: weights for the next step"))
-    ly = graph_bottom + 34
     lx = MARGIN
     for kind, colors, text in legend_entries:
         w = 34 + _text_w(text, 11.5, False) + 22
@@ -395,8 +430,7 @@ def layout(g: nx.DiGraph, title: str | None = None) -> Drawing:
             items.append(_arrow(lx + 26, ly, color))
         items.append(Text(lx + 32, ly + 4, text, 11.5, TEXT_COLOR, anchor="start", mono=False))
         lx += w
-    height = ly + 7 + MARGIN
-    return Drawing(width, height, heading, items)
+    return ly
 
 
 def _arrow(x, y, color):

@@ -46,6 +46,32 @@ def build_graph(mfcs: Sequence[MFCDef], dataset_keys: Sequence[str] = ("prompts"
     nothing produces, a cycle in the data edges, a model with more than one train_step MFC, or MFCs
     in one worker group with different dp_size.
     """
+    mfcs, dataset_keys = _check_lists(mfcs, dataset_keys)
+    producer = _producers(mfcs, dataset_keys)
+    _check_inputs(mfcs, producer, dataset_keys)
+    g = nx.DiGraph(dataset_keys=dataset_keys, mfcs=mfcs)
+    for mfc in mfcs:
+        g.add_node(mfc.name, mfc=mfc)
+    edge_keys: dict[tuple[str, str], set[str]] = {}
+    for mfc in mfcs:
+        for key in mfc.input_keys:
+            if key in producer:
+                edge_keys.setdefault((producer[key], mfc.name), set()).add(key)
+    for (src, dst), keys in edge_keys.items():
+        g.add_edge(src, dst, kind="data", keys=tuple(sorted(keys)))
+    _check_acyclic(g)
+    trained = trained_models(g)
+    order = topological_order(g)
+    for model in trained:
+        calls = [m.name for m in order if m.model_name == model]
+        g.add_edge(calls[-1], calls[0], kind="version", model=model)
+    worker_groups(g)  # checks that colocated MFCs agree on dp_size
+    return g
+
+
+def _check_lists(mfcs: Sequence[MFCDef], dataset_keys: Sequence[str]) -> tuple[list[MFCDef], tuple[str, ...]]:
+    """The MFCs as a non-empty list of uniquely named MFCDefs that each read something, the dataset keys as a
+    tuple of distinct names."""
     mfcs = list(mfcs)
     if not mfcs:
         raise ValueError("build_graph: the list of MFCs is empty; an algorithm needs at least one MFC")
@@ -60,20 +86,22 @@ def build_graph(mfcs: Sequence[MFCDef], dataset_keys: Sequence[str] = ("prompts"
     if dup_dataset:
         raise ValueError(f"build_graph: dataset_keys={dataset_keys!r} lists {_names(dup_dataset)} more "
                          f"than once; list each key once")
-
     positions: dict[str, int] = {}
     for i, mfc in enumerate(mfcs):
         if mfc.name in positions:
             raise ValueError(f"build_graph: two MFCs are named {mfc.name!r} (positions "
                              f"{positions[mfc.name]} and {i}); MFC names must be unique")
         positions[mfc.name] = i
-
     no_inputs = [m.name for m in mfcs if not m.input_keys]
     if no_inputs:
         raise ValueError(f"build_graph: MFC(s) {_names(no_inputs)} have no input_keys; every MFC must "
                          f"read at least one key (e.g. 'prompts' from the dataset), otherwise it has "
                          f"no rows to run on")
+    return mfcs, dataset_keys
 
+
+def _producers(mfcs: list[MFCDef], dataset_keys: tuple[str, ...]) -> dict[str, str]:
+    """column -> the one MFC that writes it (a column has one producer: an MFC or the dataset)."""
     producer: dict[str, str] = {}
     for mfc in mfcs:
         for key in mfc.output_keys:
@@ -85,7 +113,11 @@ def build_graph(mfcs: Sequence[MFCDef], dataset_keys: Sequence[str] = ("prompts"
                 raise ValueError(f"build_graph: key {key!r} is produced by both MFC {producer[key]!r} and "
                                  f"MFC {mfc.name!r}; a column has one producer: rename one of the outputs")
             producer[key] = mfc.name
+    return producer
 
+
+def _check_inputs(mfcs: list[MFCDef], producer: dict[str, str], dataset_keys: tuple[str, ...]) -> None:
+    """Everything an MFC reads is produced by an MFC or the dataset."""
     missing: dict[str, list[str]] = {}
     for mfc in mfcs:
         for key in mfc.input_keys:
@@ -97,35 +129,18 @@ def build_graph(mfcs: Sequence[MFCDef], dataset_keys: Sequence[str] = ("prompts"
                          f"(dataset keys: {_names(dataset_keys) or 'none'}); add it to the output_keys of "
                          f"the MFC that computes it or to dataset_keys")
 
-    g = nx.DiGraph(dataset_keys=dataset_keys, mfcs=mfcs)
-    for mfc in mfcs:
-        g.add_node(mfc.name, mfc=mfc)
-    edge_keys: dict[tuple[str, str], set[str]] = {}
-    for mfc in mfcs:
-        for key in mfc.input_keys:
-            if key in producer:
-                edge_keys.setdefault((producer[key], mfc.name), set()).add(key)
-    for (src, dst), keys in edge_keys.items():
-        g.add_edge(src, dst, kind="data", keys=tuple(sorted(keys)))
 
+def _check_acyclic(g: nx.DiGraph) -> None:
+    """The data edges form no cycle: each MFC reads only what earlier ones wrote."""
     try:
         cycle = nx.find_cycle(g)
     except nx.NetworkXNoCycle:
-        cycle = None
-    if cycle:
-        path = " -> ".join([cycle[0][0]] + [dst for _, dst in cycle])
-        detail = "; ".join(f"{src} -> {dst} via {_names(g.edges[src, dst]['keys'])}" for src, dst in cycle)
-        raise ValueError(f"build_graph: the data edges form a cycle {path} ({detail}); each MFC must only "
-                         f"read keys produced earlier in the step: break the cycle by reading the value "
-                         f"from the dataset or from an earlier MFC")
-
-    trained = trained_models(g)
-    order = topological_order(g)
-    for model in trained:
-        calls = [m.name for m in order if m.model_name == model]
-        g.add_edge(calls[-1], calls[0], kind="version", model=model)
-    worker_groups(g)  # checks that colocated MFCs agree on dp_size
-    return g
+        return
+    path = " -> ".join([cycle[0][0]] + [dst for _, dst in cycle])
+    detail = "; ".join(f"{src} -> {dst} via {_names(g.edges[src, dst]['keys'])}" for src, dst in cycle)
+    raise ValueError(f"build_graph: the data edges form a cycle {path} ({detail}); each MFC must only "
+                     f"read keys produced earlier in the step: break the cycle by reading the value "
+                     f"from the dataset or from an earlier MFC")
 
 
 def data_graph(g: nx.DiGraph) -> nx.DiGraph:
