@@ -91,6 +91,25 @@ def register_function(fn: ComputeFn) -> ComputeFn:
     return fn
 
 
+def compute_step(name: str, interface: InterfaceType | str, inputs: Sequence[str], outputs: Sequence[str] = (), *,
+                 optional: Sequence[str] = (), engine: str = "", doc: str = "") -> Callable[[type], type]:
+    """Declare the decorated implementation (a `workers.impls.Impl` subclass: its `args` from the config, its
+    call on a micro-batch) as the compute function `name`, beside it, and register it: a new compute step is
+    one class in one module (a `trainer.plugins` module for a user's) under this one line.
+
+        @compute_step("neg_reward", "compute", inputs=("rm_scores",), outputs=("neg_scores",))
+        class NegReward(Impl):
+            def __call__(self, batch, rows):
+                return Output({"neg_scores": [-s for s in batch["rm_scores"]]}, {})
+    """
+    def register(impl: type) -> type:
+        text = doc or next(iter((impl.__doc__ or "").strip().splitlines()), "")
+        register_function(ComputeFn(name, impl, InterfaceType(interface), tuple(inputs), tuple(outputs),
+                                    tuple(optional), engine, text))
+        return impl
+    return register
+
+
 DEFAULT_FN = {InterfaceType.GENERATE: "generate", InterfaceType.INFERENCE: "log_probs",
               InterfaceType.TRAIN_STEP: "policy_train"}
 
