@@ -85,7 +85,8 @@ def _sync_dev(device: str) -> None:
 
 def sender_main(args, to_reader, from_reader, results) -> None:
     from mindspeed_rl.engines.base import hf_named_weights
-    from mindspeed_rl.engines.sync.ipc_sync import IPCSender, QueueChannel, send_ipc
+    from mindspeed_rl.engines.sync.ipc_sender import IPCSender
+    from mindspeed_rl.engines.sync.ipc_sync import QueueChannel, send_ipc
     from mindspeed_rl.engines.sync.weight_sync import Checksum
     try:
         torch.set_num_threads(args.threads)
@@ -124,7 +125,8 @@ def sender_main(args, to_reader, from_reader, results) -> None:
 
 
 def reader_main(args, from_sender, to_sender, results) -> None:
-    from mindspeed_rl.engines.sync.ipc_sync import IPCAttachments, IPCReceiver, QueueChannel, serve_ipc
+    from mindspeed_rl.engines.sync.ipc_receiver import IPCAttachments, IPCReceiver
+    from mindspeed_rl.engines.sync.ipc_sync import QueueChannel, serve_ipc
     from mindspeed_rl.engines.sync.weight_sync import Checksum
     try:
         torch.set_num_threads(args.threads)

@@ -178,7 +178,7 @@ def _plan(dtype: str, buckets_mb: list[int], variants: bool, copy_out: bool) -> 
             {**base, "dtype": dtype, "bucket_mb": mid, "receiver": {"prefetch": False, "reuse_buffers": False},
              "copy_out": True, "recv": "copy out, fresh per bucket"},
         ]
-    from mindspeed_rl.engines.sync.weight_sync import INPLACE_MIN_BYTES
+    from mindspeed_rl.engines.sync.bucket_layout import INPLACE_MIN_BYTES
     for c in cases:
         c["bucket_bytes"] = c["bucket_mb"] * MiB
         if c["inplace_min_bytes"] is None:
@@ -208,7 +208,7 @@ def _into_flat(model, dtype: torch.dtype, nbytes: int) -> torch.Tensor:
     """Move the model's parameters (cast to `dtype`) into views of one flat byte buffer of `nbytes`
     (the bytes a sync sends: the tied lm_head travels twice, so the tail is filler). The floor then
     broadcasts the model's own bytes at no extra memory, the way FSDP's flat parameters would."""
-    from mindspeed_rl.engines.sync.weight_sync import _align
+    from mindspeed_rl.engines.sync.bucket_layout import aligned
 
     flat = torch.empty(nbytes, dtype=torch.uint8)
     off = 0
@@ -218,7 +218,7 @@ def _into_flat(model, dtype: torch.dtype, nbytes: int) -> torch.Tensor:
             view = flat[off:off + n].view(dtype).view(p.shape)
             view.copy_(p.data)
             p.data = view
-            off = _align(off + n)
+            off = aligned(off + n)
     assert off <= nbytes, (off, nbytes)
     flat[off:].fill_(1)
     return flat

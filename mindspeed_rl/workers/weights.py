@@ -51,7 +51,9 @@ class WeightHost:
         """weight_sync.backend ipc (engines/sync/ipc_sync.py): "send" on the trainer's rank 0 (one staging
         sender, kept for the job; `peers`: the reader actors), "read" on a worker hosting readers."""
         from ..device import resolve_device
-        from ..engines.sync.ipc_sync import IPCAttachments, IPCSender, Mailbox
+        from ..engines.sync.ipc_receiver import IPCAttachments
+        from ..engines.sync.ipc_sender import IPCSender
+        from ..engines.sync.ipc_sync import Mailbox
         dev = resolve_device(self.device)
         if role == "send":
             sender = IPCSender(self.sync_cfg.bucket_mb << 20, dev)
@@ -126,7 +128,8 @@ class WeightHost:
             if digest is not None and self.rank == 0:
                 out["sent"] = digest.hexdigest()
         elif model in self.ipc_mailboxes:  # mapped from the trainer's memory into a reader's own
-            from ..engines.sync.ipc_sync import IPCReceiver, serve_ipc
+            from ..engines.sync.ipc_receiver import IPCReceiver
+            from ..engines.sync.ipc_sync import serve_ipc
             rx = IPCReceiver.for_readers(readers, version, digest, self.ipc_attach[model])
             info = serve_ipc(rx, self.ipc_mailboxes[model], self._ipc_timeout(), finish=rx.finish_readers)
             out["bytes_into_targets"] = info["bytes_into_targets"]

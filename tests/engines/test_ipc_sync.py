@@ -1,4 +1,4 @@
-"""Colocated weight sync through shared memory (`engines/sync/ipc_sync.py`).
+"""Colocated weight sync through shared memory (`engines/sync/ipc_sync.py` and the `ipc_*` modules beside it).
 
 The multi-process tests start real processes (torch.multiprocessing, spawn) that talk through
 multiprocessing queues and share real /dev/shm segments: the CPU twin of the CUDA IPC path, same
@@ -16,9 +16,10 @@ import pytest
 import torch
 import torch.multiprocessing as tmp
 
-from mindspeed_rl.engines.sync.ipc_sync import (CallChannel, IPCAttachments, IPCReceiver, IPCSender, Mailbox,
-                                           QueueChannel, cleanup_stale, receive_ipc, segment_files, send_ipc,
-                                           serve_ipc, shm_dir)
+from mindspeed_rl.engines.sync.ipc_receiver import IPCAttachments, IPCReceiver, receive_ipc
+from mindspeed_rl.engines.sync.ipc_segments import cleanup_stale, segment_files, shm_dir
+from mindspeed_rl.engines.sync.ipc_sender import IPCSender
+from mindspeed_rl.engines.sync.ipc_sync import CallChannel, Mailbox, QueueChannel, send_ipc, serve_ipc
 from mindspeed_rl.engines.sync.weight_sync import Checksum, checksum
 
 BUCKET = 256 << 10          # 256 KiB: the 16 MiB embedding is split over 64 buckets

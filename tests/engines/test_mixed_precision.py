@@ -7,7 +7,7 @@ import torch
 from mindspeed_rl.engines import MicroBatch, OptimConfig, TrainSpec
 from mindspeed_rl.engines.base import cast_bucket
 from mindspeed_rl.engines.train.torch_train import TorchTrainEngine
-from mindspeed_rl.engines.sync.weight_sync import BucketSpec
+from mindspeed_rl.engines.sync.bucket_layout import BucketSpec
 
 from ._common import PAD, flat_params, nll_loss_fn, random_rows, tiny_qwen2
 

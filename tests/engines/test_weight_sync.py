@@ -3,8 +3,9 @@ import pytest
 import torch
 
 from mindspeed_rl.engines.base import bucketed, flatten_parameters, hf_named_weights
-from mindspeed_rl.engines.sync.weight_sync import (ALIGN, BucketSpec, Checksum, checksum, copy_weights, free_port,
-                                              tee_buckets)
+from mindspeed_rl.engines.base import ALIGN
+from mindspeed_rl.engines.sync.bucket_layout import BucketSpec
+from mindspeed_rl.engines.sync.weight_sync import Checksum, checksum, copy_weights, free_port, tee_buckets
 from mindspeed_rl.engines.base import load_named as load_by_name
 
 from . import _sync_ranks as S

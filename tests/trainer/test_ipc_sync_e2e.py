@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mindspeed_rl.config import config_from_dict
-from mindspeed_rl.engines.sync.ipc_sync import _NAME_RE, PREFIX, shm_dir
+from mindspeed_rl.engines.sync.ipc_segments import _NAME_RE, PREFIX, shm_dir
 from mindspeed_rl.trainer import Trainer
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

@@ -16,7 +16,7 @@ over a TCPStore, never torch's default group, so it does not collide with DDP, F
   unflattened tensors took ~180 broadcasts per sync and reached 0.69-0.78 of one flat broadcast.
   Receivers receive the bucket into one buffer on their device and get views into it, or, given
   `targets`, receive a run straight into the reader's tensors when those lie the same way.
-* The layout. A bucket's `BucketSpec` (names, shapes, dtypes, offsets, the broadcasts it takes)
+* The layout. A bucket's `BucketSpec` (`bucket_layout.py`: names, shapes, dtypes, offsets, the broadcasts it takes)
   is what a receiver must know before it can receive. Each bucket is preceded by a 3-integer header
   broadcast (layout version, bucket index, bytes); the specs of a layout version are written to the
   group's TCPStore once, the first time that version is sent, and cached on every side. The sender
@@ -51,7 +51,6 @@ Usage (the worker's side):
 from __future__ import annotations
 
 import hashlib
-import json
 import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -59,9 +58,8 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
-from ..base import ALIGN, Bucket, NamedTensors  # ALIGN: byte alignment of every tensor in a bucket's wire buffer
-
-INPLACE_MIN_BYTES = 1 << 20     # tensors this large are broadcast in place, smaller ones packed
+from ..base import Bucket, NamedTensors
+from .bucket_layout import INPLACE_MIN_BYTES, BucketSpec, Entry, dtype_name, dtype_of, location, span
 _KEY = "weight_sync/layout"     # store keys: f"{_KEY}/{version}/{bucket index}" -> a BucketSpec's JSON
 
 
@@ -155,125 +153,6 @@ def stateless_group(host: str, port: int, rank: int, world_size: int, backend: s
     return SyncGroup(pg=pg, store=store, rank=rank, world_size=world_size, backend=backend, device=dev)
 
 
-# ---------------------------------------------------------------------------- the layout
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _dtype(name: str) -> torch.dtype:
-    d = getattr(torch, name, None)
-    if not isinstance(d, torch.dtype):
-        raise ValueError(f"weight sync: unknown dtype {name!r} in a bucket layout")
-    return d
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-@dataclass(frozen=True)
-class Entry:
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    offset: int         # byte offset in the bucket's buffer
-
-    @property
-    def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * torch.empty((), dtype=_dtype(self.dtype)).element_size()
-
-
-@dataclass(frozen=True)
-class BucketSpec:
-    """How one bucket lies in its wire buffer, and the broadcasts ([start, end) byte ranges) it takes.
-
-    A segment is either a span sent straight from the sender's memory (packed=False: one tensor,
-    or several that lie side by side in one storage at exactly their relative offsets here, so
-    the span, gaps included, is one broadcast) or a run of packed tensors (packed=True: copied
-    into a staging buffer first). Both sides derive the broadcasts from the segments alone.
-    Tensors that are the same view of the same storage (tied weights in one bucket) share one
-    offset."""
-    entries: tuple[Entry, ...]
-    segments: tuple[tuple[int, int, bool], ...]   # (start, end, packed)
-    nbytes: int
-
-    @staticmethod
-    def describe(bucket: Bucket, inplace_min_bytes: int = INPLACE_MIN_BYTES) -> "BucketSpec":
-        """The layout of `bucket`: spans of at least `inplace_min_bytes` that lie in the sender's
-        memory as on the wire go straight from it, the rest is packed."""
-        entries = []
-        seen: dict[tuple, int] = {}
-        offset = 0
-        spans: list[list] = []      # [start, end, where the first lies (or None)] of adjacent tensors
-        for name, t in bucket:
-            key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) if t.numel() else None
-            if key is not None and key in seen:
-                entries.append(Entry(name, tuple(t.shape), _dtype_name(t.dtype), seen[key]))
-                continue
-            n = t.numel() * t.element_size()
-            entries.append(Entry(name, tuple(t.shape), _dtype_name(t.dtype), offset))
-            if key is None:
-                continue
-            seen[key] = offset
-            at = _location(t)
-            last = spans[-1] if spans else None
-            if (at is not None and last is not None and last[2] is not None and at[:2] == last[2][:2]
-                    and at[2] - last[2][2] == offset - last[0]):
-                last[1] = offset + n                    # lies right where the wire puts it: same span
-            else:
-                spans.append([offset, offset + n, at])
-            offset = _align(offset + n)
-        segments, run_start = [], None      # run_start: start of the current packed run
-        for start, end, at in spans:
-            if at is not None and end - start >= inplace_min_bytes:
-                if run_start is not None:
-                    segments.append((run_start, start, True))
-                    run_start = None
-                segments.append((start, end, False))
-            elif run_start is None:
-                run_start = start
-        if run_start is not None:
-            segments.append((run_start, offset, True))
-        return BucketSpec(tuple(entries), tuple(segments), offset)
-
-    @property
-    def packed_bytes(self) -> int:
-        """Bytes of the packed runs together (the sender's staging buffer for this bucket)."""
-        return sum(end - start for start, end, packed in self.segments if packed)
-
-    def to_json(self) -> str:
-        return json.dumps({"entries": [[e.name, list(e.shape), e.dtype, e.offset] for e in self.entries],
-                           "segments": [list(s) for s in self.segments], "nbytes": self.nbytes})
-
-    @staticmethod
-    def from_json(text: str | bytes) -> "BucketSpec":
-        d = json.loads(text)
-        return BucketSpec(tuple(Entry(n, tuple(s), dt, o) for n, s, dt, o in d["entries"]),
-                          tuple((a, b, bool(p)) for a, b, p in d["segments"]), int(d["nbytes"]))
-
-    def views(self, buffer: torch.Tensor) -> Bucket:
-        """(name, tensor) views into a received buffer laid out by this spec."""
-        out = []
-        for e in self.entries:
-            out.append((e.name, buffer[e.offset:e.offset + e.nbytes].view(_dtype(e.dtype)).view(e.shape)))
-        return out
-
-    def pack(self, bucket: Bucket, buffer: torch.Tensor, start: int = 0, end: int | None = None) -> None:
-        """Copy the tensors of bytes [start, end) of this bucket into `buffer` (at offset - start)."""
-        end = self.nbytes if end is None else end
-        done = set()
-        for e, (_, t) in zip(self.entries, bucket):
-            n = e.nbytes
-            if n == 0 or e.offset < start or e.offset + n > end or e.offset in done:
-                continue
-            done.add(e.offset)
-            dst = buffer[e.offset - start:e.offset - start + n].view(t.dtype).view(t.shape)
-            dst.copy_(t.detach())
-
 
 def _store_key(version: int, index: int) -> str:
     return f"{_KEY}/{version}/{index}"
@@ -320,7 +199,7 @@ def send_buckets(group: SyncGroup, buckets: Iterable[Bucket], src: int = 0,
                 at += end - start
                 spec.pack(bucket, buf, start, end)
             else:   # one tensor, or a span of adjacent ones, straight from the sender's memory
-                buf = _span(_tensor_at(spec, bucket, start), end - start)
+                buf = span(_tensor_at(spec, bucket, start), end - start)
             works.append(group.broadcast(buf, src))
         sent_bytes += spec.nbytes
         biggest = max(biggest, spec.nbytes)
@@ -362,30 +241,6 @@ def _tensor_at(spec: BucketSpec, bucket: Bucket, offset: int) -> torch.Tensor:
         if e.offset == offset and e.nbytes:
             return t
     raise AssertionError(f"no tensor at offset {offset}")
-
-
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes as a 1-D uint8 view (no copy)."""
-    return t.detach().reshape(-1).view(torch.uint8)
-
-
-def _location(t: torch.Tensor) -> tuple | None:
-    """(device, storage address, byte offset in it) of a contiguous tensor; None if not contiguous."""
-    if not t.is_contiguous():
-        return None
-    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset() * t.element_size())
-
-
-def _span(t: torch.Tensor, nbytes: int) -> torch.Tensor:
-    """`nbytes` of `t`'s storage from where `t` starts, as a 1-D uint8 tensor (no copy): the bytes
-    of a run of adjacent tensors that starts with `t`."""
-    if nbytes == t.numel() * t.element_size():
-        return _bytes_of(t)
-    storage = t.untyped_storage()
-    start = t.storage_offset() * t.element_size()
-    if start + nbytes > storage.nbytes():
-        raise AssertionError(f"weight sync: a span of {nbytes} bytes runs past its storage")
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, start, (nbytes,))
 
 
 # ---------------------------------------------------------------------------- receiving
@@ -516,7 +371,7 @@ def _target_spans(targets: dict) -> dict[tuple, list[tuple[int, int]]]:
     """(device, storage address) -> the byte ranges the targets take in that storage."""
     out: dict[tuple, set] = {}
     for t in targets.values():
-        at = _location(t) if t is not None and t.numel() else None
+        at = location(t) if t is not None and t.numel() else None
         if at is not None:
             out.setdefault(at[:2], set()).add((at[2], at[2] + t.numel() * t.element_size()))
     return {k: sorted(v) for k, v in out.items()}
@@ -544,7 +399,7 @@ def _direct_targets(spec: BucketSpec, targets: dict, device: torch.device,
         t, at, mine = placed
         lo, hi = at[2], at[2] + (end - start)
         if all(r in mine for r in spans.get(at[:2], ()) if r[0] < hi and r[1] > lo):
-            out[start] = _span(t.detach(), end - start)
+            out[start] = span(t.detach(), end - start)
     return out
 
 
@@ -555,8 +410,8 @@ def _placed(start: int, entries: list[Entry], targets: dict, device: torch.devic
     first, mine = None, set()
     for e in entries:
         t = targets.get(e.name)
-        at = _location(t) if t is not None else None
-        if at is None or t.device != device or t.dtype != _dtype(e.dtype) or tuple(t.shape) != e.shape:
+        at = location(t) if t is not None else None
+        if at is None or t.device != device or t.dtype != dtype_of(e.dtype) or tuple(t.shape) != e.shape:
             return None
         if first is None:
             first = (t, at)
@@ -582,9 +437,9 @@ def _views(spec: BucketSpec, buf: torch.Tensor | None, covered: dict[int, Entry]
     out = []
     for e in spec.entries:
         if e.nbytes == 0:
-            out.append((e.name, torch.empty(e.shape, dtype=_dtype(e.dtype), device=device)))
+            out.append((e.name, torch.empty(e.shape, dtype=dtype_of(e.dtype), device=device)))
         elif e.offset not in covered:
-            out.append((e.name, buf[e.offset:e.offset + e.nbytes].view(_dtype(e.dtype)).view(e.shape)))
+            out.append((e.name, buf[e.offset:e.offset + e.nbytes].view(dtype_of(e.dtype)).view(e.shape)))
     return out
 
 
@@ -627,7 +482,7 @@ class Checksum:
         for i, x in enumerate(named_tensors):
             name, t = (f"#{i:08d}", x) if isinstance(x, torch.Tensor) else x
             t = t.detach()
-            h = hashlib.sha256(f"{_dtype_name(t.dtype)}|{tuple(t.shape)}|".encode())
+            h = hashlib.sha256(f"{dtype_name(t.dtype)}|{tuple(t.shape)}|".encode())
             h.update(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
             self._parts[name] = h.digest()
         return self

@@ -610,7 +610,7 @@ class TorchTrainEngine(TrainEngine):
     def ipc_shareable_module(self) -> torch.nn.Module:
         """The module whose own (unsharded) parameters `export_weights` hands out, so colocated IPC
         weight sync may share their memory with readers instead of packing a copy
-        (`ipc_sync.IPCSender.adopt`; sharded engines, which export gathered transients, lack this).
+        (`ipc_sender.IPCSender.adopt`; sharded engines, which export gathered transients, lack this).
         None with LoRA: its exports are merged transients too."""
         return self.module if self.lora is None else None
 
