@@ -243,56 +243,63 @@
     }
     svg.appendChild(sv("text", {x: 20, y: H - 6, "font-size": 10, fill: "#6e7781"},
                        "time since step " + stepNames[0] + " began →"));
-    // lanes
-    lanes.forEach(function (l, i) {
-      var y = TOP + i * (LANE + GAP);
-      var c = color(l.stage);
-      var g = sv("g", {"class": "lane", "data-stage": l.stage, "data-worker": l.worker,
-                       "data-boxes": l.boxes.length});
-      g.appendChild(sv("rect", {x: 0, y: y - 2, width: W, height: LANE + 4, fill: i % 2 ? "#fafbfc" : "#fff"}));
-      g.appendChild(sv("rect", {x: 4, y: y + 4, width: 10, height: LANE - 8, rx: 2, fill: c}));
-      g.appendChild(sv("text", {"class": "lane-label", x: 20, y: y + LANE / 2 + 4, "font-size": 12, fill: "#1f2328"}, [
-        sv("tspan", {"font-weight": 600}, l.stage), sv("tspan", {fill: "#6e7781"}, "  " + (l.worker || "?"))]));
-      l.boxes.forEach(function (b) {
-        var mb = sv("g", {"class": "mb", "data-op": b.op, "data-step": b.step, "data-rows": b.rows,
-                          "data-t0": b.t0, "data-tw": b.tw, "data-t1": b.t1});
-        var xs = x(b.t0), xw = x(b.tw), xe = x(b.t1);
-        if (b.op === "put") {
-          mb.appendChild(sv("rect", {"class": "work", x: xs - 1, y: y + 2, width: 3, height: LANE - 4, fill: c}));
-        } else {
-          if (xw - xs >= 0.5) {
-            mb.appendChild(sv("rect", {"class": "wait", x: xs, y: y + 2, width: xw - xs, height: LANE - 4,
-                                       fill: "url(#hatch" + i + ")", stroke: c, "stroke-opacity": 0.4,
-                                       "stroke-width": 0.6}));
-          }
-          mb.appendChild(sv("rect", {"class": "work", x: xw, y: y + 2, width: Math.max(1.5, xe - xw), height: LANE - 4,
-                                     fill: c, stroke: "#fff", "stroke-width": 0.8}));
-          if (b.put) mb.appendChild(sv("rect", {x: xe - 1, y: y, width: 2, height: LANE, fill: "#1f2328"}));
-        }
-        var what = b.op === "put" ? "put " + b.rows + " rows" :
-          b.rows + " rows: waited " + fmtSeconds(b.tw - b.t0) + ", then " + fmtSeconds(b.t1 - b.tw) +
-          (b.put ? " until it put its results" : "");
-        // with rl_config.max_weight_staleness > 0 a rollout lane works on a later step than the trainer's
-        // lanes, with older weights: the title says which step and which weight version
-        mb.appendChild(sv("title", {}, l.stage + " @ " + (l.worker || "?") + ", step " + b.step +
-                                       (b.version !== undefined ? " (weights v" + b.version + ")" : "") + ": " + what));
-        g.appendChild(mb);
-      });
-      svg.appendChild(g);
-    });
-    // step boundaries on top
+    lanes.forEach(function (l, i) { svg.appendChild(drawLane(l, i, TOP + i * (LANE + GAP), W, LANE, x, color)); });
+    drawStepStarts(svg, steps, stepNames, x, TOP, H - BOTTOM);
+    box.appendChild(svg);
+    renderLegend(lanes, color);
+    renderOverlap(s, lanes, stepNames);
+  }
+
+  // One lane: its label, then a box per micro-batch (hatched while it waited, solid while it worked).
+  function drawLane(l, i, y, W, LANE, x, color) {
+    var c = color(l.stage);
+    var g = sv("g", {"class": "lane", "data-stage": l.stage, "data-worker": l.worker,
+                     "data-boxes": l.boxes.length});
+    g.appendChild(sv("rect", {x: 0, y: y - 2, width: W, height: LANE + 4, fill: i % 2 ? "#fafbfc" : "#fff"}));
+    g.appendChild(sv("rect", {x: 4, y: y + 4, width: 10, height: LANE - 8, rx: 2, fill: c}));
+    g.appendChild(sv("text", {"class": "lane-label", x: 20, y: y + LANE / 2 + 4, "font-size": 12, fill: "#1f2328"}, [
+      sv("tspan", {"font-weight": 600}, l.stage), sv("tspan", {fill: "#6e7781"}, "  " + (l.worker || "?"))]));
+    l.boxes.forEach(function (b) { g.appendChild(drawBox(l, b, i, y, LANE, x, c)); });
+    return g;
+  }
+
+  function drawBox(l, b, i, y, LANE, x, c) {
+    var mb = sv("g", {"class": "mb", "data-op": b.op, "data-step": b.step, "data-rows": b.rows,
+                      "data-t0": b.t0, "data-tw": b.tw, "data-t1": b.t1});
+    var xs = x(b.t0), xw = x(b.tw), xe = x(b.t1);
+    if (b.op === "put") {
+      mb.appendChild(sv("rect", {"class": "work", x: xs - 1, y: y + 2, width: 3, height: LANE - 4, fill: c}));
+    } else {
+      if (xw - xs >= 0.5) {
+        mb.appendChild(sv("rect", {"class": "wait", x: xs, y: y + 2, width: xw - xs, height: LANE - 4,
+                                   fill: "url(#hatch" + i + ")", stroke: c, "stroke-opacity": 0.4,
+                                   "stroke-width": 0.6}));
+      }
+      mb.appendChild(sv("rect", {"class": "work", x: xw, y: y + 2, width: Math.max(1.5, xe - xw), height: LANE - 4,
+                                 fill: c, stroke: "#fff", "stroke-width": 0.8}));
+      if (b.put) mb.appendChild(sv("rect", {x: xe - 1, y: y, width: 2, height: LANE, fill: "#1f2328"}));
+    }
+    var what = b.op === "put" ? "put " + b.rows + " rows" :
+      b.rows + " rows: waited " + fmtSeconds(b.tw - b.t0) + ", then " + fmtSeconds(b.t1 - b.tw) +
+      (b.put ? " until it put its results" : "");
+    // with rl_config.max_weight_staleness > 0 a rollout lane works on a later step than the trainer's
+    // lanes, with older weights: the title says which step and which weight version
+    mb.appendChild(sv("title", {}, l.stage + " @ " + (l.worker || "?") + ", step " + b.step +
+                                   (b.version !== undefined ? " (weights v" + b.version + ")" : "") + ": " + what));
+    return mb;
+  }
+
+  // A dashed line where each step began, with its number on top.
+  function drawStepStarts(svg, steps, stepNames, x, TOP, bottom) {
     stepNames.forEach(function (k) {
       var st = steps[k];
       if (!st.t_start) return;
       var sx = x(st.t_start);
-      svg.appendChild(sv("line", {"class": "step-start", x1: sx, x2: sx, y1: TOP - 4, y2: H - BOTTOM,
+      svg.appendChild(sv("line", {"class": "step-start", x1: sx, x2: sx, y1: TOP - 4, y2: bottom,
                                   stroke: "#22303c", "stroke-dasharray": "4 3", "stroke-width": 1}));
       svg.appendChild(sv("text", {x: sx + 3, y: TOP - 8, "font-size": 11, "font-weight": 600, fill: "#22303c"},
                          "step " + k));
     });
-    box.appendChild(svg);
-    renderLegend(lanes, color);
-    renderOverlap(s, lanes, stepNames);
   }
 
   function renderLegend(lanes, color) {
