@@ -7,7 +7,7 @@
 What runs: the real GRPO job through the real `Trainer` (driver), the real dataflow graph (stage
 names, dock columns, consumers), the real TransferDock and every stage's real pull-compute-push
 loop (`run_stage_loop`); only the compute is replaced, by `trainer.simulate_cost_s_per_row`
-(`mindspeed_rl/workers/simulate.py`): each stage sleeps a fixed time per row and pushes a small
+(the simulate backend, `mindspeed_rl/engines/simulate/`): each stage sleeps a fixed time per row and pushes a small
 placeholder per row, no models are loaded and weight sync is skipped. Sleeping stages do not
 compete for the machine's 2 cores, so what is measured is the pipeline, not the CPU.
 
@@ -65,7 +65,7 @@ import ray
 import torch
 
 from mindspeed_rl.config import config_from_dict
-from mindspeed_rl.workers.simulate import ideal_pipeline
+from mindspeed_rl.engines.simulate import ideal_pipeline
 
 from steptrace import TracingTrainer, abba_schedule, measured, median
 
@@ -194,7 +194,7 @@ class LoopProbe:
     """A worker-like actor running the real stage loop as the rollout stage, inputs all ready."""
 
     def run(self, dock, microbatches: int, overlap: bool) -> list[float]:
-        from mindspeed_rl.workers.simulate import simulated_compute
+        from mindspeed_rl.engines.simulate import simulated_compute
         from mindspeed_rl.workers.stage import run_stage_loop
         from mindspeed_rl.dataflow import get_algorithm
         dock.worker = "probe/0"

@@ -82,10 +82,10 @@ class TrainerConfig:
     dashboard: bool = True               # serve the live dashboard on 127.0.0.1 while training
     dashboard_port: int = 0              # its port; 0: any free port (the URL is printed at start)
     report: bool = True                  # write report.html (+ dashboard.json) in output_dir, also on a crash
-    # stage -> seconds per row: stages sleep instead of computing, no models (workers/simulate.py); {}: off
+    # stage -> seconds per row: stages sleep instead of computing, no models (engines/simulate/); {}: off
     simulate_cost_s_per_row: dict = field(default_factory=dict)
-    # the simulate backend's generation as a serving engine: this many rows decode at once, each for cost x slots x a
-    # mean-1 lognormal factor of spread simulate_generate_sigma (long-tailed lengths); 0: rows one after another
+    # the simulate backend's generation as a serving engine: this many rows decode at once, each for cost x slots x
+    # a mean-1 lognormal factor of spread simulate_generate_sigma (long-tailed lengths); 0: rows one after another
     simulate_generate_slots: int = 0
     simulate_generate_sigma: float = 0.0
     eval_interval: int = 0               # reward modeling: held-out accuracy and margin every N steps (0: at the end)

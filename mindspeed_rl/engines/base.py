@@ -54,8 +54,9 @@ class ReplicaRoles:
 
     A one-rank replica (plain data parallelism, the default) reads its own micro-batches from the dock
     and writes its own results. A split model (tp or pp > 1) has one reader (it pulls micro-batches and
-    the replica gets them from it) and one writer (it holds the outputs and pushes them); the worker's
-    stage loop reads these members and nothing else of the engine's layout.
+    the replica gets them from it) and one writer (it holds the outputs and pushes them). Which rank is
+    which comes from the deployment (`spec.role`, engines/deployment.py `RankRole`): a split engine sets
+    these members from it and builds `replica_group` over its replica's ranks; it computes no role.
     """
 
     is_dock_reader: bool = True          # pulls micro-batches from the dock
@@ -150,6 +151,8 @@ class RolloutSpec:
                                          # that sizes its caches by it (vLLM's max_model_len) defaults to it
     cuda_graphs: bool | None = None      # generate_config.cuda_graphs: a fixed-shape decode replayed as CUDA graphs
                                          # (the hf engine); None: on CUDA, off elsewhere
+    role: Any = None                     # this rank's deployment.RankRole (a split engine's reader, writer and
+                                         # replica); None: a one-rank replica
 
 
 @dataclass
@@ -163,6 +166,8 @@ class TrainSpec:
     temperature: float = 1.0             # log-probs of the sampling distribution (logits / temperature)
     optim: OptimConfig | None = None     # None: inference only
     process_group: Any = None            # the DP group over this model's ranks (None: a single rank)
+    role: Any = None                     # this rank's deployment.RankRole (a split engine's reader, writer and
+                                         # replica); None: a one-rank replica
     seed: int = 0
     options: dict = field(default_factory=dict)  # backend-specific keys
     # what the model's own config section asks of any backend (a backend lists the ones it takes in its

@@ -2,8 +2,10 @@
 
 A worker group gets a slice of the placement (dp, tp, pp, its devices). Which actors that slice
 becomes, which process groups they form and which rank of a replica reads the dock and which
-writes the results is the backend's decision, declared here once and read by the plan (what it
-prints and writes to plan.json), the driver (what it starts) and the worker (what each rank does).
+writes the results is the backend's decision, declared here once (`Deployment.roles`) and read by
+the plan (what it prints and writes to plan.json), the driver (what it starts), the worker (what
+each rank's stage loop does) and the engines (given their rank's `RankRole` in their spec: they
+build the replica's process group from it and never work out roles themselves).
 Nothing outside `engines/` interprets a backend flag.
 
 Three shapes cover the built-ins, as verl's and MindSpeed-RL's workers do:
@@ -14,11 +16,13 @@ Three shapes cover the built-ins, as verl's and MindSpeed-RL's workers do:
   stage's TP rank 0 reads the dock and the last stage's TP rank 0 writes (mesh, megatron).
 - `engine`: one actor per DP replica whose engine starts its own tensor-parallel ranks (vLLM's
   tensor_parallel_size); to the trainer a data-parallel group.
-`simulate` is `data_parallel` with no model.
+`simulate` is `data_parallel` with no model and no process group.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from ..parallel.topology import ProcessTopology, dock_reader_ranks, dock_writer_ranks, replica_members
 
 DATA_PARALLEL, MESH, ENGINE = "data_parallel", "mesh", "engine"
 SHAPES = (DATA_PARALLEL, MESH, ENGINE)
@@ -39,13 +43,29 @@ class Slice:
 
 @dataclass(frozen=True)
 class RankRole:
-    """What one actor of a deployment does with the dock (before its engine is built; the engine's
-    own `is_dock_reader` / `is_dock_writer` say the same at run time)."""
+    """What one actor of a deployment does with the dock and within its replica (the ranks holding one copy of
+    the model). The worker's stage loop and the engines receive it and compute none of it: the reader pulls
+    micro-batches and broadcasts them to its replica, the writer pushes the replica's outputs. Ranks are the
+    actors' ranks in the worker group (torch's default group where the deployment has one)."""
     rank: int
     replica: int                        # its DP replica
     reads: bool                         # pulls micro-batches from the dock
     writes: bool                        # pushes the replica's outputs
     devices: tuple[int, ...] = ()
+    reader: int = 0                     # the replica's reader: the source of its broadcasts
+    writer: int = 0                     # the replica's writer
+    replica_ranks: tuple[int, ...] = (0,)  # the ranks of its replica, sorted
+    replicas: tuple[tuple[int, ...], ...] = ((0,),)  # every replica's ranks, in DP order (process groups are
+                                        # made by every rank for every replica, in this order)
+
+    @property
+    def dp(self) -> int:
+        return len(self.replicas)
+
+    @property
+    def split(self) -> bool:
+        """Is its replica several ranks (a model split by tp or pp over the actors)?"""
+        return len(self.replica_ranks) > 1
 
 
 @dataclass(frozen=True)
@@ -87,18 +107,22 @@ class Deployment:
         return tuple(self.devices[k * n:(k + 1) * n])
 
     def roles(self) -> list[RankRole]:
-        """Per actor: its replica and whether it reads the dock and writes results (MindSpeed-RL's rule on
-        a mesh: rank (pp 0, tp 0) of a replica reads, (last pp, tp 0) writes; ranks are (pp, dp, tp)-major
-        as parallel/topology.py orders them)."""
+        """Per actor: its replica, whether it reads the dock and writes results, and its replica's reader and
+        writer. A one-rank replica reads and writes its own rows; on a mesh the ranks are (pp, dp, tp)-major
+        and the readers and writers are `parallel.topology`'s (MindSpeed-RL's rule: rank (pp 0, tp 0) of a
+        replica reads, (last pp, tp 0) writes)."""
+        if self.shape != MESH:
+            replicas = tuple((k,) for k in range(self.actors))
+            return [RankRole(k, k, True, True, self.actor_devices(k), reader=k, writer=k, replica_ranks=(k,),
+                             replicas=replicas) for k in range(self.actors)]
+        topo = ProcessTopology(self.dp, self.tp, self.pp)
+        readers, writers = dock_reader_ranks(topo), dock_writer_ranks(topo)
+        replicas = tuple(tuple(replica_members(topo, d)) for d in range(self.dp))
         out = []
         for k in range(self.actors):
-            if self.shape != MESH:
-                out.append(RankRole(k, k, True, True, self.actor_devices(k)))
-                continue
-            pp_rank, rest = divmod(k, self.dp * self.tp)
-            replica, tp_rank = divmod(rest, self.tp)
-            out.append(RankRole(k, replica, pp_rank == 0 and tp_rank == 0,
-                                pp_rank == self.pp - 1 and tp_rank == 0, self.actor_devices(k)))
+            d = topo.coord(k).dp
+            out.append(RankRole(k, d, k == readers[d], k == writers[d], self.actor_devices(k), reader=readers[d],
+                                writer=writers[d], replica_ranks=replicas[d], replicas=replicas))
         return out
 
     def as_dict(self) -> dict:

@@ -55,6 +55,9 @@ class Backend:
     user: bool = True                    # named in a config (False: chosen by the placement or the trainer)
     env: str = ""                        # "module:function(bundle_indices, resources) -> dict": the environment of
                                          # an actor holding several devices (an engine that starts its own ranks)
+    stand_in: str = ""                   # the module of a backend that runs no model (simulate): it declares the
+                                         # run's engines (`declare`) and stands in for its compute MFCs
+                                         # (`compute_args`); its engines form no process group
     model_features: tuple[str, ...] = ()  # the TrainSpec fields of base.MODEL_FEATURES its engines implement
                                          # (token budgets, gradient checkpointing, LoRA, offload); a config
                                          # asking for another is refused by the plan
@@ -157,8 +160,8 @@ class Backend:
             raise DeployError(f"the {self.name} {self.kind} backend splits by tensor parallelism only: pp={slice_.pp}; "
                               "use pp: 1 (tp up to the mesh size)")
         actors = slice_.dp * slice_.tp * slice_.pp if self.shape == MESH else slice_.dp
-        group = self.shape == MESH and actors > 1 or (self.kind == TRAIN and self.shape == DATA_PARALLEL
-                                                      and slice_.dp > 1)
+        group = not self.stand_in and (self.shape == MESH and actors > 1 or (self.kind == TRAIN and slice_.dp > 1
+                                                                             and self.shape == DATA_PARALLEL))
         return Deployment(backend=self.name, shape=self.shape, dp=slice_.dp, tp=slice_.tp, pp=slice_.pp,
                           devices=tuple(slice_.devices), default_group=group)
 
@@ -227,7 +230,8 @@ register_rollout_backend(
     doc="vllm.LLM in the rollout worker's process, weights by reload_weights; with tp > 1 vLLM's own "
         "worker processes (tensor_parallel_size), weights through /dev/shm")
 register_rollout_backend(
-    SIMULATE, "mindspeed_rl.engines.simulate:SimulatedRolloutEngine", user=False,
+    SIMULATE, "mindspeed_rl.engines.simulate.engines:SimulatedRolloutEngine", user=False,
+    stand_in="mindspeed_rl.engines.simulate.stand_in",
     doc="sleeps trainer.simulate_cost_s_per_row per row, no model (benchmarks)")
 
 register_train_backend(
@@ -254,7 +258,8 @@ register_train_backend(
     doc="megatron-core GPTModel from the HF Qwen2 config and weights, TP x PP x DP from the placement, megatron "
         "DDP + distributed optimizer, 1F1B, dist_checkpointing (needs CUDA or NPU; not run here)")
 register_train_backend(
-    SIMULATE, "mindspeed_rl.engines.simulate:SimulatedTrainEngine", user=False,
+    SIMULATE, "mindspeed_rl.engines.simulate.engines:SimulatedTrainEngine", user=False,
+    stand_in="mindspeed_rl.engines.simulate.stand_in",
     doc="sleeps trainer.simulate_cost_s_per_row per row, no model (benchmarks)")
 
 
@@ -274,7 +279,7 @@ def import_plugins(modules, key: str = "trainer.plugins") -> None:
 
 
 def user_backends(table: dict[str, Backend]) -> list[str]:
-    """The names a config may give (the split and simulated backends are chosen by the trainer)."""
+    """The names a config may give (the split and simulate backends are chosen by the trainer)."""
     return [n for n, b in table.items() if b.user]
 
 
@@ -316,6 +321,14 @@ def option_sections(cfg) -> set[str]:
     rollout, train = chosen_backends(cfg)
     return {table[name].section for table, name in ((ROLLOUT_BACKENDS, rollout), (TRAIN_BACKENDS, train))
             if name in table}
+
+
+def stand_in(cfg) -> Any | None:
+    """The module that declares the run's engines and stands in for its compute MFCs when the backends the
+    config chooses run no model (`Backend.stand_in`: simulate); None when they run models."""
+    name = chosen_backends(cfg)[1]
+    module = TRAIN_BACKENDS[name].stand_in if name in TRAIN_BACKENDS else ""
+    return importlib.import_module(module) if module else None
 
 
 def backend_options(cfg, backend: Backend) -> dict:

@@ -260,7 +260,7 @@ class PlacementPlan:
 
     def format_ranks(self, groups: Mapping[str, str] | None = None) -> str:
         """Each MFC's ranks: which device each sub-rank runs on, its TP/PP/DP groups and the ranks that
-        read from and write to the dock (one each per DP replica; `topology.io_role`). Ranks are the
+        read from and write to the dock (one each per DP replica; `topology.dock_reader_ranks`). Ranks are the
         MFC's sub-ranks, which are the worker ranks of its group; `groups` (MFC -> worker group name)
         adds the group column."""
         from .topology import dock_reader_ranks, dock_writer_ranks

@@ -11,8 +11,9 @@ every layer; PP, which only passes activations between stages, is outermost. `pa
 maps the layout onto the MFC's global ranks (the device ids of its mesh).
 
 Only a few ranks touch the dock (one reader and one writer per replica; the others get the
-micro-batch by broadcast); `dock_reader_ranks`, `dock_writer_ranks`, `replica_members` and
-`io_role` say which, as pure functions of the topology.
+micro-batch by broadcast); `dock_reader_ranks`, `dock_writer_ranks` and `replica_members` say
+which, as pure functions of the topology. A deployment (engines/deployment.py `Deployment.roles`)
+gives each rank its role from them; workers and engines read that role.
 """
 from __future__ import annotations
 
@@ -180,27 +181,3 @@ def replica_members(topology: ProcessTopology, dp_idx: int) -> list[int]:
     if isinstance(dp_idx, bool) or not isinstance(dp_idx, int) or not 0 <= dp_idx < topology.dp:
         raise ValueError(f"dp_idx={dp_idx!r} is not a replica of {topology} (replicas 0-{topology.dp - 1})")
     return sorted(topology.rank(p, dp_idx, t) for p in range(topology.pp) for t in range(topology.tp))
-
-
-@dataclass(frozen=True)
-class IORole:
-    """What one rank does with the dock.
-
-    reads:  it pulls micro-batches from the dock and broadcasts them to its replica.
-    writes: it pushes the replica's outputs to the dock.
-    replica: its DP index.
-    broadcast_src: the sub-rank whose broadcast it receives (its replica's reader; itself if it reads).
-    """
-
-    reads: bool
-    writes: bool
-    replica: int
-    broadcast_src: int
-
-
-def io_role(topology: ProcessTopology, sub_rank: int) -> IORole:
-    """The dock role of `sub_rank` (see `IORole`)."""
-    c = topology.coord(sub_rank)
-    reader = dock_reader_ranks(topology)[c.dp]
-    writer = dock_writer_ranks(topology)[c.dp]
-    return IORole(reads=sub_rank == reader, writes=sub_rank == writer, replica=c.dp, broadcast_src=reader)

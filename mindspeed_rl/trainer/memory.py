@@ -664,7 +664,7 @@ def _rollout_load(cfg, d: ModelDims | None, lay: Layout, backend: str, mfcs: lis
     g = cfg.generate_config
     names = [m.name for m in mfcs]
     if backend == "simulate":
-        return Load("rollout (simulated)", [], {n: [] for n in names})
+        return Load("rollout (no model)", [], {n: [] for n in names})
     if backend == "vllm":
         v = g.vllm
         if lay.kind != "cpu" and capacity is not None:

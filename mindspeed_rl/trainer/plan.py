@@ -327,7 +327,7 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
         notes.append(f"max_weight_staleness={rl.max_weight_staleness}: {[m.name for m in order if m.name not in late]} "
                      f"run up to {rl.max_weight_staleness} steps ahead of training, {late} at their step's turn")
     if cfg.trainer.simulate_cost_s_per_row:
-        notes.append("simulated compute (trainer.simulate_cost_s_per_row): the simulate backend's engines and the "
+        notes.append("sleeping compute (trainer.simulate_cost_s_per_row): the simulate backend's engines and the "
                      "compute stages sleep per row; no models are loaded")
     if check_files:
         from ..models import check_model_path
@@ -510,9 +510,9 @@ def mesh_groups(cfg: Config, order: list[MFCDef], check_files: bool):
         raise ConfigError(f"placement.mfcs: {e}") from None
     model_parallel = {n: p.strategy for n, p in plan.placements.items() if p.tp > 1 or p.pp > 1}
     if check_files and model_parallel:
-        if cfg.trainer.simulate_cost_s_per_row:  # first: no backend's split applies to a simulated run
+        if cfg.trainer.simulate_cost_s_per_row:  # first: no backend's split applies to the simulate backend's run
             raise ConfigError(f"placement.mfcs: {model_parallel} (dp/tp/pp) with trainer.simulate_cost_s_per_row: "
-                              "the simulate backend splits no model; use tp: 1, pp: 1 for simulated runs")
+                              "the simulate backend splits no model; use tp: 1, pp: 1 with it")
         _check_rollout_split(cfg, {n: plan.placements[n] for n in model_parallel
                                    if InterfaceType(by_name[n].interface_type) is InterfaceType.GENERATE})
         compute = {n: s for n, s in model_parallel.items()

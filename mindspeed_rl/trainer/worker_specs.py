@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..config import Config
+from ..engines.registry import stand_in
 from ..dataflow.mfc import InterfaceType
 from ..workers.engine_set import INFER, ROLLOUT, TRAIN, EngineDecl
 from ..workers.impls import PlanInfo, mfc_args
@@ -26,35 +27,50 @@ SECTIONS = {"policy": ("actor_config", "causal_lm"), "value": ("critic_config", 
 def _backend_dtype(cfg: Config, kind: str, gp: GroupPlan) -> tuple[str, str]:
     """A model engine's backend and dtype: the group's train backend and the actor's dtype; a reward model's own
     (reward_model.backend, null: the group's; reward_model.dtype)."""
-    if kind == "reward" and not cfg.trainer.simulate_cost_s_per_row:
+    if kind == "reward":
         return cfg.reward_model.backend or gp.train_backend, cfg.reward_model.dtype
     return gp.train_backend, cfg.actor_config.dtype
 
 
 def group_args(cfg: Config, plan: Plan, gp: GroupPlan) -> dict[str, dict]:
+    """Per MFC of the group its implementation's arguments; where the run's backends stand in for the compute
+    functions (`registry.stand_in`: simulate), the stand-in's for each MFC without an engine."""
     info = PlanInfo(trained_models=dict(plan.trained), dp=gp.resources.dp, rows_per_step=plan.rows_per_step)
-    return {m.name: mfc_args(cfg, m, info) for m in gp.mfcs}
+    out = {m.name: mfc_args(cfg, m, info) for m in gp.mfcs}
+    sub = stand_in(cfg)
+    if sub is not None:
+        out.update({m.name: sub.compute_args(cfg, m, out[m.name]) for m in gp.mfcs if not C.check_mfc(m).engine})
+    return out
+
+
+def engine_calls(gp: GroupPlan, model: str, role: str) -> dict[str, str]:
+    """The calls the group's MFCs make of `model`'s engine in `role`, each with the MFC making it (`train` for a
+    train step, else the compute function's name: generate, log_probs, values, ...)."""
+    out: dict[str, str] = {}
+    for m in gp.mfcs:
+        f = C.check_mfc(m)
+        if m.model_name != model or not f.engine or (f.engine == ROLLOUT) != (role == ROLLOUT):
+            continue
+        out["train" if f.interface is InterfaceType.TRAIN_STEP else f.name] = m.name
+    return out
 
 
 def engine_decls(cfg: Config, plan: Plan, gp: GroupPlan) -> list[EngineDecl]:
     """The engines a group's workers build, in the order the MFCs need them: a trained model's engine (with
-    its optimizer), a rollout engine per generating model, an inference engine per model only read here."""
-    simulated = bool(cfg.trainer.simulate_cost_s_per_row)
+    its optimizer), a rollout engine per generating model, an inference engine per model only read here.
+    Where the run's backends stand in for its models (`registry.stand_in`: simulate), the stand-in declares
+    each engine's backend, model and options."""
     a, g = cfg.actor_config, cfg.generate_config
+    sub = stand_in(cfg)
     out: dict[tuple[str, str], EngineDecl] = {}
 
-    def path(model: str) -> str:
-        return "" if simulated else plan.model_paths[model]
+    def declared(decl: EngineDecl) -> EngineDecl:
+        if sub is None:
+            return decl
+        return dataclasses.replace(decl, **sub.declare(cfg, decl.role, engine_calls(gp, decl.model, decl.role)))
 
-    def costs(model: str) -> dict:
-        per_stage = cfg.trainer.simulate_cost_s_per_row
-        out_: dict[str, float] = {}
-        for m in gp.mfcs:
-            f = C.check_mfc(m)
-            if f.engine and m.model_name == model:
-                key = "train" if f.interface is InterfaceType.TRAIN_STEP else f.name
-                out_[key] = float(per_stage.get(m.name, 0.0))
-        return out_
+    def options(backend: str) -> dict:
+        return dict(gp.train_options) if backend == gp.train_backend else {}
 
     trained_here = {m.model_name for m in gp.mfcs if InterfaceType(m.interface_type) is InterfaceType.TRAIN_STEP}
     for m in gp.mfcs:
@@ -65,36 +81,28 @@ def engine_decls(cfg: Config, plan: Plan, gp: GroupPlan) -> list[EngineDecl]:
         o = getattr(cfg, section)
         optim = {"lr": o.lr, "weight_decay": o.weight_decay, "betas": tuple(a.betas), "grad_clip": o.grad_clip}
         backend, dtype = _backend_dtype(cfg, kind, gp)
-        out[(m.model_name, TRAIN)] = EngineDecl(
-            model=m.model_name, role=TRAIN, backend=backend, model_path=path(m.model_name), model_kind=kind,
-            dtype=dtype, options=({"costs": costs(m.model_name)} if simulated else
-                                  dict(gp.train_options) if backend == gp.train_backend else {}),
-            optim=optim, temperature=g.temperature or 1.0,
-            features={} if simulated else features_of(cfg, m.model_name, trained=True))
+        out[(m.model_name, TRAIN)] = declared(EngineDecl(
+            model=m.model_name, role=TRAIN, backend=backend, model_path=plan.model_paths[m.model_name],
+            model_kind=kind, dtype=dtype, options=options(backend), optim=optim, temperature=g.temperature or 1.0,
+            features=features_of(cfg, m.model_name, trained=True)))
     for m in gp.mfcs:
         f = C.check_mfc(m)
-        if f.engine == "rollout" and (m.model_name, ROLLOUT) not in out:
-            t = cfg.trainer
-            options = ({"costs": costs(m.model_name), "slots": t.simulate_generate_slots,
-                        "sigma": t.simulate_generate_sigma} if simulated else dict(gp.rollout_options))
-            out[(m.model_name, ROLLOUT)] = EngineDecl(model=m.model_name, role=ROLLOUT, backend=gp.rollout_backend,
-                                                      model_path=path(m.model_name), dtype=a.dtype, options=options,
-                                                      max_seq_len=cfg.data.max_prompt_length
-                                                      + max(g.max_new_tokens, g.val.max_new_tokens or 0),
-                                                      cuda_graphs=g.cuda_graphs)
+        if f.engine == ROLLOUT and (m.model_name, ROLLOUT) not in out:
+            out[(m.model_name, ROLLOUT)] = declared(EngineDecl(
+                model=m.model_name, role=ROLLOUT, backend=gp.rollout_backend, model_path=plan.model_paths[m.model_name],
+                dtype=a.dtype, options=dict(gp.rollout_options),
+                max_seq_len=cfg.data.max_prompt_length + max(g.max_new_tokens, g.val.max_new_tokens or 0),
+                cuda_graphs=g.cuda_graphs))
         elif (f.interface is InterfaceType.INFERENCE and m.model_name not in trained_here
               and (m.model_name, INFER) not in out):
             _, kind = SECTIONS[f.engine]
             backend, dtype = _backend_dtype(cfg, kind, gp)
             base_of = lora_base_of(cfg, m.model_name, out)
-            out[(m.model_name, INFER)] = EngineDecl(
-                model=m.model_name, role=INFER, backend=backend, model_path=path(m.model_name),
-                model_kind=kind, dtype=dtype,
-                options=({} if base_of else {"costs": costs(m.model_name)} if simulated else
-                         dict(gp.train_options) if backend == gp.train_backend else {}),
-                temperature=g.temperature or 1.0,
-                features={} if simulated or base_of else features_of(cfg, m.model_name, trained=False),
-                base_of=base_of)
+            decl = EngineDecl(model=m.model_name, role=INFER, backend=backend,
+                              model_path=plan.model_paths[m.model_name], model_kind=kind, dtype=dtype, options={} if base_of else options(backend),
+                              temperature=g.temperature or 1.0, base_of=base_of,
+                              features={} if base_of else features_of(cfg, m.model_name, trained=False))
+            out[(m.model_name, INFER)] = decl if base_of else declared(decl)
     return list(out.values())
 
 
@@ -114,11 +122,12 @@ def worker_specs(cfg: Config, plan: Plan, gp: GroupPlan, docks: list, env_of) ->
     dep = gp.deployment
     args, decls = group_args(cfg, plan, gp), engine_decls(cfg, plan, gp)
     r, t = gp.resources, cfg.trainer
-    return [WorkerSpec(group=gp.name, rank=k, dp=r.dp, tp=dep.actor_tp, pp=dep.actor_pp, mfcs=gp.mfcs, args=args,
-                       engines=decls, docks=docks, tokenizer_path=plan.model_paths[plan.tokenizer_model],
+    # a stand-in's engines load no model: nothing to tokenize
+    tokenizer = "" if stand_in(cfg) is not None else plan.model_paths[plan.tokenizer_model]
+    return [WorkerSpec(group=gp.name, rank=k, dp=r.dp, tp=dep.actor_tp, pp=dep.actor_pp, role=role, mfcs=gp.mfcs,
+                       args=args, engines=decls, docks=docks, tokenizer_path=tokenizer,
                        stop_tokens=list(cfg.generate_config.stop_tokens), seed=t.seed,
                        stage_timeout_s=t.stage_timeout_s, weight_sync=dataclasses.replace(cfg.weight_sync),
                        same_step_outputs=plan.same_step_outputs, rows_per_step=plan.rows_per_step,
-                       simulated=bool(t.simulate_cost_s_per_row), plugins=list(t.plugins),
-                       torch_threads=r.torch_threads, device=r.device, env=env_of(k))
-            for k in range(dep.actors)]
+                       plugins=list(t.plugins), torch_threads=r.torch_threads, device=r.device, env=env_of(k))
+            for k, role in enumerate(dep.roles())]

@@ -25,7 +25,7 @@ class EngineDecl:
     model: str
     role: str                            # ROLLOUT, TRAIN (with an optimizer) or INFER (forward only)
     backend: str
-    model_path: str = ""                 # "" under simulation (no model)
+    model_path: str = ""                 # "": an engine without a model (the simulate backend's)
     model_kind: str = "causal_lm"        # causal_lm, value or reward
     dtype: str = "float32"
     options: dict = field(default_factory=dict)
@@ -40,9 +40,11 @@ class EngineDecl:
 
 class EngineSet:
     def __init__(self, decls: list[EngineDecl], *, seed: int, device: str, process_group, tokenizer_path: str,
-                 stop_tokens: list[str], simulated: bool):
+                 stop_tokens: list[str], role: Any = None):
+        """`tokenizer_path` "": no tokenizer (engines without a model); `role`: this rank's deployment.RankRole,
+        handed to every engine it builds."""
         self.decls, self.seed, self.device_name = decls, seed, device
-        self.process_group, self.tokenizer_path, self.simulated = process_group, tokenizer_path, simulated
+        self.process_group, self.tokenizer_path, self.role = process_group, tokenizer_path, role
         self.stop_tokens = list(stop_tokens)
         self.train: dict[str, Any] = {}     # model -> TrainEngine (with optimizer)
         self.infer: dict[str, Any] = {}     # model -> TrainEngine (no optimizer): a reader of another's model
@@ -60,19 +62,19 @@ class EngineSet:
         torch.manual_seed(self.seed)
         device = str(resolve_device(self.device_name))
         pad = 0
-        if not self.simulated:
+        if self.tokenizer_path:
             from ..models import load_tokenizer
             self.tokenizer = load_tokenizer(self.tokenizer_path)
             pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        for d in sorted(self.decls, key=lambda d: (d.role != TRAIN,)):   # trained models first, as before
+        for d in sorted(self.decls, key=lambda d: (d.role != TRAIN,)):   # trained models first
             path = d.model_path
-            if path and not self.simulated:
+            if path:
                 from ..models import resolve_model_path
                 path = str(resolve_model_path(path))
             if d.role == ROLLOUT:
                 self.rollout[d.model] = make_rollout_engine(d.backend, RolloutSpec(
                     model_path=path, dtype=d.dtype, device=device, pad_token_id=pad, seed=self.seed, options=d.options,
-                    max_seq_len=d.max_seq_len, cuda_graphs=d.cuda_graphs))
+                    max_seq_len=d.max_seq_len, cuda_graphs=d.cuda_graphs, role=self.role))
                 continue
             if d.base_of:   # the LoRA policy's own engine with its adapters off: no second copy of the weights
                 from ..engines.train.lora import BaseReference
@@ -84,14 +86,14 @@ class EngineSet:
                 pad_token_id=self._pad_of(d, path, pad),
                 temperature=d.temperature, optim=optim if d.role == TRAIN else None,
                 process_group=self.process_group if d.role == TRAIN else None, seed=self.seed, options=d.options,
-                **d.features))
+                role=self.role, **d.features))
             (self.train if d.role == TRAIN else self.infer)[d.model] = engine
-        self.stop_ids = tuple(self._stop_token_ids()) if not self.simulated else ()
+        self.stop_ids = tuple(self._stop_token_ids()) if self.tokenizer is not None else ()
 
     def _pad_of(self, decl: EngineDecl, path: str, pad: int) -> int:
         """The pad id an engine pads with: the run's tokenizer's, but a reward model's own (it may read other
         token ids than the policy's: workers/reward_impls.py re-tokenizes for it)."""
-        if decl.model_kind != "reward" or self.simulated or not path:
+        if decl.model_kind != "reward" or not path:
             return pad
         from ..models import load_tokenizer
         tok = load_tokenizer(path)
@@ -119,9 +121,10 @@ class EngineSet:
         return model in self.train
 
     def on_dp_group(self, model: str) -> bool:
-        """Does `model`'s engine here run over the worker group's DP ranks: trained here, or the LoRA base
-        (adapters off) of a model trained here, whose engine it is."""
-        return model in self.train or any(d.model == model and d.base_of for d in self.decls)
+        """Does `model`'s engine here run over the worker group's DP ranks (their process group): trained here,
+        or the LoRA base (adapters off) of a model trained here, whose engine it is."""
+        return self.process_group is not None and (model in self.train
+                                                   or any(d.model == model and d.base_of for d in self.decls))
 
     def readers(self, model: str) -> list[Any]:
         """The engines here that read `model` without training it: its rollout, an inference copy."""

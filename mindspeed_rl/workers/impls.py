@@ -274,17 +274,20 @@ class ValueTrain(PolicyTrain):
         return C.value_loss_fn(C.ValueLossConfig(**self.args["loss"]))
 
 
-class Simulated(Impl):
-    """A function without an engine under trainer.simulate_cost_s_per_row: sleep per row, push placeholders
-    (workers/simulate.py); engines simulate themselves (the simulate backend)."""
+class StandIn(Impl):
+    """A compute MFC whose function the run's backend stands in for (`Backend.stand_in`: the simulate backend
+    sleeps per row and pushes placeholders): its arguments name the function (`stand_in`, "module:factory") and
+    the factory's arguments; the factory, given the MFC, returns what maps a micro-batch to outputs."""
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        from .simulate import simulated_compute
-        self.fn = simulated_compute(ctx.mfc, float(self.args.get("simulate_cost_s_per_row", 0.0)))
+        import importlib
+        module, name = self.args["stand_in"].split(":")
+        self.fn = getattr(importlib.import_module(module), name)(ctx.mfc, **self.args.get("stand_in_args", {}))
 
     def __call__(self, batch, rows):
-        return self.fn(batch, rows)
+        out = self.fn(batch, rows)
+        return C.Output(dict(out.columns), dict(out.metrics))
 
 
 # ------------------------------------------------------------------------------------------------ lookup
@@ -300,17 +303,15 @@ def impl_class(mfc: MFCDef) -> type[Impl]:
 
 def mfc_args(cfg, mfc: MFCDef, info: PlanInfo) -> dict:
     """The arguments the driver hands the worker for `mfc`: its implementation's, from the config, then the
-    MFC's own `fn_args` over them; under simulation the stage's cost per row."""
+    MFC's own `fn_args` over them."""
     out = dict(impl_class(mfc).args(cfg, mfc, info))
     out.update(mfc.fn_args)
-    if cfg.trainer.simulate_cost_s_per_row:
-        out["simulate_cost_s_per_row"] = float(cfg.trainer.simulate_cost_s_per_row.get(mfc.name, 0.0))
     return out
 
 
-def build_impl(ctx: StageContext, simulated: bool) -> Impl:
-    """What the stage loop calls for this MFC and step."""
-    f = C.check_mfc(ctx.mfc)
-    if simulated and not f.engine:
-        return Simulated(ctx)
+def build_impl(ctx: StageContext) -> Impl:
+    """What the stage loop calls for this MFC and step: its implementation, or the function its arguments name
+    in its place (`StandIn`)."""
+    if "stand_in" in ctx.args:
+        return StandIn(ctx)
     return impl_class(ctx.mfc)(ctx)

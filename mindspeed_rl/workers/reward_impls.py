@@ -96,8 +96,8 @@ class RewardModelScore(_Forward):
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        simulated = ctx.host.tokenizer is None
-        self.retokenize = (None if simulated or not self.args["reward_path"] else
+        tokenizes = ctx.host.tokenizer is not None   # engines without a model have no tokenizer
+        self.retokenize = (None if not tokenizes or not self.args["reward_path"] else
                            retokenizer(self.args["policy_path"], self.args["reward_path"]))
 
     def compute(self, batch, rows, engine):

@@ -118,8 +118,9 @@ def micro_batches(dock, *, stage: str, rank: int, step: int, input_keys, count: 
 
 @dataclass
 class LoopRoles:
-    """What this rank does in one MFC's loop, from its engine's declared roles (engines/base.py ReplicaRoles)
-    and its group's layout: the only things the loop needs to know of how the model is spread."""
+    """What this rank does in one MFC's loop, from its role in the group's deployment (engines/deployment.py
+    `RankRole`: who reads, who writes, who broadcasts) and what its engine's calls need: the only things the
+    loop needs to know of how the model is spread."""
     reads: bool = True                   # pulls micro-batches from the dock
     writes: bool = True                  # pushes outputs (and, for training, reports the replica's metrics)
     share_group: Any = None              # hand each micro-batch from `share_src` to this group before the call
@@ -130,6 +131,27 @@ class LoopRoles:
                                          # together); else a rank stops when the dock has nothing left for it
     max_rows: int | None = None          # rows this rank takes (an equal share, for collective forwards)
     device: Any = None                   # where the collectives' tensors live (None: the CPU)
+
+    @classmethod
+    def of(cls, role: Any, kind: Any, engine: Any, rows: int) -> "LoopRoles":
+        """The loop of an MFC of interface `kind` (dataflow InterfaceType) calling `engine` (None: a compute
+        MFC) on a rank with `role` (deployment.RankRole); `rows`: the dock's rows (a step's, or the validation
+        set's)."""
+        from ..dataflow.mfc import InterfaceType
+        if engine is None or not role.split:
+            # a forward collective over the DP ranks (sharded weights): an equal share of the rows each, so every
+            # rank makes as many calls
+            collective = (engine is not None and kind is InterfaceType.INFERENCE and role.dp > 1
+                          and engine.collective_forward)
+            return cls(max_rows=rows // role.dp if collective else None)
+        if kind is InterfaceType.TRAIN_STEP:  # every rank steps; the reader reads and reports the replica's metrics
+            return cls(reads=role.reads, writes=role.reads, fixed_units=True)
+        device = engine.device if getattr(engine, "device", None) is not None and engine.device.type != "cpu" else None
+        # every rank of the replica goes on while its reader has a micro-batch; where the forwards are collective
+        # over the replicas too (sharded weights), while any reader has one
+        return cls(reads=role.reads, writes=role.writes, share_group=engine.replica_group if engine.shares_batches
+                   else None, share_src=role.reader, collective_stop=True,
+                   stop_group=None if engine.collective_forward else engine.replica_group, device=device)
 
 
 def run_stage(dock, impl, roles: LoopRoles, *, stage: str, rank: int, step: int, input_keys, get_n_samples: bool,

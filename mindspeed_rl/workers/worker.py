@@ -10,8 +10,9 @@ A worker's one job is to be that actor: it receives its own part of the plan (`W
 MFCs with their implementations' arguments, its engines' declarations, its timeouts, never the
 whole config) and hands the work to parts named for it:
 - `EngineSet` (engine_set.py) builds and holds the engines;
-- `run_stage` (stage.py) is the one loop every MFC runs, with the roles its engine declares
-  (`LoopRoles`: read if reader, share in the replica, call, write if writer);
+- `run_stage` (stage.py) is the one loop every MFC runs, with this rank's role in the group's
+  deployment (`WorkerSpec.role`, engines/deployment.py; `LoopRoles.of`: read if reader, share in
+  the replica, call, write if writer); the engines get the same role and compute none;
 - `build_impl` (impls.py) gives the MFC's implementation;
 - `CollectiveTurns` (turns.py) orders the MFCs whose calls are collective over the group;
 - `WeightHost` (weights.py) publishes and receives weights.
@@ -29,6 +30,7 @@ from ..dataflow import MFCDef
 from ..dataflow.mfc import InterfaceType
 from . import compute as C
 from .engine_set import EngineDecl, EngineSet
+from ..engines.deployment import RankRole
 from .impls import TRAIN, StageContext, build_impl
 from .stage import LoopRoles, StageError, run_stage
 from .turns import CollectiveTurns
@@ -44,6 +46,7 @@ class WorkerSpec:
     args: dict[str, dict]                       # MFC -> its implementation's arguments (impls.mfc_args)
     engines: list[EngineDecl]                   # what this worker's engines are (the driver resolved them)
     docks: list                                 # TransferDockClient per step in flight (step % len)
+    role: RankRole                              # this actor's role in the group's deployment (engines/deployment.py)
     tokenizer_path: str = ""
     stop_tokens: list = field(default_factory=list)
     seed: int = 0
@@ -51,7 +54,6 @@ class WorkerSpec:
     weight_sync: Any = None                     # WeightSyncConfig
     same_step_outputs: dict[str, list[str]] = field(default_factory=dict)  # train MFC -> same-step readers' columns
     rows_per_step: int = 0
-    simulated: bool = False                     # trainer.simulate_cost_s_per_row: no models (workers/simulate.py)
     plugins: list = field(default_factory=list)  # trainer.plugins, imported before any engine is built
     torch_threads: int = 1
     device: str = "cpu"
@@ -62,10 +64,6 @@ class WorkerSpec:
     @property
     def world(self) -> int:
         return self.dp * self.tp * self.pp
-
-    @property
-    def model_parallel(self) -> bool:
-        return self.tp * self.pp > 1
 
 
 class Worker:
@@ -119,12 +117,11 @@ class Worker:
         hf_logging.set_verbosity_error()
         s = self.spec
         self.engines = EngineSet(s.engines, seed=s.seed, device=s.device, process_group=self.ddp_group,
-                                 tokenizer_path=s.tokenizer_path, stop_tokens=s.stop_tokens, simulated=s.simulated)
+                                 tokenizer_path=s.tokenizer_path, stop_tokens=s.stop_tokens, role=s.role)
         self.engines.build()
-        if not s.simulated:  # a reward function's module that fails to import fails here, not mid-step
-            for args in s.args.values():
-                if "reward_fn" in args:
-                    self.engines.reward_fn(args["reward_fn"])
+        for args in s.args.values():  # a reward function's module that fails to import fails here, not mid-step
+            if "reward_fn" in args:
+                self.engines.reward_fn(args["reward_fn"])
         self.weights = WeightHost(self.engines, rank=s.rank, group=s.group, device=s.device, sync_cfg=s.weight_sync,
                                   stage_timeout_s=s.stage_timeout_s)
         return {}
@@ -161,15 +158,15 @@ class Worker:
         dock, args, rows = self._val if validation else (self.dock_of(step), self.spec.args, self.spec.rows_per_step)
         ctx = StageContext(mfc=mfc, step=step, policy_version=policy_version, kl_coef=kl_coef,
                            args=args[mfc.name], host=self.engines)
-        impl = build_impl(ctx, self.spec.simulated)
+        impl = build_impl(ctx)
         engine = self._engine(mfc)
         if validation and InterfaceType(mfc.interface_type) is InterfaceType.GENERATE \
                 and engine.weight_version != policy_version:
             raise StageError(f"stage '{mfc.name}' (validation): the rollout engine holds weight version "
                              f"{engine.weight_version}, not the pinned version {policy_version}")
         with impl.session():
-            rep = run_stage(dock, impl, self._roles(mfc, impl, engine, rows), stage=mfc.name, rank=self.spec.rank,
-                            step=step,
+            roles = LoopRoles.of(self.spec.role, InterfaceType(mfc.interface_type), engine, rows)
+            rep = run_stage(dock, impl, roles, stage=mfc.name, rank=self.spec.rank, step=step,
                             input_keys=mfc.input_keys, get_n_samples=mfc.get_n_samples,
                             timeout_s=self.spec.stage_timeout_s,
                             before_optimizer_step=lambda: self._wait_columns(mfc.name, step))
@@ -182,27 +179,8 @@ class Worker:
         return self.engines.engine_for(mfc.model_name, kind) if kind else None
 
     def _split(self, mfc: MFCDef) -> bool:
-        """Does `mfc` call a model split over this group's ranks (tp or pp > 1 over the actors)?"""
-        return self.spec.model_parallel and not self.spec.simulated and bool(C.check_mfc(mfc).engine)
-
-    def _roles(self, mfc: MFCDef, impl, engine, rows: int) -> LoopRoles:
-        """What this rank does in `mfc`'s loop, from the roles its engine declares (engines/base.py); `rows`:
-        the dock's rows (a step's, or the validation set's)."""
-        if not self._split(mfc):
-            collective = (engine is not None and InterfaceType(mfc.interface_type) is InterfaceType.INFERENCE
-                          and self.spec.dp > 1 and engine.collective_forward and not self.spec.simulated)
-            # an equal share of the rows, so every rank makes as many collective forwards
-            return LoopRoles(max_rows=rows // self.spec.dp if collective else None)
-        if impl.kind == TRAIN:  # every rank steps; the reader reads and reports the replica's metrics
-            return LoopRoles(reads=engine.is_dock_reader, writes=engine.is_dock_reader, fixed_units=True)
-        generate = InterfaceType(mfc.interface_type) is InterfaceType.GENERATE
-        device = engine.device if getattr(engine, "device", None) is not None and engine.device.type != "cpu" else None
-        # generation replicas hold whole copies and stop on their own; a sharded inference is collective
-        # over the replicas too, so every rank of the group goes on while any reader has a micro-batch
-        return LoopRoles(reads=engine.is_dock_reader, writes=engine.is_dock_writer,
-                         share_group=engine.replica_group if engine.shares_batches else None,
-                         share_src=engine.reader_rank, collective_stop=not generate or engine.replica_group is not None,
-                         stop_group=engine.replica_group if generate else None, device=device)
+        """Does `mfc` call a model whose replica spans several of this group's ranks (its deployment's roles)?"""
+        return self.spec.role.split and bool(C.check_mfc(mfc).engine)
 
     def _collective(self) -> list[str]:
         """This group's MFCs whose engine calls are collective over its ranks, in the graph's order: every MFC
@@ -213,11 +191,11 @@ class Worker:
             names = []
             for m in self.spec.mfcs:
                 kind = InterfaceType(m.interface_type)
-                if self.spec.model_parallel:
+                if self.spec.role.split:
                     if self._split(m):
                         names.append(m.name)
                     continue
-                if self.spec.dp == 1 or self.spec.simulated or not self.engines.on_dp_group(m.model_name):
+                if self.spec.role.dp == 1 or not self.engines.on_dp_group(m.model_name):
                     continue
                 if kind is InterfaceType.TRAIN_STEP or (kind is InterfaceType.INFERENCE
                                                          and self._engine(m).collective_forward):
@@ -289,7 +267,7 @@ class Worker:
         from .engine_set import TRAIN
         engine = self.engines.train[model]
         decl = next(d for d in self.spec.engines if d.model == model and d.role == TRAIN)
-        if not decl.model_path:   # an engine without a model (simulated stages): no weights to write
+        if not decl.model_path:   # an engine without a model (the simulate backend's): no weights to write
             return None
         with engine.holding(False, "export"):
             buckets = engine.export_weights(SHARD_BYTES)

@@ -15,14 +15,14 @@ KEY = "trainer.simulate_cost_s_per_row"
 def test_default_is_off():
     cfg = config_from_dict(with_overrides({}))
     assert cfg.trainer.simulate_cost_s_per_row == {}
-    assert "simulated compute" not in format_plan(make_plan(cfg, check_files=False))
+    assert "sleeping compute" not in format_plan(make_plan(cfg, check_files=False))
 
 
 def test_valid_costs_plan_and_say_so():
     cfg = config_from_dict(with_overrides({KEY: {"actor_rollout": 0.004, "actor_train": 0}}))
     plan = make_plan(cfg, check_files=False)
     assert cfg.trainer.simulate_cost_s_per_row == {"actor_rollout": 0.004, "actor_train": 0}
-    assert "simulated compute" in format_plan(plan)
+    assert "sleeping compute" in format_plan(plan)
 
 
 @pytest.mark.parametrize("value", [-0.001, "fast", True])

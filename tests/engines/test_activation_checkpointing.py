@@ -77,7 +77,7 @@ def test_an_inference_engine_ignores_it(tmp_path):
 
 
 def test_megatron_recompute_options():
-    from mindspeed_rl.engines.train.megatron.engine import recompute_kwargs
+    from mindspeed_rl.engines.train.megatron.setup import recompute_kwargs
     assert recompute_kwargs(False) == {}
     assert recompute_kwargs(True) == {"recompute_granularity": "full", "recompute_method": "uniform",
                                       "recompute_num_layers": 1}

@@ -287,8 +287,7 @@ def _reader_worker(group, rollout, infer):
     from mindspeed_rl.workers.engine_set import EngineSet
     from mindspeed_rl.workers.weights import WeightHost
 
-    engines = EngineSet([], seed=0, device="cpu", process_group=None, tokenizer_path="", stop_tokens=[],
-                        simulated=False)
+    engines = EngineSet([], seed=0, device="cpu", process_group=None, tokenizer_path="", stop_tokens=[])
     engines.rollout["actor"], engines.infer["actor"] = rollout, infer
     w = WeightHost(engines, rank=0, group="rollout", device="cpu",
                    sync_cfg=SimpleNamespace(verify=True, bucket_mb=1, backend="gloo"), stage_timeout_s=60.0)

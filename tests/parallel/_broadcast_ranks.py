@@ -18,7 +18,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from mindspeed_rl.parallel import broadcast_micro_batch, io_role, parallel_groups
+from mindspeed_rl.engines.deployment import MESH, Deployment
+from mindspeed_rl.parallel import broadcast_micro_batch, parallel_groups
 
 WORLD = 4
 COLLECTIVE_TIMEOUT_S = 20  # every gloo wait (init, new_group, broadcast) fails after this
@@ -61,8 +62,9 @@ SENT = {
 def _receive(groups, script, rank):
     """Run `script` on this rank's replica; returns (role, [("ok", batch, rows) | ("error", msg)])."""
     replica_pgs = [dist.new_group(ranks) for ranks in groups.replicas]  # every rank creates every group
-    role = io_role(groups.topology, groups.sub_rank(rank))
-    src = groups.global_rank(role.broadcast_src)
+    t = groups.topology
+    role = Deployment("mesh", MESH, dp=t.dp, tp=t.tp, pp=t.pp).roles()[groups.sub_rank(rank)]
+    src = groups.global_rank(role.reader)
     got = []
     for make in script[role.replica]:
         batch, rows = make() if role.reads else (None, None)

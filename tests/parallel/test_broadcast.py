@@ -10,7 +10,6 @@ import sys
 import pytest
 import torch
 
-from mindspeed_rl.parallel import IORole
 from mindspeed_rl.parallel.broadcast import _header
 
 from . import _broadcast_ranks as R
@@ -48,8 +47,8 @@ def ranks(tmp_path_factory):
 @pytest.mark.slow
 def test_two_replicas_each_get_their_readers_micro_batches(ranks):
     roles = [ranks[r]["dp2tp2"]["role"] for r in range(4)]
-    assert roles == [IORole(True, True, 0, 0), IORole(False, False, 0, 0),
-                     IORole(True, True, 1, 2), IORole(False, False, 1, 2)]
+    assert [(r.reads, r.writes, r.replica, r.reader) for r in roles] == [
+        (True, True, 0, 0), (False, False, 0, 0), (True, True, 1, 2), (False, False, 1, 2)]
     for r in range(4):
         replica = roles[r].replica
         got = ranks[r]["dp2tp2"]["got"]

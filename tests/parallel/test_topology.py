@@ -1,10 +1,10 @@
-"""ProcessTopology (PP outermost, DP, TP innermost), parallel groups, and the dock I/O roles."""
+"""ProcessTopology (PP outermost, DP, TP innermost), parallel groups, and the dock readers and writers."""
 import itertools
 
 import pytest
 
-from mindspeed_rl.parallel import (IORole, ProcessTopology, dock_reader_ranks, dock_writer_ranks, io_role,
-                                   parallel_groups, replica_members)
+from mindspeed_rl.parallel import (ProcessTopology, dock_reader_ranks, dock_writer_ranks, parallel_groups,
+                                   replica_members)
 
 
 def test_realhf_docs_example_mfc1_second_node_dp2_tp2_pp2():
@@ -115,21 +115,30 @@ def test_replica_members_partition_the_ranks():
         replica_members(ProcessTopology(2, 1, 1), 2)
 
 
-def test_io_role():
-    t = ProcessTopology(2, 2, 2)  # replica 0: reader 0, writer 4; replica 1: reader 2, writer 6
-    assert io_role(t, 0) == IORole(reads=True, writes=False, replica=0, broadcast_src=0)
-    assert io_role(t, 1) == IORole(reads=False, writes=False, replica=0, broadcast_src=0)
-    assert io_role(t, 4) == IORole(reads=False, writes=True, replica=0, broadcast_src=0)
-    assert io_role(t, 6) == IORole(reads=False, writes=True, replica=1, broadcast_src=2)
-    assert io_role(t, 7) == IORole(reads=False, writes=False, replica=1, broadcast_src=2)
-    one = ProcessTopology(2, 2, 1)  # PP=1: one rank per replica both reads and writes
-    assert io_role(one, 2) == IORole(reads=True, writes=True, replica=1, broadcast_src=2)
-    assert io_role(one, 3) == IORole(reads=False, writes=False, replica=1, broadcast_src=2)
-    # exactly one reader and one writer per replica, whatever the shape
+def test_deployment_roles():
+    """A mesh deployment gives each rank its role from the topology's readers and writers (engines/deployment.py)."""
+    from mindspeed_rl.engines.deployment import DATA_PARALLEL, MESH, Deployment
+
+    def role(dp, tp, pp, k):
+        r = Deployment("mesh", MESH, dp=dp, tp=tp, pp=pp).roles()[k]
+        return r.reads, r.writes, r.replica, r.reader, r.writer
+
+    # replica 0: reader 0, writer 4; replica 1: reader 2, writer 6
+    assert [role(2, 2, 2, k) for k in (0, 1, 4, 6, 7)] == [(True, False, 0, 0, 4), (False, False, 0, 0, 4),
+                                                            (False, True, 0, 0, 4), (False, True, 1, 2, 6),
+                                                            (False, False, 1, 2, 6)]
+    # PP=1: one rank per replica both reads and writes
+    assert role(2, 2, 1, 2) == (True, True, 1, 2, 2) and role(2, 2, 1, 3) == (False, False, 1, 2, 2)
+    # exactly one reader and one writer per replica, whatever the shape; the replica's ranks are the topology's
     for dp, tp, pp in itertools.product((1, 2, 3), (1, 2), (1, 2, 3)):
         t = ProcessTopology(dp, tp, pp)
-        roles = [io_role(t, r) for r in range(t.world_size)]
+        roles = Deployment("mesh", MESH, dp=dp, tp=tp, pp=pp).roles()
         for d in range(dp):
             mine = [r for r in roles if r.replica == d]
             assert sum(r.reads for r in mine) == 1 and sum(r.writes for r in mine) == 1
-            assert {r.broadcast_src for r in mine} == {dock_reader_ranks(t)[d]}
+            assert {r.reader for r in mine} == {dock_reader_ranks(t)[d]}
+            assert {r.replica_ranks for r in mine} == {tuple(replica_members(t, d))}
+            assert all(r.split == (tp * pp > 1) and r.dp == dp for r in mine)
+    # data parallel: every actor a one-rank replica that reads and writes its own rows
+    assert [(r.reads, r.writes, r.replica_ranks, r.split) for r in Deployment("torch", DATA_PARALLEL, dp=2).roles()] \
+        == [(True, True, (0,), False), (True, True, (1,), False)]

@@ -15,7 +15,7 @@ import torch
 from mindspeed_rl.dataflow import MFCDef, algorithm_graph, topological_order
 from mindspeed_rl.transfer_dock import TransferDock
 from mindspeed_rl.transfer_dock.errors import DockTimeoutError
-from mindspeed_rl.workers.simulate import PLACEHOLDER, ideal_pipeline, simulated_compute
+from mindspeed_rl.engines.simulate import PLACEHOLDER, ideal_pipeline, simulated_compute
 from mindspeed_rl.workers.stage import StageError, run_stage_loop
 
 

