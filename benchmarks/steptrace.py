@@ -3,7 +3,7 @@
 Shared by `pipeline_efficiency.py` and `e2e_grpo.py`. Why alternate inside one run: the two modes
 then share the workers, the dock, the warm caches and the machine's noise, so their ratio is
 fair; with `guarantee_order` both modes compute the same numbers, so the run is one training run.
-The driver reads `rl_config.blocking` at every step (`Trainer._run_stages`), so flipping it per step
+The step pipeline reads its `blocking` at every step (`StepPipeline.run`), so flipping it per step
 runs the real driver in either mode. Nothing here changes what a step does: the trace is taken
 around the driver's own calls, and the dock's event log is read after the step's time was taken.
 """
@@ -33,7 +33,7 @@ class StepTrace:
     blocking: bool
     record: dict
     reports: list[dict]
-    stages_start: float          # time.time() around Trainer._run_stages
+    stages_start: float          # time.time() around StepPipeline.run
     stages_end: float
     events: list[dict] = field(default_factory=list)  # the dock's event log entries of this step
     warmup: bool = False
@@ -58,7 +58,7 @@ class TracingTrainer(Trainer):
         self._seq = 0
 
     def train_step(self, step: int, bar=None) -> dict:
-        self.cfg.rl_config.blocking = self.schedule[step]
+        self.pipeline.blocking = self.schedule[step]
         record = super().train_step(step, bar)
         events = []
         if self.read_events:  # after the step's time was taken: not in timing/step
@@ -71,11 +71,16 @@ class TracingTrainer(Trainer):
                                      warmup=step < self.warmup_steps))
         return record
 
-    def _run_stages(self, step: int, version: int, kl_coef: float, bar) -> list[dict]:
-        t0 = time.time()
-        reports = super()._run_stages(step, version, kl_coef, bar)
-        self._pending = {"start": t0, "end": time.time(), "reports": reports}
-        return reports
+    def _start(self) -> None:
+        super()._start()
+        run = self.pipeline.run
+
+        def traced(step: int, *args, **kwargs) -> list[dict]:  # the stages' span: around the pipeline's run
+            t0 = time.time()
+            reports = run(step, *args, **kwargs)
+            self._pending = {"start": t0, "end": time.time(), "reports": reports}
+            return reports
+        self.pipeline.run = traced
 
 
 def measured(traces: list[StepTrace], blocking: bool) -> list[StepTrace]:

@@ -68,8 +68,8 @@ class Evaluation:
         import torch
         tr = self.trainer
         workers = tr.workers[tr.plan.group_of(tr.plan.trained[REWARD])]
-        out = tr._get([w.score_pairs.remote(REWARD, self.columns, self.micro) for w in workers],
-                      "evaluating the reward model on the held-out pairs")[0]
+        out = tr.collect([w.score_pairs.remote(REWARD, self.columns, self.micro) for w in workers],
+                         "evaluating the reward model on the held-out pairs")[0]
         chosen, rejected = torch.tensor(out["chosen"]), torch.tensor(out["rejected"])
         return {"eval/accuracy": preference_accuracy(chosen, rejected), "eval/margin": preference_margin(chosen, rejected),
                 "eval/pairs": float(len(chosen))}
@@ -81,5 +81,6 @@ def save_final(trainer) -> str:
     tr = trainer
     directory = os.path.join(tr.cfg.trainer.output_dir, FINAL)
     workers = tr.workers[tr.plan.group_of(tr.plan.trained[REWARD])]
-    tr._get([w.save_pretrained.remote(REWARD, directory) for w in workers], f"saving the reward model to {directory}")
+    tr.collect([w.save_pretrained.remote(REWARD, directory) for w in workers],
+               f"saving the reward model to {directory}")
     return directory

@@ -165,8 +165,8 @@ class Validation:
             for a in args.values():
                 if "seed" in a:
                     a["seed"] = seed
-            trainer._get([w.attach_validation.remote(self.dock, args, self.rows) for w in trainer.workers[group]],
-                         f"attaching validation to worker group '{group}'")
+            trainer.collect([w.attach_validation.remote(self.dock, args, self.rows) for w in trainer.workers[group]],
+                            f"attaching validation to worker group '{group}'")
 
     # ------------------------------------------------------------------ when
     def due_after(self, step: int) -> bool:
@@ -198,8 +198,7 @@ class Validation:
         tr = self.tr
         version = tr.policy_version
         t0 = time.perf_counter()
-        for s in sorted({key[0] for key in tr._inflight}):   # steps run ahead: let them finish first
-            tr._reports.setdefault(s, []).extend(tr._wait(s, tr._pop_inflight(s), None))
+        tr.pipeline.drain()   # steps run ahead: let them finish first
         context = f"validation at weight version {version}"
         rows = {k: [torch.from_numpy(v) for v in vals for _ in range(self.n)] for k, vals in self.columns.items()}
         tr._dock("put_experience() of the validation prompts", self.dock.put_experience, rows, list(range(self.rows)),
@@ -235,7 +234,8 @@ class Validation:
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
-        from .driver import POLL_S, TrainingError, _cause, _ranks, describe_stall
+        from .errors import TrainingError, cause_of as _cause
+        from .stage_watch import POLL_S, describe_stall, lanes as stage_lanes
         tr = self.tr
         context = f"validation at weight version {version}"
         stage_of = {ref: name for name, _, ref in calls}
@@ -253,7 +253,8 @@ class Validation:
                 except RayTaskError as e:
                     raise TrainingError(f"{context}: {_cause(e)}") from None
                 except RayActorError as e:
-                    raise TrainingError(f"{context}: {tr._worker_died(where_of[ref], stage_of[ref], e)}") from None
+                    died = tr.pipeline.watch.worker_died(where_of[ref], stage_of[ref], e)
+                    raise TrainingError(f"{context}: {died}") from None
             if not refs:
                 break
             status = tr._dock("get_consumer_status()", self.dock.get_consumer_status, context=context)
@@ -263,8 +264,7 @@ class Validation:
             elif time.time() - last_progress > timeout + 5.0:
                 stuck = sorted({stage_of[r] for r in refs})
                 columns = tr._dock("get_column_status()", self.dock.get_column_status, context=context)
-                lanes = {m.name: f"{tr.plan.group_of(m.name)}/"
-                                 f"{_ranks(tr.plan.groups[tr.plan.group_of(m.name)].world)}" for m in self.order}
+                lanes = stage_lanes(tr.plan)
                 raise TrainingError(f"{context}: {describe_stall(self.order, stuck, columns, status, lanes, timeout)}")
         return reports
 

@@ -10,7 +10,7 @@ import pytest
 
 from mindspeed_rl.config import config_from_dict
 from mindspeed_rl.trainer import Trainer, TrainingError, make_plan
-from mindspeed_rl.trainer.driver import describe_stall
+from mindspeed_rl.trainer.stage_watch import describe_stall
 
 
 def sim_config(tmp: Path, name: str, costs: dict, **trainer) -> dict:

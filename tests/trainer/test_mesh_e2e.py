@@ -33,8 +33,8 @@ class Recording(Trainer):
         self.reports: list[list[dict]] = []
 
     def _sync_weights(self) -> dict:  # after the step's stages, before the dock is cleared (not the first sync)
-        if self._launched > self.step:
-            self.consumed.append(self.dock_of(self.step).get_consumer_status())
+        if self.pipeline.launched > self.step:
+            self.consumed.append(self.pipeline.dock_of(self.step).get_consumer_status())
         return super()._sync_weights()
 
     def _metrics(self, step, reports, *args):
