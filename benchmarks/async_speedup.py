@@ -1,12 +1,13 @@
 """Cross-step asynchrony: step time with rl_config.max_weight_staleness k = 0 (blocking and
 non-blocking), 1 and 2, side by side in one run, against the ideal of the same cost model.
 
-    python benchmarks/async_speedup.py                  # 3 workloads x 4 modes (~4 min on 2 cores)
+    python benchmarks/async_speedup.py                  # 3 workloads x 4 modes (~10 min on 2 cores)
     python benchmarks/async_speedup.py --steps 8 --json docs/benchmarks/async_speedup.json
+    python benchmarks/async_speedup.py --workloads longtail --modes k0_blocking k2   # one ratio, ~2 min
 
 What runs: the real GRPO driver, dock, stage loops and weight sync (bucketed, with a placeholder
 bucket), disaggregated placement (rollout, trainer and rule workers apart); the models are the
-`simulate` engine backend (engines/simulate/), which sleeps per row, so the machine's 2 cores do
+`simulate` engine backend (engines/simulate.py), which sleeps per row, so the machine's 2 cores do
 not limit what is measured. A step is 128 rows (16 prompts x 8 samples), 4 micro-batches of 32.
 
 Workloads (seconds of work per step; rewards and advantages cost nothing):
@@ -45,7 +46,7 @@ from mindspeed_rl.dataflow import build_graph, get_algorithm, topological_order
 from mindspeed_rl.engines.simulate import SimulatedRolloutEngine
 from mindspeed_rl.trainer import Trainer
 from mindspeed_rl.workers.compute import rollout_seed
-from mindspeed_rl.engines.simulate import ideal_pipeline
+from mindspeed_rl.workers.simulate import ideal_pipeline
 
 ROWS, N, MICRO, SLOTS, SIGMA, SEED = 128, 8, 32, 32, 0.87, 1
 WORKLOADS = {  # seconds per step of each stage's work
@@ -115,33 +116,36 @@ def measure(workload: str, k: int, blocking: bool, steps: int) -> dict:
             "staleness_max": max(r.get("async/staleness_max", 0.0) for r in history)}
 
 
-def run(steps: int) -> dict:
-    out = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version()}, "steps": steps,
-           "rows_per_step": ROWS, "micro_batch": MICRO, "workloads": {}, "ratios": {}}
-    for workload in WORKLOADS:
+def run(steps: int, workloads=tuple(WORKLOADS), modes=tuple(m[0] for m in MODES)) -> dict:
+    out = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load": os.getloadavg()},
+           "steps": steps, "rows_per_step": ROWS, "micro_batch": MICRO, "workloads": {}, "ratios": {}}
+    for workload in workloads:
         res = {}
         for name, k, blocking in MODES:
+            if name not in modes:
+                continue
             m = measure(workload, k, blocking, steps)
             m["ideal_s"] = ideal(workload, k, blocking, steps)
             res[name] = m
             print(f"{workload:9s} {name:12s} step {m['step_s']:.3f} s (ideal {m['ideal_s']:.3f}), "
                   f"staleness max {m['staleness_max']:.0f}", file=sys.stderr, flush=True)
-        base = res["k0_blocking"]
+        base = res.get("k0_blocking")
         for name in ("k0_overlap", "k1", "k2"):
-            res[name]["speedup"] = base["step_s"] / res[name]["step_s"]
-            res[name]["ideal_speedup"] = base["ideal_s"] / res[name]["ideal_s"]
+            if base is not None and name in res:
+                res[name]["speedup"] = base["step_s"] / res[name]["step_s"]
+                res[name]["ideal_speedup"] = base["ideal_s"] / res[name]["ideal_s"]
         out["workloads"][workload] = res
+    out["machine"]["load_after"] = os.getloadavg()
     w = out["workloads"]
-    out["ratios"] = {
-        "speedup_k1_over_blocking_50_50": w["50_50"]["k1"]["speedup"],
-        "speedup_k1_over_blocking_80_20": w["80_20"]["k1"]["speedup"],
-        "speedup_k2_over_blocking_longtail": w["longtail"]["k2"]["speedup"],
-        "ideal_k1_over_blocking_50_50": w["50_50"]["k1"]["ideal_speedup"],
-        "ideal_k1_over_blocking_80_20": w["80_20"]["k1"]["ideal_speedup"],
-        "ideal_k2_over_blocking_longtail": w["longtail"]["k2"]["ideal_speedup"],
-        "targets": {"speedup_k1_over_blocking_50_50": 1.8, "speedup_k1_over_blocking_80_20": 1.2,
-                    "speedup_k2_over_blocking_longtail": 2.5},
-    }
+    targets = {"speedup_k1_over_blocking_50_50": ("50_50", "k1", 1.8),
+               "speedup_k1_over_blocking_80_20": ("80_20", "k1", 1.2),
+               "speedup_k2_over_blocking_longtail": ("longtail", "k2", 2.5)}
+    out["ratios"] = {"targets": {}}
+    for key, (workload, mode, target) in targets.items():  # the ratios this run measured
+        if "speedup" in w.get(workload, {}).get(mode, {}):
+            out["ratios"][key] = w[workload][mode]["speedup"]
+            out["ratios"][key.replace("speedup", "ideal")] = w[workload][mode]["ideal_speedup"]
+            out["ratios"]["targets"][key] = target
     return out
 
 
@@ -151,11 +155,14 @@ def print_table(res: dict) -> None:
     print(f"{'workload':10s} {'mode':12s} {'step s':>8s} {'ideal s':>8s} {'speedup':>8s} {'ideal':>7s}")
     for workload, modes in res["workloads"].items():
         for name, m in modes.items():
-            sp = f"{m['speedup']:.2f}x" if "speedup" in m else "1.00x"
-            isp = f"{m['ideal_speedup']:.2f}x" if "ideal_speedup" in m else "1.00x"
+            none = "1.00x" if name == "k0_blocking" else "-"
+            sp = f"{m['speedup']:.2f}x" if "speedup" in m else none
+            isp = f"{m['ideal_speedup']:.2f}x" if "ideal_speedup" in m else none
             print(f"{workload:10s} {name:12s} {m['step_s']:8.3f} {m['ideal_s']:8.3f} {sp:>8s} {isp:>7s}")
     r = res["ratios"]
-    print()
+    load = res["machine"]
+    print(f"\nload average (1, 5, 15 min) before: {' '.join(f'{x:.1f}' for x in load['load'])}, after: "
+          f"{' '.join(f'{x:.1f}' for x in load['load_after'])} on {load['cpus']} CPUs")
     for key, target in r["targets"].items():
         print(f"{key}: {r[key]:.2f} (ideal {r[key.replace('speedup', 'ideal')]:.2f}, target >= {target})")
 
@@ -164,10 +171,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=10, help="steps per run (the first k + 2 are not measured)")
     p.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
+    p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    p.add_argument("--modes", nargs="+", choices=[m[0] for m in MODES], default=[m[0] for m in MODES],
+                   help="speedups need k0_blocking among them")
     args = p.parse_args()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     try:
-        res = run(args.steps)
+        res = run(args.steps, args.workloads, args.modes)
     finally:
         ray.shutdown()
     print_table(res)
