@@ -11,6 +11,10 @@ from . import compute as C
 from .impls import Generate
 
 
+@C.compute_step("agent_generate", "generate", ("prompts",), ("responses", "response_length", "weight_version",
+                "rollout_log_prob", "loss_mask"), engine="rollout",
+                doc="multi-turn trajectories with tool calls (generate_config.agent); loss_mask: 1 on the model's "
+                    "tokens, 0 on the tools'")
 class AgentGenerate(Generate):
     """Multi-turn trajectories with tool calls; writes loss_mask beside the responses."""
 

@@ -2,8 +2,8 @@
 
 The worker's loop (`stage.py`) is the same for every MFC; only the function differs. An MFC names
 its function (`MFCDef.fn`, or its interface type's default); `FUNCTIONS` says what each one reads,
-what it can write and which engine it needs, so the plan checks an algorithm's MFCs before any
-worker starts. A function gets the micro-batch as `{name: [row tensors]}` (dock columns renamed by
+what it can write and which engine it needs (each declared by `compute_step` above its
+implementation class), so the plan checks an algorithm's MFCs before any worker starts. A function gets the micro-batch as `{name: [row tensors]}` (dock columns renamed by
 the MFC's `input_key_remap`) plus the row indexes, and returns its outputs as `{name: [row
 tensors]}` (renamed by `output_key_remap`; outputs the MFC does not list are dropped) and a dict
 of metric sums.
@@ -37,49 +37,8 @@ class ComputeFn:
     doc: str = ""
 
 
-FUNCTIONS: dict[str, ComputeFn] = {f.name: f for f in (
-    ComputeFn("generate", "mindspeed_rl.workers.impls:Generate", InterfaceType.GENERATE, ("prompts",),
-              ("responses", "response_length", "weight_version", "rollout_log_prob", "loss_mask"), engine="rollout",
-              doc="sample one response per row with generate_config (and its tokens' log-probs; loss_mask: 0 on "
-                  "truncated rows with rl_config.overlong_buffer.drop_truncated)"),
-    ComputeFn("agent_generate", "mindspeed_rl.workers.agent_impls:AgentGenerate", InterfaceType.GENERATE,
-              ("prompts",), ("responses", "response_length", "weight_version", "rollout_log_prob", "loss_mask"),
-              engine="rollout", doc="multi-turn trajectories with tool calls (generate_config.agent); loss_mask: 1 on "
-                                    "the model's tokens, 0 on the tools'"),
-    ComputeFn("generate_greedy", "mindspeed_rl.workers.impls:Generate", InterfaceType.GENERATE, ("prompts",),
-              ("responses", "response_length", "weight_version", "rollout_log_prob"), engine="rollout",
-              doc="the greedy (argmax) response per row: ReMax's baseline"),
-    ComputeFn("log_probs", "mindspeed_rl.workers.impls:LogProbs", InterfaceType.INFERENCE, ("prompts", "responses"), ("log_prob",), engine="policy",
-              optional=("rollout_log_prob", "loss_mask"),
-              doc="per-token log-probs of the responses (and their distance to the rollout's, when given)"),
-    ComputeFn("values", "mindspeed_rl.workers.impls:Values", InterfaceType.INFERENCE, ("prompts", "responses"), ("values",), engine="value",
-              doc="a critic's per-token values of the responses"),
-    ComputeFn("rule_reward", "mindspeed_rl.workers.impls:RuleReward", InterfaceType.COMPUTE, ("prompts", "responses", "labels"), ("rm_scores",),
-              doc="rl_config.reward_fn on the decoded response and answer"),
-    ComputeFn("grpo_advantage", "mindspeed_rl.workers.impls:GRPOAdvantage", InterfaceType.COMPUTE, ("rm_scores",), ("advantages",),
-              doc="reward normalized within each prompt's group (needs get_n_samples)"),
-    ComputeFn("gae_advantage", "mindspeed_rl.workers.impls:GAEAdvantage", InterfaceType.COMPUTE, ("rm_scores", "values"), ("advantages", "returns"),
-              doc="GAE over the outcome reward on the last token, whitened over the micro-batch"),
-    ComputeFn("remax_advantage", "mindspeed_rl.workers.impls:ReMaxAdvantage", InterfaceType.COMPUTE, ("rm_scores", "reward_baselines", "response_length"),
-              ("advantages", "returns"), doc="reward-to-go minus the greedy response's reward"),
-    ComputeFn("policy_train", "mindspeed_rl.workers.impls:PolicyTrain", InterfaceType.TRAIN_STEP, ("prompts", "responses", "old_log_prob", "advantages"), (),
-              optional=("ref_log_prob", "rollout_log_prob", "loss_mask"), engine="policy",
-              doc="clipped policy loss (+ KL to the reference when the KL coefficient is > 0, + the off-policy "
-                  "correction from rollout_log_prob)"),
-    ComputeFn("value_train", "mindspeed_rl.workers.impls:ValueTrain", InterfaceType.TRAIN_STEP, ("prompts", "responses", "values", "returns"), (),
-              engine="value", doc="clipped value loss"),
-    # a learned reward (workers/reward_impls.py): the reward model's scores, their sum with the rule's, its training
-    ComputeFn("reward_model_score", "mindspeed_rl.workers.reward_impls:RewardModelScore", InterfaceType.INFERENCE,
-              ("prompts", "responses"), ("model_scores",), engine="reward",
-              doc="the reward model's score of each response, at its last token (re-tokenized for its own tokenizer)"),
-    ComputeFn("combine_reward", "mindspeed_rl.workers.reward_impls:CombineReward", InterfaceType.COMPUTE,
-              ("model_scores",), ("rm_scores",), optional=("rule_scores",),
-              doc="rl_config.reward_weights' sum of the reward model's and the rule reward's scores"),
-    ComputeFn("reward_train", "mindspeed_rl.workers.reward_impls:RewardTrain", InterfaceType.TRAIN_STEP,
-              ("prompts", "chosen", "rejected"), (), engine="reward",
-              doc="Bradley-Terry loss of the reward model on preference pairs (reward modeling)"),
-)}
-
+FUNCTIONS: dict[str, ComputeFn] = {}   # name -> its declaration; the built-ins declare themselves on their
+                                       # implementation classes (impls.py, reward_impls.py, agent_impls.py)
 
 
 def register_function(fn: ComputeFn) -> ComputeFn:
@@ -411,3 +370,6 @@ def _rows_to_matrix(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
         n = min(int(r.numel()), width)
         out[i, :n] = torch.as_tensor(r[:n], dtype=torch.float32)
     return out
+
+
+from . import impls  # noqa: E402,F401  the built-in steps register as their classes are defined

@@ -1,7 +1,8 @@
 """Each MFC's implementation and its arguments, built by one registry (ReaLHF's `interface_impl`).
 
-An MFC names its compute function (`MFCDef.fn`, or its interface type's default); the function's
-row in `compute.FUNCTIONS` names its implementation here. An implementation has two halves:
+An MFC names its compute function (`MFCDef.fn`, or its interface type's default); each implementation
+here declares the function it is, above its class (`compute.compute_step`: what it reads, writes and
+which engine it calls), which registers it in `compute.FUNCTIONS`. An implementation has two halves:
 
 - `args(cfg, mfc, info)`, run by the driver before any worker starts: the MFC's arguments, taken
   from the config sections it needs (sampling parameters, loss settings, micro-batch sizes), with
@@ -10,8 +11,8 @@ row in `compute.FUNCTIONS` names its implementation here. An implementation has 
   maps a micro-batch to outputs; a train implementation gives the loss function and the sizes of
   its optimizer steps. Both name the engine they use (`ctx.engine(...)`), never a backend.
 
-A plugin adds a function with `register_function(ComputeFn(..., impl=MyImpl))`; an algorithm then
-names it in an MFC (`fn="my_fn"`).
+A plugin adds a function the same way, `@compute_step("my_fn", ...)` above its class in a
+`trainer.plugins` module; an algorithm then names it in an MFC (`fn="my_fn"`).
 """
 from __future__ import annotations
 
@@ -88,6 +89,12 @@ def _count(mfc: MFCDef, default: int, n: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ forward
+@C.compute_step("generate", "generate", ("prompts",), ("responses", "response_length", "weight_version",
+                "rollout_log_prob", "loss_mask"), engine="rollout",
+                doc="sample one response per row with generate_config (and its tokens' log-probs; loss_mask: 0 on "
+                    "truncated rows with rl_config.overlong_buffer.drop_truncated)")
+@C.compute_step("generate_greedy", "generate", ("prompts",), ("responses", "response_length", "weight_version",
+                "rollout_log_prob"), engine="rollout", doc="the greedy (argmax) response per row: ReMax's baseline")
 class Generate(Impl):
     """Sample one response per row (greedy for `generate_greedy`, or at temperature 0)."""
 
@@ -142,6 +149,9 @@ class _Forward(Impl):
         return C.Output({}, {})
 
 
+@C.compute_step("log_probs", "inference", ("prompts", "responses"), ("log_prob",), engine="policy",
+                optional=("rollout_log_prob", "loss_mask"),
+                doc="per-token log-probs of the responses (and their distance to the rollout's, when given)")
 class LogProbs(_Forward):
     """Per-token log-probs of the responses (the actor's old log-probs, the reference's)."""
     method = "log_probs"
@@ -156,6 +166,8 @@ class LogProbs(_Forward):
         return C.log_probs(batch, rows, engine=engine, micro_batch_size=self.count)
 
 
+@C.compute_step("values", "inference", ("prompts", "responses"), ("values",), engine="value",
+                doc="a critic's per-token values of the responses")
 class Values(_Forward):
     """A critic's per-token values."""
     method = "values"
@@ -173,6 +185,8 @@ def _compute_count(cfg, mfc) -> int:
     return _count(mfc, cfg.rl_config.dock_micro_batch_size, cfg.rl_config.n_samples_per_prompt)
 
 
+@C.compute_step("rule_reward", "compute", ("prompts", "responses", "labels"), ("rm_scores",),
+                doc="rl_config.reward_fn on the decoded response and answer")
 class RuleReward(Impl):
     """rl_config.reward_fn on the decoded responses and answers."""
 
@@ -192,6 +206,8 @@ class RuleReward(Impl):
                              decode_label=decode_label, overlong=self.args.get("overlong"))
 
 
+@C.compute_step("grpo_advantage", "compute", ("rm_scores",), ("advantages",),
+                doc="reward normalized within each prompt's group (needs get_n_samples)")
 class GRPOAdvantage(Impl):
     @staticmethod
     def args(cfg, mfc, info):
@@ -205,6 +221,8 @@ class GRPOAdvantage(Impl):
                                 norm_by_std=a["norm_by_std"])
 
 
+@C.compute_step("gae_advantage", "compute", ("rm_scores", "values"), ("advantages", "returns"),
+                doc="GAE over the outcome reward on the last token, whitened over the micro-batch")
 class GAEAdvantage(Impl):
     @staticmethod
     def args(cfg, mfc, info):
@@ -214,6 +232,8 @@ class GAEAdvantage(Impl):
         return C.gae_advantage(batch, rows, gamma=self.args["gamma"], lam=self.args["lam"])
 
 
+@C.compute_step("remax_advantage", "compute", ("rm_scores", "reward_baselines", "response_length"),
+                ("advantages", "returns"), doc="reward-to-go minus the greedy response's reward")
 class ReMaxAdvantage(Impl):
     @staticmethod
     def args(cfg, mfc, info):
@@ -224,6 +244,10 @@ class ReMaxAdvantage(Impl):
 
 
 # ------------------------------------------------------------------------------------------------ train
+@C.compute_step("policy_train", "train_step", ("prompts", "responses", "old_log_prob", "advantages"),
+                optional=("ref_log_prob", "rollout_log_prob", "loss_mask"), engine="policy",
+                doc="clipped policy loss (+ KL to the reference when the KL coefficient is > 0, + the off-policy "
+                    "correction from rollout_log_prob)")
 class PolicyTrain(Impl):
     """Optimizer steps of the clipped policy loss (+ KL, entropy, off-policy correction)."""
     kind = TRAIN
@@ -261,6 +285,8 @@ class PolicyTrain(Impl):
         return C.Output({}, {**metrics, "updates": 1.0})
 
 
+@C.compute_step("value_train", "train_step", ("prompts", "responses", "values", "returns"), engine="value",
+                doc="clipped value loss")
 class ValueTrain(PolicyTrain):
     """Optimizer steps of the clipped value loss."""
     section = "critic_config"
@@ -315,3 +341,6 @@ def build_impl(ctx: StageContext) -> Impl:
     if "stand_in" in ctx.args:
         return StandIn(ctx)
     return impl_class(ctx.mfc)(ctx)
+
+
+from . import agent_impls, reward_impls  # noqa: E402,F401  their steps register as their classes are defined

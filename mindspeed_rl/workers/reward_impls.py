@@ -1,4 +1,4 @@
-"""The reward model's compute functions and their implementations (`compute.FUNCTIONS` names them):
+"""The reward model's compute functions and their implementations (each declared above its class):
 
 - `reward_model_score` (inference, the `reward_model` MFC): the reward model's score of each response, at
   its last token; re-tokenized first when the reward model's tokenizer is not the policy's;
@@ -85,6 +85,9 @@ def _retokenize(fn, source, target, prompts: Sequence, responses: Sequence):
 
 
 # ------------------------------------------------------------------------------------------------ impls
+@C.compute_step("reward_model_score", "inference", ("prompts", "responses"), ("model_scores",), engine="reward",
+                doc="the reward model's score of each response, at its last token (re-tokenized for its own "
+                    "tokenizer)")
 class RewardModelScore(_Forward):
     """The reward model's score of each response (`reward_model.micro_batch_size_per_device` rows a forward)."""
     method = "scores"
@@ -104,6 +107,8 @@ class RewardModelScore(_Forward):
         return reward_model_score(batch, rows, engine=engine, micro_batch_size=self.count, retokenize=self.retokenize)
 
 
+@C.compute_step("combine_reward", "compute", ("model_scores",), ("rm_scores",), optional=("rule_scores",),
+                doc="rl_config.reward_weights' sum of the reward model's and the rule reward's scores")
 class CombineReward(Impl):
     """rl_config.reward_weights over the model's and the rule's scores."""
 
@@ -115,6 +120,8 @@ class CombineReward(Impl):
         return combine_reward(batch, rows, weights=self.args["weights"])
 
 
+@C.compute_step("reward_train", "train_step", ("prompts", "chosen", "rejected"), engine="reward",
+                doc="Bradley-Terry loss of the reward model on preference pairs (reward modeling)")
 class RewardTrain(PolicyTrain):
     """Optimizer steps of the Bradley-Terry loss over preference pairs (`reward_model` section's sizes)."""
     section = "reward_model"
