@@ -30,11 +30,12 @@ import numpy as np
 import ray
 
 from . import channel, shm
-from .claims import ClaimBoard, SharedDock
+from .claims import ClaimBoard
 from .codec import ColumnBlock, pack, unpack
 from .dock import TransferDock
 from .errors import DockValueError
 from .metrics import RayMetricsExport
+from .shared_dock import SharedDock
 from .shm import ShmBlock
 
 

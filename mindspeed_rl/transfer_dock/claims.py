@@ -7,16 +7,9 @@ cores, for ~0.13 ms of work each; docs/benchmarks.md, "One micro-batch to 4 cons
 gets go to its object store instead, in parallel. Here the consumer claims its rows itself, so gets
 of different consumers queue nowhere.
 
-What lives in shared memory (files beside the dock's segments, removed with them):
-- `msrl-<tag>-claims-<pid>` (the *table*): per column and row, where the cell lies (segment
-  number, byte offset, items) and its *kind* (a number naming its numpy dtype and torch dtype
-  or none), -1 when it is not in shared memory (inline, a Ray object, or unwritten); the kinds
-  by number; the segment paths by number.
-- `msrl-<tag>-claims<i>-<pid>`, one per consumer: its taken bits, the rows claimed locally since
-  the actor last looked (the *claim log*), one record per local get for the metrics and the event
-  log, and up to `MAX_VIEWS` ready lists, one per column set the consumer reads: every row that
-  became ready for that set this step, in order, with a cursor before which all are taken.
-  This file is also the consumer's lock (`fcntl.flock`).
+What lives in shared memory is in `claim_files.py`; the actor's dock that keeps it in step with
+every put and take is `shared_dock.SharedDock`. This module holds the two ends: the actor's
+`ClaimBoard` and a consumer process's `ClaimClient`.
 
 Who writes what, and why each row still goes to each consumer exactly once:
 - Every change to a consumer's taken bits is made under its lock: a local claim (a client),
@@ -51,111 +44,17 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import mmap
 import os
 import threading
 import time
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
-from .dock import TransferDock
-from .errors import DockTimeoutError
-from .samplers import AnyReadySampler
+from .claim_files import (C_CLAIMS, C_ENABLED, C_EXAMINED, C_HEAD, C_TAIL, C_TAKEN, KIND_BYTES, MAX_KINDS,
+                          MAX_SEGMENTS, MAX_VIEWS, PATH_BYTES, RING, T_ENABLED, T_STEP, V_ACTIVE, V_LEN, V_POS,
+                          WORKER_BYTES, Mapped, consumer_layout, lock_file, put_text, table_layout, text_of)
 from .shm import PREFIX, SHM_DIR, ShmBlock, reader
-
-MAX_VIEWS = 8  # column sets per consumer with a ready list; gets for more sets go to the actor
-MAX_SEGMENTS = 4096  # segments the table can name; cells in others go through the actor
-PATH_BYTES = 256
-KIND_BYTES = 32
-MAX_KINDS = 64  # (dtype, torch dtype) pairs the table can name over the dock's life; cells of others go through the actor
-RING = 1024  # local gets recorded before the actor must read them (a claim falls back when full)
-WORKER_BYTES = 64
-LOCK_TIMEOUT_S = 30.0  # a lock held this long: its holder is stopped (a crash releases it)
-
-# table header
-T_ENABLED, T_STEP = 0, 1
-# consumer header
-C_ENABLED, C_TAKEN, C_CLAIMS, C_HEAD, C_TAIL, C_EXAMINED = range(6)
-# ready list state
-V_ACTIVE, V_LEN, V_POS = range(3)
-
-
-def _layout(fields: list[tuple[str, Any, tuple]]) -> tuple[list[tuple[str, np.dtype, tuple, int]], int]:
-    out, size = [], 0
-    for name, dtype, shape in fields:
-        dtype = np.dtype(dtype)
-        size = -(-size // 64) * 64
-        out.append((name, dtype, shape, size))
-        size += int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    return out, max(size, 64)
-
-
-def _table_layout(n_columns: int, capacity: int):
-    return _layout([("hdr", np.int64, (8,)), ("kinds", np.uint8, (MAX_KINDS, 2, KIND_BYTES)),
-                    ("seg", np.int32, (n_columns, capacity)), ("off", np.int64, (n_columns, capacity)),
-                    ("numel", np.int64, (n_columns, capacity)), ("kind", np.int8, (n_columns, capacity)),
-                    ("paths", np.uint8, (MAX_SEGMENTS, PATH_BYTES))])
-
-
-def _consumer_layout(n_columns: int, capacity: int):
-    return _layout([("hdr", np.int64, (8,)), ("taken", np.uint8, (capacity,)), ("claims", np.int32, (capacity,)),
-                    ("vcols", np.uint8, (MAX_VIEWS, n_columns)), ("vstate", np.int64, (MAX_VIEWS, 4)),
-                    ("vlog", np.int32, (MAX_VIEWS, capacity)), ("rt", np.float64, (RING, 2)),
-                    ("ri", np.int64, (RING, 4)), ("rw", np.uint8, (RING, WORKER_BYTES))])
-
-
-class _Mapped:
-    """A shared file's named arrays. Not populated up front: tmpfs gives pages only where written
-    (the ready lists of unused column sets cost nothing)."""
-
-    def __init__(self, path: str, layout, create: bool) -> None:
-        fields, size = layout
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
-        try:
-            if create:
-                os.ftruncate(fd, size)
-            self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-        except BaseException:
-            os.close(fd)
-            raise
-        self.fd, self.path = fd, path
-        self.flat: dict[str, memoryview] = {}  # the same fields, flat, for item-by-item access
-        for name, dtype, shape, offset in fields:
-            setattr(self, name, np.ndarray(shape, dtype, buffer=self.map, offset=offset))
-            n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            self.flat[name] = memoryview(self.map)[offset:offset + n].cast(dtype.char)
-
-
-def _lock_file(fd: int, what: str) -> None:
-    """flock with a bound: a holder stopped mid-claim makes this raise instead of hang."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return
-    except BlockingIOError:
-        pass
-    deadline, delay = time.monotonic() + LOCK_TIMEOUT_S, 20e-6
-    while True:
-        time.sleep(delay)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                raise DockTimeoutError(f"TransferDock: the claim lock of {what} was held for {LOCK_TIMEOUT_S:.0f} s; "
-                                       "a process of that consumer is stopped mid-get") from None
-            delay = min(2 * delay, 1e-3)
-
-
-def _text(raw: np.ndarray) -> str:
-    return bytes(raw).rstrip(b"\0").decode()
-
-
-def _put_text(raw: np.ndarray, text: str) -> None:
-    data = text.encode()[:len(raw)]
-    raw[:] = 0
-    raw[:len(data)] = np.frombuffer(data, dtype=np.uint8)
 
 
 # ---------------------------------------------------------------------------- the actor's side
@@ -173,11 +72,11 @@ class ClaimBoard:
         pid = os.getpid()
         self.tag, self.columns, self.consumers, self.capacity, self.node_id = \
             tag, list(columns), list(consumers), capacity, node_id
-        self.table = _Mapped(os.path.join(SHM_DIR, f"{PREFIX}{tag}-claims-{pid}"),
-                             _table_layout(len(self.columns), capacity), create=True)
+        self.table = Mapped(os.path.join(SHM_DIR, f"{PREFIX}{tag}-claims-{pid}"),
+                             table_layout(len(self.columns), capacity), create=True)
         self.table.seg[:] = -1
-        self.cons = [_Mapped(os.path.join(SHM_DIR, f"{PREFIX}{tag}-claims{i}-{pid}"),
-                             _consumer_layout(len(self.columns), capacity), create=True)
+        self.cons = [Mapped(os.path.join(SHM_DIR, f"{PREFIX}{tag}-claims{i}-{pid}"),
+                             consumer_layout(len(self.columns), capacity), create=True)
                      for i in range(len(self.consumers))]
         self._col = {c: i for i, c in enumerate(self.columns)}
         self._depth = [0] * len(self.consumers)
@@ -198,7 +97,7 @@ class ClaimBoard:
     def lock(self, i: int) -> Iterator[None]:
         """Consumer i's file lock (re-entrant within the actor, whose threads the dock's lock serialises)."""
         if self._depth[i] == 0:
-            _lock_file(self.cons[i].fd, f"consumer '{self.consumers[i]}'")
+            lock_file(self.cons[i].fd, f"consumer '{self.consumers[i]}'")
         self._depth[i] += 1
         try:
             yield
@@ -268,8 +167,8 @@ class ClaimBoard:
                     or len((torch_dtype or "").encode()) > KIND_BYTES):
                 return -1
             kid = len(self._kind_ids)
-            _put_text(self.table.kinds[kid, 0], dtype)
-            _put_text(self.table.kinds[kid, 1], torch_dtype or "")
+            put_text(self.table.kinds[kid, 0], dtype)
+            put_text(self.table.kinds[kid, 1], torch_dtype or "")
             self._kind_ids[key] = kid
         return kid
 
@@ -280,7 +179,7 @@ class ClaimBoard:
             if len(self._seg_ids) >= MAX_SEGMENTS or len(raw) >= PATH_BYTES:
                 return -1
             sid = len(self._seg_ids)
-            _put_text(self.table.paths[sid], path)
+            put_text(self.table.paths[sid], path)
             self._seg_ids[path] = sid
         return sid
 
@@ -370,196 +269,6 @@ class ClaimBoard:
         self.table.hdr[T_STEP] = step
 
 
-class SharedDock(TransferDock):
-    """The actor's `TransferDock`, kept in step with a `ClaimBoard` (see the module doc).
-
-    Each override runs under the dock's lock (re-entrant), and under a consumer's file lock
-    wherever that consumer's taken rows are read or changed: the claim log is read first
-    (`_sync`), so the plain dock's logic then sees every row taken locally.
-    """
-
-    board: ClaimBoard | None = None
-
-    def attach(self, board: ClaimBoard) -> None:
-        with self._cond:
-            self._ci = {name: i for i, name in enumerate(self.consumers)}
-            self._index = {id(self._state[name]): i for name, i in self._ci.items()}
-            self._rewrite = False
-            self.board = board
-            for name, i in self._ci.items():
-                board.set_enabled(i, type(self._state[name].sampler) is AnyReadySampler)
-
-    def detach(self) -> None:
-        """Stop local claims (the dock is closing): the actor answers every get from now on."""
-        with self._cond:
-            board = self.board
-            if board is None:
-                return
-            with board.lock_all():
-                board.disable()
-                for i in range(len(self.consumers)):
-                    self._sync(i)
-            self.board = None
-
-    # -- reading the claim logs
-    def _sync(self, i: int) -> None:
-        rows, records, examined = self.board.drain(i)
-        name = self.consumers[i]
-        if rows:
-            self._take(self._state[name], rows)
-        for t0, t1, nrows, nbytes, step, worker in records:
-            self.metrics.on_get(name, step, nrows, nbytes, t1 - t0, t0, t1, worker)
-        self.metrics.rows_examined += examined
-
-    def _sync_all(self) -> None:
-        board = self.board
-        if board is None:
-            return
-        for i in range(len(self.consumers)):
-            if board.pending(i):
-                with board.lock(i):
-                    self._sync(i)
-
-    # -- taking
-    def try_take(self, consumer, columns, count, idx, get_n_samples, raise_missing=True):
-        board = self.board
-        if board is None:
-            return super().try_take(consumer, columns, count, idx, get_n_samples, raise_missing)
-        i = self._ci[consumer]
-        with self._cond, board.lock(i):
-            self._sync(i)
-            return super().try_take(consumer, columns, count, idx, get_n_samples, raise_missing)
-
-    def _take(self, state, rows: list[int]) -> None:
-        super()._take(state, rows)
-        if self.board is not None and rows:
-            self.board.mark_taken(self._index[id(state)], rows, state.taken_count)
-
-    def _reserve(self, state, rows: list[int]) -> None:
-        self._no_local(state)
-        super()._reserve(state, rows)
-
-    def _release(self, state, rows: list[int]) -> None:
-        self._no_local(state)
-        super()._release(state, rows)
-
-    def _no_local(self, state) -> None:
-        """A sampler that holds rows back: its rows are not mirrored, so this consumer's gets all
-        go to the actor from now on (only `AnyReadySampler` consumers claim, and it never does)."""
-        board = self.board
-        if board is not None and board.cons[self._index[id(state)]].hdr[C_ENABLED]:
-            board.set_enabled(self._index[id(state)], False)
-
-    # -- ready rows
-    def _view(self, state, columns):
-        key = frozenset(columns)
-        fresh = key not in state.views
-        view = super()._view(state, columns)
-        board = self.board
-        if fresh and board is not None:
-            i = self._index[id(state)]
-            if board.cons[i].hdr[C_ENABLED]:  # a consumer that never claims needs no list
-                with board.lock(i):
-                    board.publish_list(i, key, sorted(view.rows))
-        return view
-
-    def put_cells(self, data, indexes, *, overwrite=False, **kwargs):
-        with self._cond:
-            self._rewrite = overwrite
-            try:
-                return super().put_cells(data, indexes, overwrite=overwrite, **kwargs)
-            finally:
-                self._rewrite = False
-
-    def _refresh_ready(self, columns: set[str], idx: np.ndarray) -> None:
-        board = self.board
-        if board is None:
-            return super()._refresh_ready(columns, idx)
-        # The cells' places first: a row enters a ready list only once it can be read. A cell
-        # written again (overwrite=True) may be in the middle of a claim: swap it under every lock.
-        with board.lock_all() if self._rewrite else contextlib.nullcontext():
-            rows = idx.tolist()
-            for c in columns:
-                cells = self._cells[c]
-                board.publish_cells(c, idx, [cells[r] for r in rows])
-        for i, state in enumerate(self._state.values()):
-            for key, view in state.views.items():
-                if key & columns:
-                    ok = self._all_written(key, idx) & ~state.blocked[idx]
-                    if ok.any():
-                        added = view.add(idx[ok].tolist())
-                        if added and board.has_list(i, key):
-                            with board.lock(i):
-                                board.append_list(i, key, added)
-
-    # -- step control and observability: every claim counted first
-    def clear(self) -> None:
-        board = self.board
-        if board is None:
-            return super().clear()
-        with self._cond, board.lock_all():
-            for i in range(len(self.consumers)):
-                self._sync(i)
-            super().clear()
-            board.reset(self.step)
-
-    def retire(self, indexes) -> None:
-        board = self.board
-        if board is None:
-            return super().retire(indexes)
-        # every claim log read first, so rows claimed locally stay taken by their consumer; retired
-        # rows' taken bits are set under each consumer's lock (`_take`), so no claim picks them after
-        with self._cond, board.lock_all():
-            for i in range(len(self.consumers)):
-                self._sync(i)
-            super().retire(indexes)
-
-    def restore_state(self, state, kinds) -> None:
-        board = self.board
-        if board is None:
-            return super().restore_state(state, kinds)
-        with self._cond, board.lock_all():
-            for i in range(len(self.consumers)):
-                self._sync(i)
-            board.reset(self.step)  # restored cells are held by the actor, not in shared memory
-            super().restore_state(state, kinds)  # its takes set the restored taken rows
-            board.set_step(self.step)
-
-    def describe_wait(self, consumer, columns, count, idx, waited_s):
-        board = self.board
-        if board is None:
-            return super().describe_wait(consumer, columns, count, idx, waited_s)
-        i = self._ci[consumer]
-        with self._cond, board.lock(i):
-            self._sync(i)
-            return super().describe_wait(consumer, columns, count, idx, waited_s)
-
-    def all_consumed(self, consumer):
-        with self._cond:
-            self._sync_all()
-            return super().all_consumed(consumer)
-
-    def get_consumer_status(self):
-        with self._cond:
-            self._sync_all()
-            return super().get_consumer_status()
-
-    def get_metrics(self):
-        with self._cond:
-            self._sync_all()
-            return super().get_metrics()
-
-    def get_event_log(self, since: int = 0):
-        with self._cond:
-            self._sync_all()
-            return super().get_event_log(since)
-
-    def state_dict(self):
-        with self._cond:
-            self._sync_all()
-            return super().state_dict()
-
-
 # ---------------------------------------------------------------------------- the consumer's side
 class ClaimClient:
     """One process's end for one dock: its maps of the files and its file descriptors (one per
@@ -573,25 +282,25 @@ class ClaimClient:
         self.node_id = info["node_id"]
         self._col = {c: i for i, c in enumerate(info["columns"])}
         self._cons_index = {c: i for i, c in enumerate(info["consumers"])}
-        self.table = _Mapped(info["table"], _table_layout(len(self._col), self.capacity), create=False)
-        self._cons: list[_Mapped | None] = [None] * len(self._cons_index)
+        self.table = Mapped(info["table"], table_layout(len(self._col), self.capacity), create=False)
+        self._cons: list[Mapped | None] = [None] * len(self._cons_index)
         self._locks = [threading.Lock() for _ in self._cons_index]
         self._slots: dict[tuple[int, tuple[int, ...]], int] = {}
         self._kinds: dict[int, tuple] = {}  # kind number -> kind: a number's record never changes
         self._paths: dict[int, str] = {}
         self.claims_made = 0  # gets this process answered itself (for tests and curiosity)
 
-    def _consumer(self, i: int) -> _Mapped:
+    def _consumer(self, i: int) -> Mapped:
         c = self._cons[i]
         if c is None:
             with self._locks[i]:  # one map and one descriptor per consumer and process
                 c = self._cons[i]
                 if c is None:
-                    c = self._cons[i] = _Mapped(self.info["consumer_files"][i],
-                                                _consumer_layout(len(self._col), self.capacity), create=False)
+                    c = self._cons[i] = Mapped(self.info["consumer_files"][i],
+                                                consumer_layout(len(self._col), self.capacity), create=False)
         return c
 
-    def _slot(self, i: int, c: _Mapped, cols: tuple[int, ...]) -> int | None:
+    def _slot(self, i: int, c: Mapped, cols: tuple[int, ...]) -> int | None:
         slot = self._slots.get((i, cols))
         if slot is None:  # a list's column set never changes once made: look it up once
             mask = np.zeros(len(self._col), dtype=np.uint8)
@@ -621,79 +330,82 @@ class ClaimClient:
             c = self._consumer(i)
         except OSError:  # its file is gone: the dock was closed
             return None
-        cap = self.capacity
-        table, f = self.table.flat, c.flat
         with self._locks[i]:
-            _lock_file(c.fd, f"consumer '{consumer}'")
+            lock_file(c.fd, f"consumer '{consumer}'")
             try:
-                hdr, vstate = f["hdr"], f["vstate"]
-                if not (table["hdr"][T_ENABLED] and hdr[C_ENABLED]):
-                    return None
-                slot = self._slot(i, c, tuple(sorted(cols)))
-                if slot is None or not vstate[4 * slot + V_ACTIVE]:
-                    return None
-                taken_count = hdr[C_TAKEN]
-                want = min(count, cap - taken_count)
-                if want <= 0 or hdr[C_HEAD] - hdr[C_TAIL] >= RING:
-                    return None
-                n, pos = vstate[4 * slot + V_LEN], vstate[4 * slot + V_POS]
-                if n - pos < want:
-                    return None
-                taken, log = f["taken"], f["vlog"]
-                picked: list[int] = []
-                j, at = pos, slot * cap
-                while j < n:  # the rows before `pos` are all taken
-                    r = log[at + j]
-                    j += 1
-                    if not taken[r]:
-                        picked.append(r)
-                        if len(picked) == want:
-                            break
-                if len(picked) < want:
-                    return None
-                places = []
-                seg, off, numel, kinds = table["seg"], table["off"], table["numel"], table["kind"]
-                for k in cols:
-                    at = k * cap
-                    segs = [seg[at + r] for r in picked]
-                    if min(segs) < 0:
-                        return None  # a cell held by the actor (inline or a Ray object)
-                    kid = kinds[at + picked[0]]
-                    for r in picked:
-                        if kinds[at + r] != kid:  # one kind per column and step: refuse to guess
-                            return None
-                    places.append((segs, [off[at + r] for r in picked], [numel[at + r] for r in picked],
-                                   self._kind(kid)))
-                # the claim: every row's bit was clear, and is set before the lock goes
-                for r in picked:
-                    taken[r] = 1
-                hdr[C_TAKEN] = taken_count + want
-                m = hdr[C_CLAIMS]
-                log = f["claims"]
-                for q, r in enumerate(picked):
-                    log[m + q] = r
-                hdr[C_CLAIMS] = m + want
-                vstate[4 * slot + V_POS] = j
-                hdr[C_EXAMINED] += j - pos
-                nbytes = sum(sum(p[2]) * p[3][2] for p in places)
-                head = hdr[C_HEAD]
-                r = head % RING
-                rt, ri = f["rt"], f["ri"]
-                rt[2 * r], rt[2 * r + 1] = t_start, time.time()
-                label = b"" if worker is None else str(worker).encode()[:WORKER_BYTES]
-                f["rw"][WORKER_BYTES * r:WORKER_BYTES * r + len(label)] = label
-                ri[4 * r], ri[4 * r + 1], ri[4 * r + 2] = want, nbytes, table["hdr"][T_STEP]
-                ri[4 * r + 3] = 0 if worker is None else len(label) + 1
-                hdr[C_HEAD] = head + 1
-                self.claims_made += 1
+                got = self._claim_locked(i, c, cols, count, worker, t_start)
             finally:
                 fcntl.flock(c.fd, fcntl.LOCK_UN)
+        if got is None:
+            return None
+        picked, places = got
         out = {}
         rd = reader()
         for name, (segs, offs, numels, (dtype, torch_dtype, _)) in zip(columns, places):
             out[name] = rd.rows_at([self._path(sid) for sid in segs], dtype, torch_dtype, offs, numels, copy,
                                    self.node_id)
         return out, picked
+
+    def _claim_locked(self, i: int, c: Mapped, cols: tuple[int, ...], count: int, worker: str | None,
+                      t_start: float) -> tuple[list[int], list] | None:
+        """The claim itself, under consumer i's lock: (the rows, their cells' places) or None."""
+        cap = self.capacity
+        table, f = self.table.flat, c.flat
+        hdr, vstate = f["hdr"], f["vstate"]
+        if not (table["hdr"][T_ENABLED] and hdr[C_ENABLED]):
+            return None
+        slot = self._slot(i, c, tuple(sorted(cols)))
+        if slot is None or not vstate[4 * slot + V_ACTIVE]:
+            return None
+        taken_count = hdr[C_TAKEN]
+        want = min(count, cap - taken_count)
+        if want <= 0 or hdr[C_HEAD] - hdr[C_TAIL] >= RING:
+            return None
+        n, pos = vstate[4 * slot + V_LEN], vstate[4 * slot + V_POS]
+        if n - pos < want:
+            return None
+        taken = f["taken"]
+        picked, j = _untaken(taken, f["vlog"], slot * cap, pos, n, want)
+        if len(picked) < want:
+            return None
+        places = self._places(cols, picked)
+        if places is None:
+            return None
+        # the claim: every row's bit was clear, and is set before the lock goes
+        for r in picked:
+            taken[r] = 1
+        hdr[C_TAKEN] = taken_count + want
+        m = hdr[C_CLAIMS]
+        log = f["claims"]
+        for q, r in enumerate(picked):
+            log[m + q] = r
+        hdr[C_CLAIMS] = m + want
+        vstate[4 * slot + V_POS] = j
+        hdr[C_EXAMINED] += j - pos
+        nbytes = sum(sum(p[2]) * p[3][2] for p in places)
+        _record(f, want, nbytes, table["hdr"][T_STEP], worker, t_start)
+        self.claims_made += 1
+        return picked, places
+
+    def _places(self, cols: tuple[int, ...], picked: list[int]) -> list | None:
+        """Per column: the picked rows' (segments, offsets, items, kind), or None when a cell is
+        held by the actor (inline or a Ray object) or the rows' kinds differ."""
+        cap = self.capacity
+        table = self.table.flat
+        places = []
+        seg, off, numel, kinds = table["seg"], table["off"], table["numel"], table["kind"]
+        for k in cols:
+            at = k * cap
+            segs = [seg[at + r] for r in picked]
+            if min(segs) < 0:
+                return None  # a cell held by the actor (inline or a Ray object)
+            kid = kinds[at + picked[0]]
+            for r in picked:
+                if kinds[at + r] != kid:  # one kind per column and step: refuse to guess
+                    return None
+            places.append((segs, [off[at + r] for r in picked], [numel[at + r] for r in picked],
+                           self._kind(kid)))
+        return places
 
     def _alive(self) -> bool:
         """Whether the dock actor lives: it holds a shared lock on the table while it does."""
@@ -717,8 +429,37 @@ class ClaimClient:
     def _path(self, sid: int) -> str:
         path = self._paths.get(sid)
         if path is None:
-            path = self._paths[sid] = _text(self.table.paths[sid])
+            path = self._paths[sid] = text_of(self.table.paths[sid])
         return path
+
+
+def _untaken(taken, log, at: int, pos: int, n: int, want: int) -> tuple[list[int], int]:
+    """The first `want` rows of a ready list (entries pos..n-1 at `at` in `log`) whose taken bit is
+    clear, and the entry after the last one read (every row before `pos` is taken)."""
+    picked: list[int] = []
+    j = pos
+    while j < n:
+        r = log[at + j]
+        j += 1
+        if not taken[r]:
+            picked.append(r)
+            if len(picked) == want:
+                break
+    return picked, j
+
+
+def _record(f: dict, rows: int, nbytes: int, step: int, worker: str | None, t_start: float) -> None:
+    """One local get in the consumer's ring, for the actor's metrics and event log."""
+    hdr = f["hdr"]
+    head = hdr[C_HEAD]
+    r = head % RING
+    rt, ri = f["rt"], f["ri"]
+    rt[2 * r], rt[2 * r + 1] = t_start, time.time()
+    label = b"" if worker is None else str(worker).encode()[:WORKER_BYTES]
+    f["rw"][WORKER_BYTES * r:WORKER_BYTES * r + len(label)] = label
+    ri[4 * r], ri[4 * r + 1], ri[4 * r + 2] = rows, nbytes, step
+    ri[4 * r + 3] = 0 if worker is None else len(label) + 1
+    hdr[C_HEAD] = head + 1
 
 
 _clients: dict[tuple[str, int], ClaimClient | None] = {}

@@ -25,7 +25,7 @@ from . import channel, claims, shm
 from .actor import HeldReply, RefBlock, remote_actor_class
 from .codec import ColumnBlock, pack, unpack
 from .shm import ShmBlock
-from .dock import checked_index_list, checked_rows
+from .rows import checked_index_list, checked_rows
 from .errors import DockError, DockValueError
 
 # Columns whose packed size is at least this go by reference. Chosen by benchmarks/dock_throughput.py

@@ -14,74 +14,22 @@ from __future__ import annotations
 import math
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from .consumer import ConsumerState
+from .dock_checkpoint import DockCheckpoint
 from .errors import (DockIndexError, DockKeyError, DockTimeoutError, DockValueError, MissingDataError,
                      preview)
 from .metrics import DockMetrics
+from .rows import cell_nbytes, checked_index_list, checked_rows, row_kind, unique_names
 from .samplers import AnyReadySampler, OrderedSampler, ReadyRows, Sampler, SampleRequest
 
-try:  # torch is a core dependency, but the dock itself works on numpy alone
-    import torch
-except ImportError:  # pragma: no cover
-    torch = None
-
-STATE_VERSION = 1
 SMALL_TAKE = 64  # rows up to which a take updates the consumer's arrays row by row
 
 
-def _is_tensor(v: Any) -> bool:
-    return torch is not None and isinstance(v, torch.Tensor)
-
-
-def cell_nbytes(v: Any) -> int:
-    """Bytes of one cell: a tensor, an array, or anything with `nbytes` (the actor's cells)."""
-    return int(v.nbytes)
-
-
-@dataclass
-class _ConsumerState:
-    """One consumer's progress in the current step."""
-
-    sampler: Sampler
-    capacity: int
-    taken: np.ndarray = field(init=False)
-    blocked: np.ndarray = field(init=False)  # taken, or reserved by the sampler
-    n_samples_per_prompt: int = 1
-    taken_count: int = 0
-    untouched_groups: int = 0  # prompt groups none of whose rows this consumer has taken
-    group_taken: np.ndarray = field(init=False)
-    reserved: set[int] = field(default_factory=set)
-    cursor: int = 0  # every row below it is taken
-    views: dict[frozenset, ReadyRows] = field(default_factory=dict)
-    retired: np.ndarray = field(init=False)  # rows retired before this consumer took them (counted in taken)
-    retired_count: int = 0
-
-    def __post_init__(self) -> None:
-        self.taken = np.zeros(self.capacity, dtype=bool)
-        self.blocked = np.zeros(self.capacity, dtype=bool)
-        self.retired = np.zeros(self.capacity, dtype=bool)
-        self.group_taken = np.zeros(self.capacity // self.n_samples_per_prompt, dtype=np.int32)
-        self.untouched_groups = len(self.group_taken)
-
-    def reset(self, n_samples_per_prompt: int) -> None:
-        self.taken[:] = False
-        self.blocked[:] = False
-        self.retired[:] = False
-        self.taken_count = 0
-        self.retired_count = 0
-        self.group_taken[:] = 0
-        self.untouched_groups = len(self.group_taken)
-        self.reserved.clear()
-        self.cursor = 0
-        self.views = {k: ReadyRows(k, self.capacity, n_samples_per_prompt) for k in self.views}
-        self.sampler.reset()
-
-
-class TransferDock:
+class TransferDock(DockCheckpoint):
     """Central store of one step's experience. See `docs/transfer_dock.md` for the contract.
 
     Args:
@@ -107,8 +55,8 @@ class TransferDock:
         default_timeout: float = 600.0,
         event_log_size: int = 100_000,
     ) -> None:
-        self.columns = _unique_names("columns", columns)
-        self.consumers = _unique_names("consumers", consumers)
+        self.columns = unique_names("columns", columns)
+        self.consumers = unique_names("consumers", consumers)
         for name, v in (("prompts_num", prompts_num), ("n_samples_per_prompt", n_samples_per_prompt)):
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
                 raise DockValueError(f"TransferDock: {name}={v!r}; it must be an integer >= 1")
@@ -128,7 +76,7 @@ class TransferDock:
         self.step = 0
         self.metrics = DockMetrics(event_log_size=event_log_size)
         self.metrics.register(self.consumers, self.columns)
-        # re-entrant: the actor's dock (claims.SharedDock) wraps methods that take it in methods that take it
+        # re-entrant: the actor's dock (shared_dock.SharedDock) wraps methods that take it in methods that take it
         self._cond = threading.Condition(threading.RLock())
         self._cells: dict[str, list] = {c: [None] * self.capacity for c in self.columns}
         self._written = {c: np.zeros(self.capacity, dtype=bool) for c in self.columns}
@@ -138,7 +86,7 @@ class TransferDock:
         self._retired = np.zeros(self.capacity, dtype=bool)  # rows no consumer is handed this step
         self._extent = self.capacity  # rows 0 .. extent-1 are in the step (set_extent: a growing step)
         default = OrderedSampler if guarantee_order else AnyReadySampler
-        self._state = {c: _ConsumerState(samplers.get(c) or default(), self.capacity, self.n_samples_per_prompt)
+        self._state = {c: ConsumerState(samplers.get(c) or default(), self.capacity, self.n_samples_per_prompt)
                        for c in self.consumers}
 
     # ------------------------------------------------------------------ put
@@ -483,115 +431,6 @@ class TransferDock:
                 f"({state.retired_count} of them retired{grow}); "
                 f"{per_column}; missing cells: {miss}. A producer of the missing columns is slow, stalled or crashed.")
 
-    # ------------------------------------------------------------------ checkpoint
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume mid-step: written cells and who took which rows.
-
-        Rows a sampler had reserved but not handed out are saved as not taken, so they are
-        handed out again after a resume rather than lost.
-        """
-        with self._cond:
-            return {
-                "version": STATE_VERSION,
-                "columns": list(self.columns),
-                "consumers": list(self.consumers),
-                "prompts_num": self.prompts_num,
-                "n_samples_per_prompt": self.n_samples_per_prompt,
-                "step": self.step,
-                "cells": {c: {int(r): self._cells[c][r] for r in np.flatnonzero(self._written[c]).tolist()}
-                          for c in self.columns},
-                "taken": {c: np.flatnonzero(s.taken & ~s.retired).tolist() for c, s in self._state.items()},
-                "retired": np.flatnonzero(self._retired).tolist(),
-                "extent": self._extent,
-            }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore a `state_dict()`; the dock's columns, consumers and size must match.
-
-        All or nothing: the whole state is checked before anything is replaced, so a rejected
-        state (a `DockError` naming what is wrong) leaves the dock exactly as it was.
-        """
-        self.restore_state(state, self.checked_state(state))
-
-    def checked_state(self, state: Any) -> dict[str, str]:
-        """Check a saved state against this dock without changing anything; returns each
-        non-empty column's row kind (see `row_kind`).
-
-        A separate step so that wrappers (the Ray actor) can check the state's real rows before
-        they convert them into their own cells and `restore_state` those."""
-        if not isinstance(state, Mapping):
-            raise DockValueError(f"load_state_dict: the state is a {type(state).__name__}, not a dict; "
-                                 "pass what state_dict() returned")
-        for key in ("version", "columns", "consumers", "prompts_num", "n_samples_per_prompt", "cells", "taken"):
-            if key not in state:
-                raise DockValueError(f"load_state_dict: the state has no '{key}'; pass what state_dict() returned")
-        if state["version"] != STATE_VERSION:
-            raise DockValueError(f"load_state_dict: state version {state['version']}; this dock reads {STATE_VERSION}")
-        for key, mine in (("columns", self.columns), ("consumers", self.consumers), ("prompts_num", self.prompts_num),
-                          ("n_samples_per_prompt", self.n_samples_per_prompt)):
-            if state[key] != mine:
-                raise DockValueError(f"load_state_dict: saved {key}={state[key]!r} but this dock has {mine!r}; "
-                                     "build the dock with the same layout before loading")
-        step = state.get("step", self.step)
-        if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
-            raise DockValueError(f"load_state_dict: saved step={step!r}; it must be an integer >= 0")
-        cells = _checked_names("cells", "column", state["cells"], self.columns)
-        kinds = {}
-        for column in self.columns:
-            rows = cells[column]
-            if not isinstance(rows, Mapping):
-                raise DockValueError(f"load_state_dict: cells of column '{column}' are a {type(rows).__name__}; "
-                                     "they must be a dict row -> value, as state_dict() gives")
-            self._checked_indexes(f"load_state_dict: cells of column '{column}'", list(rows), allow_empty=True)
-            if rows:
-                kinds[column] = checked_state_cells(column, rows)
-        taken = _checked_names("taken", "consumer", state["taken"], self.consumers)
-        for consumer in self.consumers:
-            self._checked_indexes(f"load_state_dict: rows taken by consumer '{consumer}'",
-                                  _taken_rows(taken[consumer]), allow_empty=True)
-        retired = self._checked_indexes("load_state_dict: retired rows", _taken_rows(state.get("retired", [])),
-                                        allow_empty=True)
-        n = self.n_samples_per_prompt
-        if len(retired) and np.any(np.bincount(retired // n) % n):
-            raise DockValueError("load_state_dict: the state's 'retired' rows hold part of a prompt group; "
-                                 "pass what state_dict() returned")
-        extent = state.get("extent", self.capacity)
-        if not isinstance(extent, (int, np.integer)) or isinstance(extent, bool) or not 0 <= extent <= self.capacity \
-                or extent % n:
-            raise DockValueError(f"load_state_dict: saved extent={extent!r}; it must be a multiple of "
-                                 f"n_samples_per_prompt={n} in [0, {self.capacity}]")
-        return kinds
-
-    def restore_state(self, state: Mapping[str, Any], kinds: Mapping[str, str]) -> None:
-        """Replace the dock's contents with a state `checked_state` accepted; `kinds` is what it
-        returned. Cells are stored as given (the actor passes its own cell objects)."""
-        with self._cond:
-            for c in self.columns:
-                self._cells[c] = [None] * self.capacity
-                self._written[c][:] = False
-                self._numel[c][:] = 0
-                for r, v in state["cells"][c].items():
-                    self._cells[c][int(r)] = v
-                    self._numel[c][int(r)] = len(v)
-                    self._written[c][int(r)] = True
-                self._written_count[c] = len(state["cells"][c])
-            self._kind = dict(kinds)
-            retired = np.asarray(sorted(int(r) for r in state.get("retired", [])), dtype=np.int64)
-            self._retired[:] = False
-            self._retired[retired] = True
-            self._extent = int(state.get("extent", self.capacity))
-            for c, s in self._state.items():
-                s.reset(self.n_samples_per_prompt)
-                s.views = {}
-                taken = self._checked_indexes("load_state_dict", _taken_rows(state["taken"][c]), allow_empty=True)
-                self._take(s, taken.tolist())
-                fresh = retired[~s.taken[retired]]
-                s.retired[fresh] = True
-                s.retired_count = len(fresh)
-                self._take(s, fresh.tolist())
-            self.step = int(state.get("step", self.step))
-            self._cond.notify_all()
-
     # ------------------------------------------------------------------ internals
     def _checked_data(self, data: Mapping[str, Sequence[Any]]) -> Mapping[str, Sequence[Any]]:
         if not isinstance(data, Mapping) or not data:
@@ -665,7 +504,7 @@ class TransferDock:
                 out[c] = miss.tolist()
         return out
 
-    def _view(self, state: _ConsumerState, columns: list[str]) -> ReadyRows:
+    def _view(self, state: ConsumerState, columns: list[str]) -> ReadyRows:
         key = frozenset(columns)
         view = state.views.get(key)
         if view is None:  # first get with this column set: one vectorized scan, then kept current
@@ -686,7 +525,7 @@ class TransferDock:
                     if ok.any():
                         view.add(idx[ok].tolist())
 
-    def _take(self, state: _ConsumerState, rows: list[int]) -> None:
+    def _take(self, state: ConsumerState, rows: list[int]) -> None:
         if not rows:
             return
         if len(rows) <= SMALL_TAKE:  # a micro-batch: per-row Python beats numpy's per-call cost (~40 us)
@@ -714,17 +553,17 @@ class TransferDock:
             view.discard(rows)
         self._advance_cursor(state)
 
-    def _advance_cursor(self, state: _ConsumerState) -> None:
+    def _advance_cursor(self, state: ConsumerState) -> None:
         while state.cursor < self.capacity and state.taken[state.cursor]:
             state.cursor += 1
 
-    def _reserve(self, state: _ConsumerState, rows: list[int]) -> None:
+    def _reserve(self, state: ConsumerState, rows: list[int]) -> None:
         state.blocked[rows] = True
         state.reserved.update(rows)
         for view in state.views.values():
             view.discard(rows)
 
-    def _release(self, state: _ConsumerState, rows: list[int]) -> None:
+    def _release(self, state: ConsumerState, rows: list[int]) -> None:
         if not rows:
             return
         state.reserved.difference_update(rows)
@@ -739,121 +578,3 @@ class TransferDock:
         for c in columns:
             tokens += self._numel[c][rows]
         return tokens
-
-
-def _unique_names(what: str, names: Sequence[str]) -> list[str]:
-    if isinstance(names, str):
-        raise DockValueError(f"TransferDock: {what} must be a list of names, not the string {names!r}")
-    names = list(names)
-    if not names:
-        raise DockValueError(f"TransferDock: {what} is empty; give at least one name")
-    bad = [n for n in names if not isinstance(n, str) or not n]
-    if bad:
-        raise DockValueError(f"TransferDock: {what} must be non-empty strings, got {bad}")
-    dup = sorted({n for n in names if names.count(n) > 1})
-    if dup:
-        raise DockValueError(f"TransferDock: {what} {dup} are given more than once; name each once")
-    return names
-
-
-def _checked_names(key: str, what: str, saved: Any, names: Sequence[str]) -> Mapping[str, Any]:
-    """A saved state's `cells` or `taken`: a dict with exactly this dock's column or consumer names."""
-    if not isinstance(saved, Mapping):
-        raise DockValueError(f"load_state_dict: the state's '{key}' is a {type(saved).__name__}; it must be a dict "
-                             f"{what} -> rows, as state_dict() gives")
-    unknown = [n for n in saved if n not in names]
-    if unknown:
-        raise DockKeyError(f"load_state_dict: the state's '{key}' names unknown {what}s {unknown}; this dock's "
-                           f"{what}s are {list(names)}")
-    missing = [n for n in names if n not in saved]
-    if missing:
-        raise DockKeyError(f"load_state_dict: the state's '{key}' has no entry for {what}s {missing}; "
-                           "pass what state_dict() returned")
-    return saved
-
-
-def _taken_rows(rows: Any) -> Any:
-    """A saved consumer's taken rows; their order means nothing, so a set is as good as a list."""
-    return sorted(rows) if isinstance(rows, (set, frozenset)) else rows
-
-
-def checked_state_cells(column: str, rows: Mapping[Any, Any]) -> str:
-    """A saved column's cells are 1-D tensors or arrays of one type and dtype; returns that kind,
-    or raises a `DockValueError` naming the first row that is not."""
-    first_row, first = next(iter(rows.items()))
-    for r, v in rows.items():
-        if not (_is_tensor(v) or isinstance(v, np.ndarray)) or v.ndim != 1:
-            what = f"{type(v).__name__} of shape {tuple(v.shape)}" if hasattr(v, "shape") else type(v).__name__
-            raise DockValueError(f"load_state_dict: column '{column}', row {r} is a {what}; each saved cell must be a "
-                                 "1-D torch.Tensor or numpy array, as state_dict() gives")
-        if row_kind(v) != row_kind(first):
-            raise DockValueError(f"load_state_dict: column '{column}', row {r} is {row_kind(v)} but row {first_row} is "
-                                 f"{row_kind(first)}; a column's cells must share one type and dtype")
-    return row_kind(first)
-
-
-def row_kind(row: Any) -> str:
-    """'torch.float32', 'numpy.int64', ...: what one column's rows must all be."""
-    return f"{'torch' if _is_tensor(row) else 'numpy'}.{str(row.dtype).removeprefix('torch.')}"
-
-
-def checked_rows(column: str, values: Any) -> list:
-    """A column's values as a list of 1-D rows of one dtype, or a `DockValueError` saying why not.
-
-    A 2-D tensor or array stands for its rows.
-    """
-    if (_is_tensor(values) or isinstance(values, np.ndarray)) and values.ndim == 2:
-        return list(values)
-    if _is_tensor(values) or isinstance(values, np.ndarray):
-        raise DockValueError(
-            f"put_experience: column '{column}' got one {values.ndim}-D {type(values).__name__} of shape "
-            f"{tuple(values.shape)}; give a list of 1-D rows, or a 2-D [rows, length] tensor "
-            "(for one scalar per row, use x.reshape(-1, 1))")
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
-        raise DockValueError(f"put_experience: column '{column}' got {type(values).__name__}; "
-                             "give a list with one 1-D tensor or array per row")
-    values = list(values)
-    for i, v in enumerate(values):
-        if not (_is_tensor(v) or isinstance(v, np.ndarray)) or v.ndim != 1:
-            what = f"{type(v).__name__} of shape {tuple(v.shape)}" if hasattr(v, "shape") else type(v).__name__
-            raise DockValueError(
-                f"put_experience: column '{column}', value {i} is a {what}; each row must be a 1-D "
-                "torch.Tensor or numpy array (wrap a scalar as tensor([x]) or reshape(1))")
-        if type(v) is not type(values[0]) or v.dtype != values[0].dtype:
-            raise DockValueError(
-                f"put_experience: column '{column}', value {i} is a {type(v).__name__} of dtype {v.dtype} but value 0 "
-                f"is a {type(values[0]).__name__} of dtype {values[0].dtype}; give one column's rows one type and dtype")
-    return values
-
-
-def checked_index_list(where: str, indexes: Any) -> list:
-    """The caller's row `indexes` as a list, or a `DockValueError` for a container that is not an
-    ordered sequence of ints.
-
-    Refused here, on the caller's own object, because conversion hides them: a set becomes a list
-    in hash order (the answer's row order would be undefined) and an object-dtype array's
-    `tolist()` gives plain ints. The Ray client calls this before it sends anything.
-    """
-    if isinstance(indexes, (set, frozenset)):
-        try:
-            shown = sorted(indexes)
-        except TypeError:  # mixed types: shown as they come
-            shown = list(indexes)
-        raise DockValueError(
-            f"{where}: indexes is a {type(indexes).__name__} {preview(shown)}; a set has no "
-            "order, so the rows would line up with the values in an undefined order; pass a list, tuple, range "
-            "or integer array (e.g. sorted(indexes))")
-    if isinstance(indexes, (str, bytes, bytearray)):
-        raise DockValueError(f"{where}: indexes is a {type(indexes).__name__} {indexes!r}; pass a list of row ints")
-    if isinstance(indexes, np.ndarray) and indexes.dtype == object:
-        raise DockValueError(
-            f"{where}: indexes is a numpy array of dtype object (shape {indexes.shape}); its items may be "
-            "anything, so pass an integer array (indexes.astype(np.int64)) or a list of ints")
-    try:
-        rows = indexes.tolist() if hasattr(indexes, "tolist") else list(indexes)
-    except TypeError:
-        raise DockValueError(f"{where}: indexes must be a sequence of ints, got {type(indexes).__name__}") from None
-    if not isinstance(rows, list):  # a 0-d array or tensor: tolist() gives its one value
-        raise DockValueError(f"{where}: indexes is a 0-d {type(indexes).__name__} holding {rows!r}; pass a 1-D "
-                             f"sequence of row ints, e.g. [{rows!r}]")
-    return rows

@@ -27,11 +27,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule, run_state_machine_as_test
 
-from mindspeed_rl.transfer_dock import DockTimeoutError, DockValueError, MissingDataError, claims, shm
+from mindspeed_rl.transfer_dock import DockTimeoutError, DockValueError, MissingDataError, claim_files, claims, shm
 from mindspeed_rl.transfer_dock.actor import _cells, reply_parts
 from mindspeed_rl.transfer_dock.client import assemble
 from mindspeed_rl.transfer_dock.codec import pack, unpack
-from mindspeed_rl.transfer_dock.dock import checked_rows
+from mindspeed_rl.transfer_dock.rows import checked_rows
+from mindspeed_rl.transfer_dock.shared_dock import SharedDock
 from mindspeed_rl.transfer_dock.samplers import LengthBalancedSampler
 
 from . import claim_procs
@@ -50,7 +51,7 @@ class LocalDock:
         self.tag = f"test{os.getpid()}x{uuid.uuid4().hex[:8]}"
         self.gen = shm.Generation(self.tag)
         self.arena = shm.ShmArena(self.tag, self.gen.path, "local")
-        self.dock = claims.SharedDock(columns, consumers, prompts_num, n, **kwargs)
+        self.dock = SharedDock(columns, consumers, prompts_num, n, **kwargs)
         self.board = claims.ClaimBoard(self.tag, self.dock.columns, self.dock.consumers, self.dock.capacity, "local")
         self.dock.attach(self.board)
         self.claimer = claims.ClaimClient(self.board.info())
@@ -495,7 +496,7 @@ def test_a_stopped_lock_holder_is_a_timeout_error_and_a_killed_one_frees_the_loc
     holder.start()
     try:
         assert ready.wait(60)
-        monkeypatch.setattr(claims, "LOCK_TIMEOUT_S", 0.2)
+        monkeypatch.setattr(claim_files, "LOCK_TIMEOUT_S", 0.2)
         with pytest.raises(DockTimeoutError, match="consumer 'c'"):
             d.get_experience("c", ["x"], 1, local=False)
         with pytest.raises(DockTimeoutError, match="consumer 'c'"):
