@@ -557,7 +557,7 @@ def limit_malloc_caching() -> None:
 
 def memory_estimates(a, ckpt: str, device) -> dict:
     """The memory plan's terms (trainer/memory.py) for this run's sizes, in GB, by part."""
-    from mindspeed_rl.trainer import memory as M
+    from mindspeed_rl.trainer import memory_terms as M
     d, src = M.load_dims(ckpt)
     kind = "cpu" if device.type == "cpu" else "gpu"
     lay = M.Layout("torch", 1, kind=kind, dtype=a.dtype)

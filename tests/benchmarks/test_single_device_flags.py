@@ -35,7 +35,7 @@ def test_feature_flags_reach_the_engines_and_the_trainer(bench):
 
 
 def test_memory_estimates_are_the_plans_terms(bench):
-    from mindspeed_rl.trainer import memory as M
+    from mindspeed_rl.trainer import memory_terms as M
     a = bench.parse(["--device", "cpu", "--model", "tiny", "--micro-batch", "2", "--train-prompt-len", "8",
                      "--train-response-len", "4", "--gradient-checkpointing"])
     est = bench.memory_estimates(a, "builtin:tiny-qwen2", torch.device("cpu"))

@@ -1,12 +1,12 @@
-"""Chunked log-probs (`torch_train.head_log_probs` / `response_log_probs`): equal to the full
+"""Chunked log-probs (`log_probs.head_log_probs` / `torch_train.response_log_probs`): equal to the full
 [rows, tokens, vocab] fp32 computation, gradients included, without keeping vocab-sized tensors
 for the backward."""
 import pytest
 import torch
 
 from mindspeed_rl.algorithms import entropy_from_logits, log_probs_from_logits
-from mindspeed_rl.engines.train.torch_train import (TorchTrainEngine, head_log_probs, logits_log_probs, response_log_probs,
-                                              response_logits)
+from mindspeed_rl.engines.train.log_probs import head_log_probs, logits_log_probs
+from mindspeed_rl.engines.train.torch_train import TorchTrainEngine, response_log_probs, response_logits
 
 from ._common import PAD, random_rows, tiny_qwen2
 
@@ -159,7 +159,7 @@ def test_under_autocast_the_heads_weight_is_cast_once_per_micro_batch_with_the_s
     chunk, and with several they add up in fp32 (autocast's cached cast sums the chunks in bf16): no further
     from the fp32 computation's than autocast's."""
     from torch.nn import functional as F
-    from mindspeed_rl.engines.train.torch_train import _chunked, _head_chunk
+    from mindspeed_rl.engines.train.log_probs import _chunked, _head_chunk
     B, R, H, V, chunk = 4, 6, 32, 128, 4
     g = torch.Generator().manual_seed(7)
     hidden = torch.randn(B, R, H, generator=g, requires_grad=True)
@@ -201,8 +201,8 @@ def test_under_autocast_the_heads_weight_is_cast_once_per_micro_batch_with_the_s
 
 
 def test_the_heads_chunk_is_sized_by_the_device():
-    from mindspeed_rl.engines.train.torch_train import (LOGITS_CHUNK_BYTES, adamw_kernel, chunk_tokens_for,
-                                                  logits_chunk_bytes)
+    from mindspeed_rl.engines.train.log_probs import LOGITS_CHUNK_BYTES, chunk_tokens_for, logits_chunk_bytes
+    from mindspeed_rl.engines.train.torch_train import adamw_kernel
     assert logits_chunk_bytes("cpu") == LOGITS_CHUNK_BYTES == 128 << 20
     assert logits_chunk_bytes("cuda:0") == 1 << 30
     assert chunk_tokens_for(151936, logits_chunk_bytes("cpu")) == 220

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from mindspeed_rl.config import ConfigError, config_from_dict
-from mindspeed_rl.trainer import memory as M
+from mindspeed_rl.trainer import memory_terms as M
 from mindspeed_rl.trainer.plan import make_plan, plan_dict
 
 REPO = Path(__file__).resolve().parents[2]
@@ -120,7 +120,7 @@ def test_logits_kv_and_token_terms():
 
 
 def test_engines_source_the_chunk_size():
-    from mindspeed_rl.engines.train.torch_train import LOGITS_CHUNK_BYTES
+    from mindspeed_rl.engines.train.log_probs import LOGITS_CHUNK_BYTES
     assert M.LOGITS_CHUNK_BYTES == LOGITS_CHUNK_BYTES
 
 
