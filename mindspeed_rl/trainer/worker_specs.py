@@ -2,7 +2,10 @@
 
 A worker gets what it runs, resolved here once, not the config: per MFC the arguments of its
 implementation (`workers.impls.mfc_args`: sampling, loss and size settings), per model the engine
-to build (`EngineDecl`: the backend the group's deployment chose, its options, dtype, optimizer).
+to build (`EngineDecl`: the backend the group's deployment chose, its options, dtype, optimizer),
+and its actor's role in the deployment (`RankRole`: whether it reads the dock, writes, and its
+replica). Where the config's backends run no model (the simulate backend), their stand-in
+(`registry.stand_in`) declares the engines and replaces the compute MFCs' functions.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 `spec.options["costs"]` maps what an engine is asked to do to seconds per row: `generate`,
 `generate_greedy` (rollout); `log_probs`, `values`, `train` (train engines). Their outputs are
-one-token placeholders; `stand_in.engine_options` fills the costs from trainer.simulate_cost_s_per_row.
+one-token placeholders; `stand_in.declare` fills the costs from trainer.simulate_cost_s_per_row.
 """
 from __future__ import annotations
 
