@@ -84,8 +84,8 @@ LOOKUP_KEY_DIGITS = 6  # a longer key is refused
 def lookup_value(key: str) -> str:
     """The value of `key` in the lookup table: 3 digits from the SHA-256 of the key (leading zeros kept, so
     every value has the same length). A hash, not a rule: no digit of the value follows from the key's
-    digits, so a model can only know it by calling the tool (or by memorizing the table, which the
-    1000-key task is too large for in a run's few thousand prompts)."""
+    digits, so a model can only know it by calling the tool, or by memorizing the table (with 2-digit keys, 90
+    of them for training, a run without the tool memorizes part of it: docs/agent.md)."""
     return f"{int.from_bytes(hashlib.sha256(f'lookup:{key}'.encode()).digest()[:8], 'big') % 1000:03d}"
 
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 BUILTIN_PREFIX = "builtin:"
 # built-in name -> its config in the repo: the default, a 4-layer one with 4 heads / 2 KV heads, so
-# pipeline stages get whole layers and tensor parallelism whole heads (docs/parallel.md), and the default
-# with the tokens of the calc tool's call syntax, and the same with the lookup tool's (the tool tasks, docs/agent.md)
+# pipeline stages get whole layers and tensor parallelism whole heads (docs/parallel.md), a wider one with the
+# tokens of the calc tool's call syntax, and the default's size with the lookup tool's (the tool tasks, docs/agent.md)
 _BUILTIN_CONFIGS = {"tiny-qwen2": "config.json", "tiny-qwen2-4l": "config_4layers.json",
-                    "tiny-qwen2-tool": "config_tool.json", "tiny-qwen2-lookup": "config_tool.json"}
+                    "tiny-qwen2-tool": "config_tool.json", "tiny-qwen2-lookup": "config_lookup.json"}
 # built-in name -> tokens its tokenizer has beyond the characters (the others have none: unchanged)
 _BUILTIN_EXTRA_TOKENS = {"tiny-qwen2-tool": "TOOL_TOKENS", "tiny-qwen2-lookup": "LOOKUP_TOKENS"}
 BUILTIN_MODELS = tuple(_BUILTIN_CONFIGS)

@@ -1,6 +1,8 @@
 """Simple rule rewards: exact string match, and per-position digit credit for the synthetic tasks."""
 from __future__ import annotations
 
+import re
+
 
 def exact_match(response: str, answer: str, prompt: str = "") -> float:
     """1.0 when the response equals the answer after stripping surrounding whitespace, else 0.0."""
@@ -96,70 +98,66 @@ def calc_digits(response: str, answer: str, prompt: str = "") -> float:
 calc_digits.parts = {"answer": answer_digits, "call": calc_call_digits}  # logged as reward/answer_mean, reward/call_mean
 
 
-LOOKUP_CALL_WEIGHT = 0.2  # the shaping's share of lookup_answer; the answer's is the rest
+LOOKUP_SHAPING_WEIGHT = 0.2  # the shaping's share of lookup_answer; the answer's is the rest
+# lookup_call_form's weights of the call's opening tag, its key's digits (split evenly) and its closing tag
+LOOKUP_FORM_WEIGHTS = (0.05, 0.9, 0.05)
+_LOOKUP_CALL = re.compile(r"<lookup>([^<]*)</lookup><result>([^<]*)</result>")
+_UNITS = re.compile(r"<[^<>]*>|.", re.DOTALL)  # a tag is one unit (one token of the lookup model), else a character
 
 
-def _lookup_calls(response: str) -> list[str]:
-    """The keys of the lookup calls whose whole result the response holds (`</lookup><result>..</result>`).
-
-    A result cut by `max_new_tokens` does not count: its call has no answer after it, and the text
-    `final_answer` reads is then the whole response, digits written before the call included
-    (measured: paid for those, a run wrote its digits first and an empty call after them)."""
-    import re
-    return re.findall(r"<lookup>([^<]*)</lookup><result>[^<]*</result>", str(response))
+def _lookup_calls(response: str) -> list[tuple[str, str]]:
+    """(key, result) of each lookup call whose whole result the response holds (`</lookup><result>..</result>`).
+    A result cut by `max_new_tokens` does not count: its call has no answer after it."""
+    return _LOOKUP_CALL.findall(str(response))
 
 
-def lookup_call(response: str, answer: str = "", prompt: str = "") -> float:
-    """Format shaping of the lookup task: 0.15 for a lookup call with its whole result (an error result too),
-    0.7 x `digits` of its key against the prompt's key (the prompt without its closing `=`), and 0.15 when
-    the text after the tool's result starts with as many digits as the answer has (whichever digits).
-    0 without a call. `42=`, answer `621`: `<lookup>42</lookup><result>621</result>555` 1,
-    `<lookup>47</lookup><result>410</result>` 0.15 + 0.7 x 1/2, `<lookup></lookup><result></result>` 0.15.
-
-    Why each part: a random model closes a call with a key of digits in about one row of four hundred,
-    too few to learn the form from (measured: paid for those alone, calls fell from 0.4 to 0.1 of rows in
-    80 steps), `<lookup>` and `</lookup>` on their own in one row of three; the key's digits are what
-    the value depends on, and the larger part (with 0.25 for each form part, a run settled on a
-    constant call that ignored the key, measured); and a model that has learned to call writes a
-    second call after the result rather than digits (measured), so an answer of the value's form is
-    paid for before it is right."""
-    calls = _lookup_calls(response)
-    if not calls:
-        return 0.0
-    size = len(str(answer).strip())
-    head = final_answer_text(response)[:size]
-    form = len(head) == size and head.isdigit() and head.isascii()
-    return 0.15 + 0.7 * digits(calls[-1], str(prompt).strip().removesuffix("=")) + 0.15 * form
-
-
-def final_answer_text(response: str) -> str:
-    from ..agent.syntax import final_answer
-    return final_answer(str(response))
+def _prompt_key(prompt: str) -> str:
+    return str(prompt).strip().removesuffix("=")
 
 
 def lookup_read(response: str, answer: str = "", prompt: str = "") -> float:
     """1 when the last lookup call the tool answered asked for the prompt's key, else 0."""
     calls = _lookup_calls(response)
-    return float(bool(calls) and calls[-1].strip() == str(prompt).strip().removesuffix("="))
+    return float(bool(calls) and calls[-1][0].strip() == _prompt_key(prompt))
+
+
+def lookup_call_form(response: str, answer: str = "", prompt: str = "") -> float:
+    """Format shaping: the response's first units against the call that looks the prompt's key up, position by
+    position (a tag one unit, a character one unit), weighted by LOOKUP_FORM_WEIGHTS: the opening tag 0.05, the
+    key's digits 0.9 (split evenly), the closing tag 0.05. `42=`: `<lookup>42</lookup>...` 1, `<lookup>47</lookup>`
+    0.05 + 0.45 + 0.05, `<lookup><lookup><lookup></lookup>` 0.1, `4<lookup>42` 0 (every unit one place late).
+
+    Why by position, and why the key weighs most: credit for a call only once it parses comes too seldom to a
+    random model (about one row in four hundred writes a whole call with a key of digits); credit per position
+    comes as the copy task's `digits` does, to every row. The tags are one token each and learned first; weighted
+    as much as the key, the key's places settled on a constant (`<lookup><lookup><lookup></lookup>`) before its
+    copy began, and a closing tag paid for well taught the model to close a call at once, unopened
+    (`4</lookup>`): its long error result fills `max_new_tokens`, every row of a group scores 0 and no gradient
+    is left (docs/agent.md)."""
+    key = _prompt_key(prompt)
+    ideal = ["<lookup>", *key, "</lookup>"]
+    opener, digits_w, closer = LOOKUP_FORM_WEIGHTS
+    weights = [opener] + [digits_w / max(len(key), 1)] * len(key) + [closer]
+    units = _UNITS.findall(str(response))[:len(ideal)]
+    return sum(w for u, i, w in zip(units, ideal, weights) if u == i)
 
 
 def lookup_answer(response: str, answer: str, prompt: str = "") -> float:
-    """The `lookup` task's reward (configs/grpo_tiny_tool.yaml): the model's answer, once it has read the key's
-    value, with a small shaping term for the call.
+    """The `lookup` task's reward (configs/grpo_tiny_tool.yaml): the model's answer once it has read its key's
+    value, with format shaping worth at most 0.2.
 
-        (1 - w) x answer_digits x lookup_read + w x lookup_call,    w = LOOKUP_CALL_WEIGHT = 0.2
+        (1 - w) x answer_digits x lookup_read + w x lookup_call_form,    w = LOOKUP_SHAPING_WEIGHT = 0.2
 
     `answer_digits` reads the model's own text after the tool's result against the true value; nothing
     in the loop writes it for the model. It counts only after a lookup of the prompt's key: the value
     is a hash of the whole key, so without it an answer is right by chance alone (0.1 of its digits),
-    and that chance, paid, is noise that drowns the call's small term while the model learns to
-    call. The call's term is at most 0.2, so a trajectory that calls right and answers wrong scores
-    0.2: a reward of 0.8 needs the answer itself 75% right.
+    and that chance, paid, is noise on the shaping while the model learns to call. A trajectory that
+    looks up right and answers wrong scores 0.2: a reward of 0.8 needs the answer itself 75% right.
     """
-    return ((1 - LOOKUP_CALL_WEIGHT) * answer_digits(response, answer, prompt) * lookup_read(response, answer, prompt)
-            + LOOKUP_CALL_WEIGHT * lookup_call(response, answer, prompt))
+    return ((1 - LOOKUP_SHAPING_WEIGHT) * answer_digits(response, answer, prompt) * lookup_read(response, answer, prompt)
+            + LOOKUP_SHAPING_WEIGHT * lookup_call_form(response, answer, prompt))
 
 
-# reward/answer_mean: the answer's digits whether or not it looked up (the plain accuracy); reward/call_mean;
-# reward/read_mean: the fraction of rows that looked their key up
-lookup_answer.parts = {"answer": answer_digits, "call": lookup_call, "read": lookup_read}
+# logged as reward/<part>_mean: answer (the answer's digits, looked up or not: the plain accuracy), read (rows that
+# looked their own key up), form (the shaping)
+lookup_answer.parts = {"answer": answer_digits, "read": lookup_read, "form": lookup_call_form}

@@ -25,5 +25,5 @@ def test_the_tool_task_runs_and_repeats_in_both_modes(ray_session, tmp_path):
     assert [r["reward/mean"] for r in blocking] == [r["reward/mean"] for r in overlap]
     for r in blocking + overlap:
         assert r["agent/calls_per_row"] > 0, "the random model closes a call in some rows, unforced"
-        assert r["agent/tool_tokens_mean"] > 0 and "reward/call_mean" in r and "reward/answer_mean" in r
+        assert r["agent/tool_tokens_mean"] > 0 and "reward/form_mean" in r and "reward/answer_mean" in r
         assert r["rollout/logprob_diff_max"] < 1e-5, "the tool's tokens are masked out of the check"
