@@ -26,19 +26,8 @@ Log-probs (`Rollout.log_probs`)
     (temperature 0) get log_softmax(logits) at temperature 1 (vLLM applies no temperature there).
 
 Weights (`update_weights`)
-    `llm.collective_rpc("reload_weights", weights_iterator=[(hf_name, tensor)...],
-    is_checkpoint_format=True)` then `llm.reset_prefix_cache()` (vLLM's layerwise in-place reload;
-    10-20 ms for the tiny model). A reload may name a subset of the weights, but only whole vLLM
-    modules: a fused module (`qkv_proj` from q/k/v_proj, `gate_up_proj` from gate/up_proj, with
-    their biases) loaded from only some of its HF names gets garbage in the rest, and a tied
-    `lm_head.weight` left out keeps the old head even when `embed_tokens.weight` changed (both
-    measured). So each call's tensors are held back per vLLM module until all of that module's HF
-    names have arrived (the names come from the checkpoint's safetensors keys, plus `lm_head.weight`
-    when `tie_word_embeddings`, with the embedding and the head as one group; the packing from the
-    vLLM model's `packed_modules_mapping`), and every call reloads the modules completed so far:
-    buckets cut anywhere give the same weights as one call. `weight_version` becomes `version` when
-    nothing is held back (`pending_weight_names()` lists what is). Held-back names of an older
-    version are dropped (with a warning) when a newer version's first bucket arrives.
+    Whole vLLM modules at a time (a fused module or tied embeddings wait for all their HF names):
+    `vllm_weights.py` says why and how, and how the weights reach TP workers.
 
 Sleep mode (`sleep` / `wake_up(tags)`)
     With `enable_sleep_mode: true` (CUDA): `LLM(enable_sleep_mode=True)`, `llm.sleep(level)` (level
@@ -59,11 +48,7 @@ Tensor parallelism (`tensor_parallel_size` > 1)
     bundles; written against vLLM's API, not run: no GPU here). Generation is unchanged. On CPU each
     rank's OpenMP threads are bound to its share of this process's CPUs (`VLLM_CPU_OMP_THREADS_BIND`,
     e.g. "0|1" for tp=2 on two CPUs; vLLM's "auto" needs a NUMA node per rank), unless the variable is
-    set already. Weights cannot travel as tensors to the workers (vLLM's message queue fails with
-    `cannot pickle memoryview`), so each reload writes its tensors into one file in /dev/shm (64-byte
-    aligned) and sends the path and the layout (name, dtype, shape, offset) to `ShmWeightLoader`, the
-    `worker_extension_cls` mixed into vLLM's workers: each rank maps the file, takes views, and runs
-    its own `reload_weights` (which shards them); the file is deleted when every rank has loaded it.
+    set already. Weights reach each rank through a file in /dev/shm (`vllm_weights.ShmWeightLoader`).
     The hold-back of fused modules above applies as with tp = 1. `close()` shuts the workers down
     (vLLM's death pipe also ends them if this process is killed) and removes leftover files. Measured
     on this CPU (tp=2, tiny model): construction 24 s, tp=1's tokens and log-probs; docs/engines.md.
@@ -128,6 +113,8 @@ import torch
 from ...device import accelerator_share
 from ..base import WAKE_TAGS, NamedTensors, Rollout, RolloutEngine, RolloutSpec, SamplingParams
 from ..sync.shm_cleanup import ShmRecorder
+from .vllm_weights import (DEFAULT_PACKED_MODULES, RELOAD_LOGGERS, SHM_DIR, SHM_PREFIX, TIED, ShmWeightLoader,
+                           checkpoint_weight_names, muted, tied_embeddings, write_weight_file)
 
 logger = logging.getLogger(__name__)
 
@@ -135,19 +122,8 @@ OPTIONS = ("kv_cache_gb", "gpu_memory_utilization", "max_model_len", "max_num_se
            "enforce_eager", "disable_torch_compile", "enable_prefix_caching", "enable_sleep_mode",
            "sleep_level", "tensor_parallel_size", "engine_kwargs")
 DEFAULT_CPU_KV_CACHE_GB = 1.0
-# the packing of Llama-family decoders, used when the vLLM model does not say
-DEFAULT_PACKED_MODULES = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
-                          "gate_up_proj": ["gate_proj", "up_proj"]}
-TIED = "<tied embeddings>"
-# vLLM's reload warns once per untouched module on a partial reload: expected here, so muted
-_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
-                   "vllm.model_executor.model_loader.reload.inplace")
 # LLM() warms up a chat template, which fails with a traceback when no tokenizer is loaded
 _BUILD_LOGGERS = ("vllm.renderers.base",)
-# tensor_parallel_size > 1: weight buckets travel to vLLM's worker processes as files here
-SHM_DIR = "/dev/shm"
-SHM_PREFIX = "mindspeed_rl-vllm-weights-"
-_ALIGN = 64
 
 
 def actor_env(bundle_indices: list[int], resources) -> dict[str, str]:
@@ -179,26 +155,6 @@ def _how_it_ended(exitcode: int | None) -> str:
     return f"exit code {exitcode}"
 
 
-class _BelowError(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.ERROR
-
-
-@contextlib.contextmanager
-def _muted(names: Sequence[str], active: bool = True):
-    """Drop these loggers' records below ERROR for the duration (warnings expected here). A filter,
-    not a level: `LLM()` re-runs vLLM's logging dictConfig, which resets child loggers' levels."""
-    flt = _BelowError()
-    loggers = [logging.getLogger(n) for n in names] if active else []
-    for lg in loggers:
-        lg.addFilter(flt)
-    try:
-        yield
-    finally:
-        for lg in loggers:
-            lg.removeFilter(flt)
-
-
 def _import_vllm():
     """Import vLLM for an in-process engine (the variable is read when the engine is built)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -228,50 +184,6 @@ def cpu_threads_bind(tp: int, cpus: Sequence[int] | None = None) -> str:
     return "|".join(",".join(map(str, b)) for b in blocks)
 
 
-class ShmWeightLoader:
-    """Mixed into vLLM's worker class (`worker_extension_cls`) when tensor_parallel_size > 1: methods
-    `collective_rpc` runs in every TP worker process. Names carry a prefix: vLLM refuses an extension
-    attribute its worker already has."""
-
-    def mindspeed_reload_from_file(self, path: str, size: int, layout: list) -> int:
-        """Load the tensors `layout` [(name, dtype, shape, offset)] describes from the file at `path`
-        (`size` bytes, written by `VLLMRolloutEngine._reload`) through this rank's own
-        `reload_weights`, which takes the rank's shard of each. Returns the tensors loaded."""
-        buf = torch.from_file(path, shared=False, size=int(size), dtype=torch.uint8)  # private map, no copy
-        weights = []
-        for name, dtype, shape, offset in layout:
-            dt = getattr(torch, dtype)
-            n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size()
-            weights.append((name, buf[offset:offset + n].view(dt).view(shape)))
-        with _muted(_RELOAD_LOGGERS):
-            self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
-        return len(weights)
-
-    def mindspeed_packed_modules(self) -> dict:
-        """The vLLM model's fused modules: {"qkv_proj": ["q_proj", "k_proj", "v_proj"], ...}."""
-        return dict(getattr(self.model_runner.model, "packed_modules_mapping", {}) or {})
-
-
-def checkpoint_weight_names(model_path: str | Path) -> set[str] | None:
-    """The HF weight names of a checkpoint (safetensors index or files), plus `lm_head.weight` when
-    the embeddings are tied (the trainer sends it; vLLM needs it). None when there is no safetensors."""
-    path = Path(model_path)
-    names: set[str] = set()
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        names = set(json.loads(index.read_text())["weight_map"])
-    else:
-        from safetensors import safe_open
-        for f in sorted(path.glob("*.safetensors")):
-            with safe_open(str(f), framework="pt") as fh:
-                names.update(fh.keys())
-    if not names:
-        return None
-    if _tied(path):
-        names.add("lm_head.weight")
-    return names
-
-
 def check_model(model_path: str, device_type: str) -> None:
     """The registry's pre-start check (`Backend.check_model`): on CPU, a head size vLLM can run."""
     if device_type == "cpu":
@@ -295,14 +207,6 @@ def _check_cpu_head_size(path: Path) -> None:
                          f"generate_config.backend=hf")
 
 
-def _tied(path: Path) -> bool:
-    try:
-        cfg = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return bool(cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", False)))
-
-
 class VLLMRolloutEngine(RolloutEngine):
     """`vllm.LLM` in this process; see the module docstring for what each member does."""
 
@@ -321,7 +225,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self._restore = restore or {}
         self._closed = False
         path = Path(spec.model_path)
-        self._tied = _tied(path)
+        self._tied = tied_embeddings(path)
         self._expected = checkpoint_weight_names(path)
         self._packed_of = self._packed_leaf_map()
         self._groups: dict[str, set[str]] = {}
@@ -388,7 +292,7 @@ class VLLMRolloutEngine(RolloutEngine):
         if sleep_mode:
             kwargs["enable_sleep_mode"] = True
         if tp > 1:
-            kwargs["worker_extension_cls"] = f"{__name__}.{ShmWeightLoader.__name__}"
+            kwargs["worker_extension_cls"] = f"{ShmWeightLoader.__module__}.{ShmWeightLoader.__name__}"
             # the trainer pins an accelerator replica's actor into its placement group and names the
             # bundles (the backend's actor_env, vllm_rollout.actor_env): vLLM's Ray executor puts the ranks there
             kwargs["distributed_executor_backend"] = "ray" if os.environ.get("VLLM_RAY_BUNDLE_INDICES") else "mp"
@@ -400,7 +304,7 @@ class VLLMRolloutEngine(RolloutEngine):
         # (a kill during it leaves them too), for whoever cleans up after an abnormal end
         recorder = ShmRecorder().start(ignore_existing=True) if tp > 1 else None
         try:
-            with _muted(_BUILD_LOGGERS):
+            with muted(_BUILD_LOGGERS):
                 llm = vllm.LLM(**kwargs)
         except BaseException:
             if recorder is not None:
@@ -499,28 +403,18 @@ class VLLMRolloutEngine(RolloutEngine):
         if self._workers_elsewhere:
             self._reload_by_file(weights)
         else:
-            with _muted(_RELOAD_LOGGERS, active=True):
+            with muted(RELOAD_LOGGERS, active=True):
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
                                                                   "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()
 
     def _reload_by_file(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """tensor_parallel_size > 1: write the tensors into one /dev/shm file, have every TP worker load
-        it (`ShmWeightLoader.mindspeed_reload_from_file`), then delete it (see the module docstring)."""
+        it (`ShmWeightLoader.mindspeed_reload_from_file`), then delete it (see `vllm_weights.py`)."""
         self._files += 1
         path = os.path.join(SHM_DIR, f"{SHM_PREFIX}{os.getpid()}-{id(self):x}-{self._files}")
-        layout, offset = [], 0
         try:
-            with open(path, "wb") as f:
-                for name, t in weights:
-                    t = t.detach().to("cpu").contiguous()
-                    pad = -offset % _ALIGN
-                    f.write(b"\0" * pad)
-                    offset += pad
-                    layout.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset))
-                    data = t.reshape(-1).view(torch.uint8).numpy()
-                    f.write(data.data)
-                    offset += data.nbytes
+            layout, offset = write_weight_file(path, weights)
             loaded = self.llm.collective_rpc("mindspeed_reload_from_file", args=(path, offset, layout))
         finally:
             with contextlib.suppress(FileNotFoundError):

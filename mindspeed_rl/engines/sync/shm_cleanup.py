@@ -42,7 +42,7 @@ RECORD_PREFIX = "mindspeed_rl-shm-record-"
 # the objects vLLM's mp executor and multiprocessing create; the trainer's own files (the dock's
 # msrl-*, the engine's pid-named weight files) have their own cleanup and are not recorded
 RECORDED_PREFIXES = ("psm_", "sem.")
-WEIGHT_FILE_PREFIX = "mindspeed_rl-vllm-weights-"  # vllm_rollout.SHM_PREFIX (pid-named, removed by pid)
+WEIGHT_FILE_PREFIX = "mindspeed_rl-vllm-weights-"  # vllm_weights.SHM_PREFIX (pid-named, removed by pid)
 # the processes a record lists (and a cleanup may SIGKILL): vLLM's workers name themselves so
 # (`VLLM::Worker_TP0`, multiprocessing's `VllmWorker-0` before the title is set); other children of
 # the engine's process (multiprocessing's resource tracker, a compile worker) are not the engine's
