@@ -34,51 +34,23 @@ def launch_workers(cfg: Config, plan: Plan, docks: list, placement_groups: Mappi
                    get: Callable) -> Launched:
     """Start every group's actors, build their engines and connect them; `get` is the driver's bounded,
     interruptible ray.get."""
-    import ray
-    workers: dict[str, list[Any]] = {}
-    worker_nodes: dict[str, list[str]] = {}
-    worker_info: dict[tuple[str, int], dict] = {}
-    for name, gp in plan.groups.items():
-        r = gp.resources
-        # threaded: colocated stages run at once; +4 for sync, checkpoint and ping calls beside them
-        # (x the steps in flight: with max_weight_staleness k, stages of k + 1 steps may run at once);
-        # +3 for an IPC weight sync's deliveries (ipc_deliver) waiting beside its sync_weights call
-        opts: dict[str, Any] = {**group_actor_options(r),  # num_cpus, num_gpus, resources={NPU: ...}
-                                "max_concurrency": len(gp.mfcs) * (cfg.rl_config.max_weight_staleness + 1) + 4 + 3}
-        # mode mesh: the deployment's actors, actor k on its devices (one, or a replica's for an engine that
-        # starts its own ranks there)
-        def pinned(k: int, gp=gp, opts=opts):
-            devices = gp.actor_devices(k)
-            if not devices:
-                return ray.remote(Worker).options(**opts)
-            if len(devices) > 1:
-                return ray.remote(Worker).options(**multi_device_actor_options(placement_groups, devices, opts))
-            from ..parallel import scheduling_strategy
-            return ray.remote(Worker).options(
-                **opts, scheduling_strategy=scheduling_strategy(placement_groups, devices[0]))
-
-        def env_of(k: int, gp=gp) -> dict:
-            devices = gp.actor_devices(k)
-            if len(devices) > 1 and gp.rollout_backend:
-                from ..engines.registry import rollout_backend
-                return {**env, **rollout_backend(gp.rollout_backend).actor_env(
-                    [placement_groups[d][1] for d in devices], gp.resources)}
-            return env
-        workers[name] = [pinned(k).remote(spec)
-                              for k, spec in enumerate(worker_specs(cfg, plan, gp, docks, env_of))]
+    workers = {name: _start_group(cfg, plan, gp, docks, placement_groups, env) for name, gp in plan.groups.items()}
     all_workers = [w for ws in workers.values() for w in ws]
     infos = get([w.ping.remote() for w in all_workers], "starting workers")
+    info_of = {id(w): info for w, info in zip(all_workers, infos)}
+    worker_nodes: dict[str, list[str]] = {}
+    worker_info: dict[tuple[str, int], dict] = {}
     for name, ws in workers.items():
-        worker_nodes[name] = [infos[all_workers.index(w)]["node_id"] for w in ws]
+        worker_nodes[name] = [info_of[id(w)]["node_id"] for w in ws]
         for rank, w in enumerate(ws):  # named in the message if it dies
-            worker_info[(name, rank)] = {**infos[all_workers.index(w)], "actor_id": _actor_id(w)}
+            worker_info[(name, rank)] = {**info_of[id(w)], "actor_id": _actor_id(w)}
     for name, ws in workers.items():
         if plan.groups[name].deployment.default_group:
             # the default group over a model's ranks, where its deployment says so (DDP, FSDP; all dp*tp*pp of
             # a model-parallel group, generating ones too); never in a rollout-only data-parallel group, whose
             # engine (vLLM) may take torch's default group for itself.
-            # Its collectives may wait for a reader waiting on the dock: a timeout beyond the stage's
-            host = infos[all_workers.index(ws[0])]["host"]
+            # Its collectives may wait for a reader waiting on the dock: a timeout beyond the stage's own
+            host = info_of[id(ws[0])]["host"]
             port = get([ws[0].free_port.remote()], "DDP port")[0]
             timeout = max(60.0, 2 * cfg.trainer.stage_timeout_s + 60.0)
             get([w.init_ddp.remote(host, port, timeout) for w in ws], f"DDP group of '{name}'")
@@ -88,31 +60,67 @@ def launch_workers(cfg: Config, plan: Plan, docks: list, placement_groups: Mappi
     for model, train_mfc in plan.trained.items():
         train_group = plan.group_of(train_mfc)
         reader_groups = {plan.group_of(r) for r in plan.sync_targets.get(model, [])}
-        members = list(workers[train_group])
         remote = [w for g in reader_groups if g != train_group for w in workers[g]]
-        sync_members[model] = members + remote
+        sync_members[model] = list(workers[train_group]) + remote
         if remote:
-            src = workers[train_group][0]
-            # IPC (engines/sync/ipc_sync.py, shared memory, no group): weight_sync.backend ipc, or auto when
-            # rank 0 and every remote reader compute on one GPU (same CUDA uuid; NCCL refuses that)
-            keys = (get([w.device_key.remote() for w in [src] + remote], f"devices of '{model}'")
-                    if cfg.weight_sync.backend in ("ipc", "auto") else [])
-            same = len(set(keys)) == 1
-            if cfg.weight_sync.backend == "ipc" and not (same and keys[0].startswith(("cuda:", "cpu:"))):
-                raise LaunchError(
-                    f"weight_sync.backend=ipc: the trainer of '{model}' and its readers are not on one device "
-                    f"({sorted(set(keys))}); IPC weight sync needs them all on one GPU (or all on the CPU of one "
-                    "host): place them together, or set weight_sync.backend=auto (NCCL/HCCL) or gloo")
-            if cfg.weight_sync.backend == "ipc" or (same and keys[0].startswith("cuda:")):
-                get([src.init_ipc_sync.remote(model, "send", remote)]
-                          + [w.init_ipc_sync.remote(model, "read") for w in remote], f"IPC weight sync of '{model}'")
-                continue
-            host = infos[all_workers.index(src)]["host"]
-            port = get([src.free_port.remote()], "sync port")[0]
-            world = 1 + len(remote)
-            get([w.init_sync_group.remote(model, host, port, i, world)
-                       for i, w in enumerate([src] + remote)], f"weight-sync group of '{model}'")
+            _connect_weight_sync(cfg, model, workers[train_group][0], remote, info_of, get)
     return Launched(workers, worker_nodes, worker_info, sync_members)
+
+
+def _start_group(cfg: Config, plan: Plan, gp, docks: list, placement_groups: Mapping, env: dict) -> list[Any]:
+    """The actors of one worker group, in rank order (started, not yet answering)."""
+    import ray
+    r = gp.resources
+    # threaded: colocated stages run at once; +4 for sync, checkpoint and ping calls beside them
+    # (x the steps in flight: with max_weight_staleness k, stages of k + 1 steps may run at once);
+    # +3 for an IPC weight sync's deliveries (ipc_deliver) waiting beside its sync_weights call
+    opts: dict[str, Any] = {**group_actor_options(r),  # num_cpus, num_gpus, resources={NPU: ...}
+                            "max_concurrency": len(gp.mfcs) * (cfg.rl_config.max_weight_staleness + 1) + 4 + 3}
+
+    # mode mesh: the deployment's actors, actor k on its devices (one, or a replica's for an engine that
+    # starts its own ranks there)
+    def pinned(k: int):
+        devices = gp.actor_devices(k)
+        if not devices:
+            return ray.remote(Worker).options(**opts)
+        if len(devices) > 1:
+            return ray.remote(Worker).options(**multi_device_actor_options(placement_groups, devices, opts))
+        from ..parallel import scheduling_strategy
+        return ray.remote(Worker).options(
+            **opts, scheduling_strategy=scheduling_strategy(placement_groups, devices[0]))
+
+    def env_of(k: int) -> dict:
+        devices = gp.actor_devices(k)
+        if len(devices) > 1 and gp.rollout_backend:
+            from ..engines.registry import rollout_backend
+            return {**env, **rollout_backend(gp.rollout_backend).actor_env(
+                [placement_groups[d][1] for d in devices], gp.resources)}
+        return env
+    return [pinned(k).remote(spec) for k, spec in enumerate(worker_specs(cfg, plan, gp, docks, env_of))]
+
+
+def _connect_weight_sync(cfg: Config, model: str, src, remote: list, info_of: dict, get: Callable) -> None:
+    """Connect the trainer's rank 0 (`src`) of `model` to the workers that read it elsewhere: by IPC when
+    they share one device, else by a weight-sync group of their own."""
+    # IPC (engines/sync/ipc_sync.py, shared memory, no group): weight_sync.backend ipc, or auto when
+    # rank 0 and every remote reader compute on one GPU (same CUDA uuid; NCCL refuses that)
+    keys = (get([w.device_key.remote() for w in [src] + remote], f"devices of '{model}'")
+            if cfg.weight_sync.backend in ("ipc", "auto") else [])
+    same = len(set(keys)) == 1
+    if cfg.weight_sync.backend == "ipc" and not (same and keys[0].startswith(("cuda:", "cpu:"))):
+        raise LaunchError(
+            f"weight_sync.backend=ipc: the trainer of '{model}' and its readers are not on one device "
+            f"({sorted(set(keys))}); IPC weight sync needs them all on one GPU (or all on the CPU of one "
+            "host): place them together, or set weight_sync.backend=auto (NCCL/HCCL) or gloo")
+    if cfg.weight_sync.backend == "ipc" or (same and keys[0].startswith("cuda:")):
+        get([src.init_ipc_sync.remote(model, "send", remote)]
+            + [w.init_ipc_sync.remote(model, "read") for w in remote], f"IPC weight sync of '{model}'")
+        return
+    host = info_of[id(src)]["host"]
+    port = get([src.free_port.remote()], "sync port")[0]
+    world = 1 + len(remote)
+    get([w.init_sync_group.remote(model, host, port, i, world)
+         for i, w in enumerate([src] + remote)], f"weight-sync group of '{model}'")
 
 
 def multi_device_actor_options(placement_groups: Mapping, devices: list[int], opts: dict) -> dict:
