@@ -126,8 +126,8 @@ def test_staleness_k_runs_the_ahead_stages_k_steps_early_in_docks_of_their_own()
     p = pipeline(k=2, guarantee_order=False, total_steps=4)
     reports = p.run(0, version=0, kl_coef=0.0)
     starts = [e[1:] for e in p.watch.events if e[0] == "start"]
-    # step 0 starts all its stages, then steps 1 and 2 put their prompts and start rollout and reward, all on version 0
-    assert starts == [(0, m.name) for m in ORDER] + [(s, n) for s in (1, 2) for n in ("rollout", "reward")]
+    # steps 0..2 put their prompts and start rollout and reward on version 0; step 0 then its train-time stages
+    assert starts == [(s, n) for s in range(3) for n in ("rollout", "reward")] + [(0, "old_log_prob"), (0, "train")]
     assert all(v == 0 for v in p.watch.versions.values())
     assert [len(d.puts) for d in p.docks] == [1, 1, 1] and p.launched == 3
     assert steps_of(reports) == {0} and len(reports) == len(ORDER)
@@ -169,9 +169,9 @@ def test_state_dict_holds_the_steps_in_flight_and_loads_back():
     assert q.launched == 3 and q.docks[1].loaded == one["dock"] and q.reports[2] == state["in_flight"][2]["reports"]
     assert q.truncated == {1: 2, 2: 3} and q.step_of(1, 0, 1) == 1
     q.run(1, 1, 0.0)
-    # the step's train-time stages first (the trainer waits for them), then the step k ahead
-    assert [e[1:] for e in q.watch.events if e[0] == "start"] == [(1, "old_log_prob"), (1, "train"),
-                                                                   (3, "rollout"), (3, "reward")]
+    # the step k ahead first, then the step's train-time stages
+    assert [e[1:] for e in q.watch.events if e[0] == "start"] == [(3, "rollout"), (3, "reward"),
+                                                                   (1, "old_log_prob"), (1, "train")]
 
 
 def test_a_failed_dynamic_sampling_filter_stops_the_wait():
