@@ -36,7 +36,13 @@ def env_overrides() -> dict:
         key, eq, value = item.partition("=")
         if not eq:
             raise ValueError(f"{ENV}: {item!r} is not key=value")
-        out[key] = yaml.safe_load(value)
+        parsed = yaml.safe_load(value)
+        if isinstance(parsed, str):  # YAML 1.1 reads 1e-12 (no dot) as a string
+            try:
+                parsed = float(parsed)
+            except ValueError:
+                pass
+        out[key] = parsed
     return out
 
 
