@@ -298,7 +298,7 @@ def flatten_parameters(module: torch.nn.Module, align: int = ALIGN) -> dict[tupl
     `named_parameters()` order, each at an `align`-byte-aligned offset; `p.data` becomes a view.
 
     Why: weight sync sends a bucket whose tensors lie side by side in one storage, at the same
-    relative offsets as its wire layout (`weight_sync.BucketSpec`, also `ALIGN`-aligned), as ONE
+    relative offsets as its wire layout (`sync/bucket_layout.BucketSpec`, also `ALIGN`-aligned), as ONE
     broadcast straight from that memory, and a reader whose parameters lie the same way receives
     it straight into them. Per-tensor broadcasts (~180 for Qwen2.5-0.5B) cost a quarter of the
     throughput of one flat broadcast over gloo.
@@ -362,7 +362,7 @@ def cast_bucket(bucket: Bucket, dtype: torch.dtype, align: int = ALIGN) -> Bucke
 
     The cast copies go into ONE new buffer at the offsets weight sync's wire gives them (`align`-byte
     aligned, in bucket order; a tensor named twice, a tied weight, takes one place), so the bucket
-    still lies in memory as on the wire and goes as one broadcast (`weight_sync.BucketSpec`)."""
+    still lies in memory as on the wire and goes as one broadcast (`sync/bucket_layout.BucketSpec`)."""
     if all(t.dtype == dtype or not t.is_floating_point() for _, t in bucket):
         return bucket
     def key(t: torch.Tensor) -> tuple:   # the same view of the same memory (as BucketSpec dedups)

@@ -100,7 +100,7 @@ class StageModule(nn.Module):
     def log_probs(self, h: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """[rows, R, 2]: log-prob of each label and entropy (0 unless `with_entropy`), fp32, 0 at
         padding; the head runs on the real response tokens only, a chunk at a time
-        (`torch_train.head_log_probs`): no [rows, R, vocab] fp32 tensor leaves or stays in the stage."""
+        (`log_probs.head_log_probs`): no [rows, R, vocab] fp32 tensor leaves or stays in the stage."""
         from .log_probs import head_log_probs
 
         logp, ent = head_log_probs(h, self.lm_head.weight, self.lm_head.bias, labels, self.temperature,

@@ -54,7 +54,7 @@ What runs where:
   fp32: the residual stream adds fp32 to the autocast outputs); an inference-only engine holds
   `dtype`. Exports are cast to `dtype`.
 * The last stage of a causal LM returns [rows, R, 2] log-probs and entropies, not logits: the head
-  runs on the real response tokens only, in chunks (`torch_train.head_log_probs`), so no
+  runs on the real response tokens only, in chunks (`log_probs.head_log_probs`), so no
   [rows, R, vocab] fp32 tensor crosses the schedule or stays for the backward.
 * The optimizer is AdamW over this rank's parameters (DTensor shards and plain tensors); the grad
   norm is the global one: `get_total_norm` per kind of tensor (a DTensor's `full_tensor()`), the
