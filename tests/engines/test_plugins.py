@@ -59,6 +59,7 @@ def _run(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.slow_budget(60, reason="two CLI runs of the tiny job, each starting its own Ray, to load the plugin")
 def test_a_plugin_outside_the_package_runs_the_tiny_job_with_the_builtins_losses(tmp_path):
     (tmp_path / "plugins").mkdir()
     (tmp_path / "plugins" / "my_backends.py").write_text(PLUGIN)

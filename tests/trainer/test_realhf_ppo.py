@@ -52,6 +52,8 @@ def test_dry_run_names_each_mfcs_groups_and_rank_mapping(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.ray
+# 25 Ray actors, each importing torch on 2 cores, before 3 steps: the start-up is most of it
+@pytest.mark.slow_budget(90, reason="ReaLHF's allocation needs its 25 actors (one per rank of 6 groups)")
 def test_realhf_ppo_allocation_trains_three_steps(ray_session, tmp_path):
     trainer = Recording(config_from_dict(config(tmp_path / "run")))
     history = trainer.run()

@@ -94,6 +94,8 @@ def resume_args(line: str) -> list[str]:
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.slow_budget(70, reason="three CLI runs, each starting its own Ray, stopped by a signal or run to the "
+                                    "end; each stop waits for every Ray process of the run to exit")
 def test_sigint_and_sigterm_stop_with_one_line_and_the_printed_command_resumes(tmp_path):
     out = tmp_path / "run"
     args = [sys.executable, CLI, f"trainer.total_steps={TOTAL_STEPS}", "trainer.save_interval=2",
