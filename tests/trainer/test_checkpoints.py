@@ -3,6 +3,7 @@ that was killed while it appended to metrics.jsonl."""
 from __future__ import annotations
 
 import json
+import shutil
 import warnings
 from pathlib import Path
 
@@ -113,28 +114,42 @@ def sim(tmp: Path, **trainer) -> dict:
                         "simulate_cost_s_per_row": {"actor_rollout": 0.0005}, **trainer}}
 
 
+@pytest.fixture(scope="module")
+def saved_run(ray_session, tmp_path_factory) -> Path:
+    """4 steps, a checkpoint after each and the newest 2 kept: the run each test below resumes a copy of."""
+    tmp = tmp_path_factory.mktemp("saved")
+    history = Trainer(config_from_dict(sim(tmp, save_interval=1, keep_checkpoints=2))).run()
+    assert [r["step"] for r in history] == [0, 1, 2, 3]
+    return tmp / "run"
+
+
+def copy_of(run: Path, tmp: Path) -> Path:
+    shutil.copytree(run, tmp / "run")
+    return tmp / "run"
+
+
 @pytest.mark.slow
 @pytest.mark.ray
-def test_save_every_step_keeps_two_and_resume_after_a_torn_line(ray_session, tmp_path):
-    history = Trainer(config_from_dict(sim(tmp_path, save_interval=1, keep_checkpoints=2))).run()
-    assert [r["step"] for r in history] == [0, 1, 2, 3]
-    assert names(tmp_path / "run") == ["step_000003", "step_000004"]
+def test_save_every_step_keeps_two_and_resume_after_a_torn_line(saved_run, tmp_path):
+    assert names(saved_run) == ["step_000003", "step_000004"]
+    run = copy_of(saved_run, tmp_path)
     # the driver was killed while appending a step after its last checkpoint
-    with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
+    with open(run / "metrics.jsonl", "a") as f:
         f.write('{"step": 4, "reward/mean": 0.1')
     with pytest.warns(RuntimeWarning, match="metrics.jsonl: dropped its last line 5"):
         resumed = Trainer(config_from_dict(sim(tmp_path, total_steps=6, save_interval=1, keep_checkpoints=2,
                                                resume=True))).run()
     assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4, 5]
-    assert names(tmp_path / "run") == ["step_000005", "step_000006"]
+    assert names(run) == ["step_000005", "step_000006"]
 
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_resume_refuses_a_file_damaged_in_the_middle(ray_session, tmp_path):
-    Trainer(config_from_dict(sim(tmp_path, total_steps=2, save_interval=2))).run()
-    path = tmp_path / "run" / "metrics.jsonl"
+def test_resume_refuses_a_file_damaged_in_the_middle(saved_run, tmp_path):
+    run = copy_of(saved_run, tmp_path)
+    path = run / "metrics.jsonl"
     lines = path.read_text().splitlines()
-    path.write_text(lines[0][:10] + "\n" + lines[1] + "\n")
+    path.write_text("\n".join([lines[0][:10], *lines[1:]]) + "\n")
     with pytest.raises(TrainingError, match=f"trainer.resume=true: {path} line 1 is not JSON"):
-        Trainer(config_from_dict(sim(tmp_path, total_steps=3, save_interval=2, resume=True))).run()
+        Trainer(config_from_dict(sim(tmp_path, total_steps=5, save_interval=1, keep_checkpoints=2,
+                                     resume=True))).run()

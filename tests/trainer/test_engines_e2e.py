@@ -2,12 +2,14 @@
 backend that runs on this machine (docs/engines.md)."""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 
 from mindspeed_rl.config import config_from_dict
 from mindspeed_rl.trainer import Trainer
+from mindspeed_rl.trainer.checkpoint import checkpoint_dir, mark_latest
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -23,20 +25,22 @@ def run(tmp: Path, name: str, steps: int = 3, **sections) -> list[dict]:
 
 
 def test_fsdp_matches_ddp_with_the_same_dp_and_resumes_exactly(ray_session, tmp_path):
-    """actor_config.backend=fsdp with dp=2 gives DDP's pg_loss per step (issue: within 1e-4), and a run
-    saved at step 2 and resumed to 3 equals the run that went straight to 3 (DCP checkpoints)."""
+    """actor_config.backend=fsdp with dp=2 gives DDP's pg_loss per step (within 1e-4), and the run
+    resumed from its checkpoint at step 2 trains step 3 exactly as it did straight through (DCP checkpoints)."""
     two = {"groups": {"integrated": {"dp": 2, "num_cpus": 0.5}}}
     ddp = run(tmp_path, "ddp", placement=two, actor_config={"backend": "torch"})
-    fsdp = run(tmp_path, "fsdp", placement=two, actor_config={"backend": "fsdp"})
+    fsdp = run(tmp_path, "fsdp", placement=two, actor_config={"backend": "fsdp"}, trainer={"save_interval": 2})
     for a, b in zip(ddp, fsdp):
         assert abs(a["actor/pg_loss"] - b["actor/pg_loss"]) <= 1e-4, (a["actor/pg_loss"], b["actor/pg_loss"])
         assert a["reward/mean"] == b["reward/mean"]
     assert all(r["rollout/logprob_diff_max"] < 1e-5 for r in fsdp)  # the gathered weights reached the rollout
-    run(tmp_path, "resumed", steps=2, placement=two, actor_config={"backend": "fsdp"},
-        trainer={"save_interval": 2})
-    resumed = run(tmp_path, "resumed", steps=3, placement=two, actor_config={"backend": "fsdp"},
-                  trainer={"resume": True})
-    assert [r["step"] for r in resumed] == [0, 1, 2]  # history of the first leg, then step 2
+    # as if the driver had died after step 2's checkpoint: the last one gone, `latest` back at step 2
+    out = tmp_path / "fsdp"
+    shutil.rmtree(checkpoint_dir(str(out), 3))
+    mark_latest(str(out), checkpoint_dir(str(out), 2), 2)
+    resumed = run(tmp_path, "fsdp", placement=two, actor_config={"backend": "fsdp"},
+                  trainer={"save_interval": 2, "resume": True})
+    assert [r["step"] for r in resumed] == [0, 1, 2]  # the first two steps' records, then step 2 trained again
     assert resumed[2]["actor/pg_loss"] == fsdp[2]["actor/pg_loss"]
     assert resumed[2]["weight_sync/actor_checksum"] == fsdp[2]["weight_sync/actor_checksum"]
 
