@@ -79,6 +79,17 @@ class Deployment:
     devices: tuple[int, ...] = ()
     default_group: bool = False         # its actors share torch's default process group (DDP, FSDP, meshes)
 
+    @classmethod
+    def refused(cls, slice_: Slice) -> "Deployment":
+        """What a dry run plans for a slice its backend refuses (no backend: "-"), so the plan still prints it."""
+        return cls(backend="-", shape=MESH if slice_.split else DATA_PARALLEL, dp=slice_.dp, tp=slice_.tp,
+                   pp=slice_.pp, devices=tuple(slice_.devices))
+
+    @property
+    def over_actors(self) -> bool:
+        """Is a replica's model split over several actors (a mesh), so the group's MFCs take turns on its ranks?"""
+        return self.shape == MESH
+
     @property
     def actors(self) -> int:
         """Ray actors to start: one per device of a mesh, one per replica otherwise."""

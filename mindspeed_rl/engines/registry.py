@@ -75,6 +75,11 @@ class Backend:
         if bad:
             raise ValueError(f"backend {self.name!r}: devices {bad} unknown; use some of {ALL_DEVICES}")
 
+    @property
+    def whole_copies(self) -> bool:
+        """Does each actor hold a whole copy of the model (a data-parallel backend, which splits none itself)?"""
+        return self.shape == DATA_PARALLEL
+
     def check(self, model_path: str, device_type: str) -> None:
         """Refuse a model this backend cannot run on `device_type` ("cpu", "cuda", "npu"), if it says how."""
         if self.check_model:
@@ -343,21 +348,39 @@ def backend_options(cfg, backend: Backend) -> dict:
     return backend.parse_options(value, backend.section)
 
 
-def deploy_group(rollout: Backend | None, train: Backend | None, slice_: Slice) -> Deployment:
+@dataclass(frozen=True)
+class GroupBackends:
+    """A worker group's backends resolved once: its deployment and the rows whose engines run there (a split
+    backend's row where the chosen one hands a split to it; None: the group has no such MFC). The plan keeps
+    them, so the launch and the workers use the rows rather than looking a name up again."""
+    deployment: Deployment
+    rollout: Backend | None = None
+    train: Backend | None = None
+
+
+def _runner(backend: Backend, deployment: Deployment) -> Backend:
+    """The row whose engines run `deployment` of `backend` (itself, or the backend it hands a split to)."""
+    return (ROLLOUT_BACKENDS if backend.kind == ROLLOUT else TRAIN_BACKENDS)[deployment.backend]
+
+
+def resolve_group(rollout: Backend | None, train: Backend | None, slice_: Slice) -> GroupBackends:
     """The deployment of a worker group whose MFCs generate on `rollout` and/or run models on `train`
-    (None: it has no such MFC; neither: a compute-only group, one data-parallel actor per replica).
-    Both backends must make the same actors of the slice (a colocated group holds both engines)."""
+    (None: it has no such MFC; neither: a compute-only group, one data-parallel actor per replica), each
+    backend deployed once. Both backends must make the same actors of the slice (a colocated group holds
+    both engines)."""
     if rollout is None and train is None:
         if slice_.split:
             raise DeployError(f"tp={slice_.tp}, pp={slice_.pp}: compute MFCs run no model, so there is nothing to "
                               "split; give them tp: 1, pp: 1")
-        return Deployment(backend="", shape=DATA_PARALLEL, dp=slice_.dp, devices=tuple(slice_.devices))
-    deps = [b.deploy(slice_) for b in (rollout, train) if b is not None]
-    if len(deps) == 2:
-        r, t = deps
-        if r.actors != t.actors or (r.shape != t.shape and slice_.split):
-            raise DeployError(f"the rollout backend {r.backend} deploys as {r.shape} ({r.actors} actors) but the train "
-                              f"backend {t.backend} as {t.shape} ({t.actors} actors); one worker group holds both: put "
-                              "generation in a group of its own")
-        return dataclasses.replace(t, default_group=r.default_group or t.default_group)
-    return deps[0]
+        return GroupBackends(Deployment(backend="", shape=DATA_PARALLEL, dp=slice_.dp, devices=tuple(slice_.devices)))
+    r = rollout.deploy(slice_) if rollout is not None else None
+    t = train.deploy(slice_) if train is not None else None
+    rows = GroupBackends(t or r, _runner(rollout, r) if r is not None else None,
+                         _runner(train, t) if t is not None else None)
+    if r is None or t is None:
+        return rows
+    if r.actors != t.actors or (r.shape != t.shape and slice_.split):
+        raise DeployError(f"the rollout backend {r.backend} deploys as {r.shape} ({r.actors} actors) but the train "
+                          f"backend {t.backend} as {t.shape} ({t.actors} actors); one worker group holds both: put "
+                          "generation in a group of its own")
+    return dataclasses.replace(rows, deployment=dataclasses.replace(t, default_group=r.default_group or t.default_group))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..config import Config
-from ..engines.registry import stand_in
+from ..engines.registry import Backend, stand_in, train_backend
 from ..dataflow.mfc import InterfaceType
 from ..workers.engine_set import INFER, ROLLOUT, TRAIN, EngineDecl
 from ..workers.impls import PlanInfo, mfc_args
@@ -27,12 +27,13 @@ SECTIONS = {"policy": ("actor_config", "causal_lm"), "value": ("critic_config", 
             "reward": ("reward_model", "reward")}
 
 
-def _backend_dtype(cfg: Config, kind: str, gp: GroupPlan) -> tuple[str, str]:
-    """A model engine's backend and dtype: the group's train backend and the actor's dtype; a reward model's own
-    (reward_model.backend, null: the group's; reward_model.dtype)."""
+def _backend_dtype(cfg: Config, kind: str, gp: GroupPlan) -> tuple[Backend, str]:
+    """A model engine's backend row and dtype: the group's train backend as the plan resolved it and the actor's
+    dtype; a reward model's own (reward_model.backend, null: the group's; reward_model.dtype)."""
     if kind == "reward":
-        return cfg.reward_model.backend or gp.train_backend, cfg.reward_model.dtype
-    return gp.train_backend, cfg.actor_config.dtype
+        row = train_backend(cfg.reward_model.backend) if cfg.reward_model.backend else gp.train_row
+        return row, cfg.reward_model.dtype
+    return gp.train_row, cfg.actor_config.dtype
 
 
 def group_args(cfg: Config, plan: Plan, gp: GroupPlan) -> dict[str, dict]:
@@ -72,8 +73,8 @@ def engine_decls(cfg: Config, plan: Plan, gp: GroupPlan) -> list[EngineDecl]:
             return decl
         return dataclasses.replace(decl, **sub.declare(cfg, decl.role, engine_calls(gp, decl.model, decl.role)))
 
-    def options(backend: str) -> dict:
-        return dict(gp.train_options) if backend == gp.train_backend else {}
+    def options(backend: Backend) -> dict:
+        return dict(gp.train_options) if backend is gp.train_row else {}
 
     trained_here = {m.model_name for m in gp.mfcs if InterfaceType(m.interface_type) is InterfaceType.TRAIN_STEP}
     for m in gp.mfcs:
@@ -85,7 +86,7 @@ def engine_decls(cfg: Config, plan: Plan, gp: GroupPlan) -> list[EngineDecl]:
         optim = {"lr": o.lr, "weight_decay": o.weight_decay, "betas": tuple(a.betas), "grad_clip": o.grad_clip}
         backend, dtype = _backend_dtype(cfg, kind, gp)
         out[(m.model_name, TRAIN)] = declared(EngineDecl(
-            model=m.model_name, role=TRAIN, backend=backend, model_path=plan.model_paths[m.model_name],
+            model=m.model_name, role=TRAIN, backend=backend.name, model_path=plan.model_paths[m.model_name],
             model_kind=kind, dtype=dtype, options=options(backend), optim=optim, temperature=g.temperature or 1.0,
             features=features_of(cfg, m.model_name, trained=True)))
     for m in gp.mfcs:
@@ -101,7 +102,7 @@ def engine_decls(cfg: Config, plan: Plan, gp: GroupPlan) -> list[EngineDecl]:
             _, kind = SECTIONS[f.engine]
             backend, dtype = _backend_dtype(cfg, kind, gp)
             base_of = lora_base_of(cfg, m.model_name, out)
-            decl = EngineDecl(model=m.model_name, role=INFER, backend=backend,
+            decl = EngineDecl(model=m.model_name, role=INFER, backend=backend.name,
                               model_path=plan.model_paths[m.model_name], model_kind=kind, dtype=dtype, options={} if base_of else options(backend),
                               temperature=g.temperature or 1.0, base_of=base_of,
                               features={} if base_of else features_of(cfg, m.model_name, trained=False))
