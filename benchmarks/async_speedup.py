@@ -7,7 +7,7 @@ non-blocking), 1 and 2, side by side in one run, against the ideal of the same c
 
 What runs: the real GRPO driver, dock, stage loops and weight sync (bucketed, with a placeholder
 bucket), disaggregated placement (rollout, trainer and rule workers apart); the models are the
-`simulate` engine backend (engines/simulate.py), which sleeps per row, so the machine's 2 cores do
+`simulate` engine backend (engines/simulate/), which sleeps per row, so the machine's 2 cores do
 not limit what is measured. A step is 128 rows (16 prompts x 8 samples), 4 micro-batches of 32.
 
 Workloads (seconds of work per step; rewards and advantages cost nothing):
@@ -46,7 +46,7 @@ from mindspeed_rl.dataflow import build_graph, get_algorithm, topological_order
 from mindspeed_rl.engines.simulate import SimulatedRolloutEngine
 from mindspeed_rl.trainer import Trainer
 from mindspeed_rl.workers.compute import rollout_seed
-from mindspeed_rl.workers.simulate import ideal_pipeline
+from mindspeed_rl.engines.simulate import ideal_pipeline
 
 ROWS, N, MICRO, SLOTS, SIGMA, SEED = 128, 8, 32, 32, 0.87, 1
 WORKLOADS = {  # seconds per step of each stage's work
