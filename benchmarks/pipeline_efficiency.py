@@ -45,7 +45,7 @@ inputs ready, with and without the prefetch, alternated: without it, get + put i
 a handoff (two actor calls).
 
 Where the non-blocking step's time beyond the ideal goes (median ms per step), along the rollout
-stage, the critical one: driver (the step outside `_run_stages`: prompts loaded and put, dock
+stage, the critical one: driver (the step outside `StepPipeline.run`: prompts loaded and put, dock
 cleared, metrics), dispatch (from the driver's stage calls to the rollout loop's start), rollout
 handoffs (its gets and puts), sleep overshoot (its compute beyond rows * cost), tail (from the last
 rollout micro-batch to the last stage's end, beyond the ideal tail) and collect (from the last
