@@ -91,9 +91,8 @@ def _start_group(cfg: Config, plan: Plan, gp, docks: list, placement_groups: Map
 
     def env_of(k: int) -> dict:
         devices = gp.actor_devices(k)
-        if len(devices) > 1 and gp.rollout_backend:
-            from ..engines.registry import rollout_backend
-            return {**env, **rollout_backend(gp.rollout_backend).actor_env(
+        if len(devices) > 1 and gp.rollout_row is not None:
+            return {**env, **gp.rollout_row.actor_env(
                 [placement_groups[d][1] for d in devices], gp.resources)}
         return env
     return [pinned(k).remote(spec) for k, spec in enumerate(worker_specs(cfg, plan, gp, docks, env_of))]
