@@ -33,6 +33,19 @@ def is_builtin(path: str) -> bool:
     return str(path).startswith(BUILTIN_PREFIX)
 
 
+def read_config(path: str) -> dict | None:
+    """A model path's HF config.json (a built-in model's from the repository, without building it), or None
+    when it cannot be read: what the plan checks a model against and sizes its memory from before any
+    weights are loaded."""
+    import json
+    try:
+        if is_builtin(path):
+            return json.loads((_CONFIG_DIR / _BUILTIN_CONFIGS[str(path)[len(BUILTIN_PREFIX):]]).read_text())
+        return json.loads((Path(path).expanduser() / "config.json").read_text())
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 def check_model_path(field: str, path: str | None) -> None:
     """Raise a ValueError naming `field` when `path` is neither a built-in name nor a checkpoint dir."""
     if not path:

@@ -16,9 +16,10 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..engines import memory_model as MM
-from pathlib import Path
+from ..models.checkpoint import read_config
 
 GB = 1e9
 # fp32 logits of one chunk of the LM head (engines/train/log_probs.py LOGITS_CHUNK_BYTES, read without torch)
@@ -95,18 +96,6 @@ def shipped_name(path: str | None) -> str | None:
     return name if name in SHIPPED else None
 
 
-def _read_config(model_path: str) -> dict | None:
-    """model_path's config.json (a built-in model's from the repository), or None."""
-    from ..models import checkpoint as ck
-    try:
-        if ck.is_builtin(model_path):
-            name = str(model_path)[len(ck.BUILTIN_PREFIX):]
-            return json.loads((ck._CONFIG_DIR / ck._BUILTIN_CONFIGS[name]).read_text())
-        return json.loads((Path(model_path).expanduser() / "config.json").read_text())
-    except (OSError, KeyError, ValueError):
-        return None
-
-
 def load_dims(model_path: str | None, model_config: str | None = None) -> tuple[ModelDims | None, str]:
     """The model's dimensions and where they came from: `model_config` (a config.json path or a shipped
     architecture's name), else model_path's config.json, else the shipped architecture model_path's name
@@ -124,7 +113,7 @@ def load_dims(model_path: str | None, model_config: str | None = None) -> tuple[
             raise ValueError(f"{model_config!r} is neither a readable config.json ({e}) nor a shipped "
                              f"architecture ({sorted(SHIPPED)})") from None
     if model_path:
-        c = _read_config(model_path)
+        c = read_config(model_path)
         if c is not None:
             try:
                 return ModelDims.from_config(c), f"{model_path} config.json"

@@ -6,6 +6,7 @@ from ..config import Config, ConfigError
 from ..config.sizes import group_size_note, train_size_note
 from ..dataflow import MFCDef
 from ..dataflow.mfc import InterfaceType
+from ..models.checkpoint import read_config
 from .plan_types import MODEL_ENGINES, GroupPlan, Plan
 
 
@@ -142,28 +143,13 @@ def check_names(cfg: Config, order: list[MFCDef], functions: dict, check_files: 
             raise ConfigError(f"generate_config.agent.tools: {e}") from None
 
 
-def model_config(path: str) -> dict | None:
-    """The HF config.json of a model path (a built-in model's from the repo), or None when unreadable."""
-    import json
-    from pathlib import Path
-
-    from ..models import checkpoint as ck
-    try:
-        if ck.is_builtin(path):
-            name = str(path)[len(ck.BUILTIN_PREFIX):]
-            return json.loads((ck._CONFIG_DIR / ck._BUILTIN_CONFIGS[name]).read_text())
-        return json.loads((Path(path).expanduser() / "config.json").read_text())
-    except (OSError, KeyError, ValueError):
-        return None
-
-
 def check_lora_targets(cfg: Config, model_paths: dict[str, str], trained) -> None:
     """actor_config.lora.target_modules against the policy's linear layers, before any worker starts, when its
     config.json is readable here (the model is built on the meta device: no weights read)."""
     lora = cfg.actor_config.lora
     if not lora.rank or "actor" not in trained or cfg.trainer.simulate_cost_s_per_row:
         return
-    config = model_config(model_paths.get("actor", cfg.actor_config.model_path))
+    config = read_config(model_paths.get("actor", cfg.actor_config.model_path))
     if config is None:
         return
     from ..engines.train.lora import check_target_modules_of_config

@@ -11,9 +11,9 @@ from ..config import Config, ConfigError, GroupConfig
 from ..dataflow import MFCDef
 from ..dataflow.mfc import InterfaceType
 from ..engines.registry import Backend
+from ..models.checkpoint import read_config
 from ..parallel import ClusterSpec, PlacementPlan, plan_placement
 from .plan_backends import check_rollout_split
-from .plan_checks import model_config
 from .plan_types import GroupPlan, generates
 
 
@@ -216,7 +216,7 @@ def _check_model_parallel(cfg: Config, by_name: dict[str, MFCDef], plan: Placeme
 def _check_split(mfc: str, placement, model_path: str, path_key: str) -> None:
     """Megatron's rules, before any worker starts: each TP rank takes whole heads, KV heads and an equal
     share of the MLP; each pipeline stage at least one decoder layer."""
-    cfg = model_config(model_path)
+    cfg = read_config(model_path)
     if cfg is None:
         return
     tp, pp = placement.tp, placement.pp
