@@ -32,6 +32,14 @@ ROLLOUT, TRAIN = "rollout", "train"
 ALL_DEVICES = TORCH_DEVICE_TYPES
 
 
+# How a train backend's checkpoints hold a model's weights (`Backend.checkpoint`): what trainer/export.py
+# reads offline and how.
+STATE_FILE = "state_file"          # one engine.pt holding the model's state dict (torch)
+DCP = "dcp"                        # torch.distributed.checkpoint shards (fsdp, mesh)
+MEGATRON_DIST = "megatron_dist"    # megatron-core's distributed checkpoint, read only through megatron-core
+CHECKPOINT_FORMATS = ("", STATE_FILE, DCP, MEGATRON_DIST)
+
+
 @dataclass(frozen=True)
 class Backend:
     name: str
@@ -59,6 +67,9 @@ class Backend:
     stand_in: str = ""                   # the module of a backend that runs no model (simulate): it declares the
                                          # run's engines (`declare`) and stands in for its compute MFCs
                                          # (`compute_args`); its engines form no process group
+    checkpoint: str = ""                 # how its checkpoints hold a model's weights (CHECKPOINT_FORMATS; "": none
+                                         # that trainer/export.py reads offline)
+    lora_base_fp32_on_cpu: bool = False  # on a CPU it holds LoRA's frozen base in fp32, not the compute dtype
     memory: str = ""                     # how it holds a model on the device (memory_model.py; "": the kind's
                                          # default, replicated for train, kv_rows for rollout)
     model_features: tuple[str, ...] = ()  # the TrainSpec fields of base.MODEL_FEATURES its engines implement
@@ -74,6 +85,8 @@ class Backend:
         unknown = [f for f in self.model_features if f not in MODEL_FEATURES]
         if unknown:
             raise ValueError(f"backend {self.name!r}: model_features {unknown} unknown; use some of {MODEL_FEATURES}")
+        if self.checkpoint not in CHECKPOINT_FORMATS:
+            raise ValueError(f"backend {self.name!r}: checkpoint={self.checkpoint!r}; use one of {CHECKPOINT_FORMATS}")
         if not self.memory:
             object.__setattr__(self, "memory", MM.KV_ROWS if self.kind == ROLLOUT else MM.REPLICATED)
         if self.memory not in (MM.ROLLOUT_MODELS if self.kind == ROLLOUT else MM.TRAIN_MODELS):
@@ -249,6 +262,7 @@ register_rollout_backend(
 
 register_train_backend(
     "mesh", "mindspeed_rl.engines.train.mesh_train:MeshTrainEngine", shape=MESH, user=False, memory=MM.SPLIT,
+    checkpoint=DCP,
     check_model="mindspeed_rl.engines.train.mesh_support:check_model",
     model_features=("max_tokens_per_micro_batch", "gradient_checkpointing"),
     doc="TP (DTensor plans), PP (torch.distributed.pipelining) and FSDP2 over dp on a (pp, dp, tp) device "
@@ -256,16 +270,16 @@ register_train_backend(
         "(placement.mode: mesh) runs on it")
 register_train_backend(
     "torch", "mindspeed_rl.engines.train.torch_train:TorchTrainEngine", split_backend="mesh", reward_models=True,
-    memory=MM.REPLICATED,
+    memory=MM.REPLICATED, checkpoint=STATE_FILE,
     model_features=MODEL_FEATURES, doc="plain torch AdamW, DDP over the DP ranks")
 register_train_backend(
     "fsdp", "mindspeed_rl.engines.train.fsdp_train:FSDPTrainEngine", split_backend="mesh", reward_models=True,
-    memory=MM.SHARDED,
+    memory=MM.SHARDED, checkpoint=DCP, lora_base_fp32_on_cpu=True,
     options="mindspeed_rl.engines.train.fsdp_train:FSDPOptions", model_features=MODEL_FEATURES,
     doc="FSDP2 (fully_shard per decoder layer and root), sharded optimizer, DCP checkpoints")
 register_train_backend(
     "megatron", "mindspeed_rl.engines.train.megatron.engine:MegatronTrainEngine", devices=ACCELERATOR_TYPES,
-    needs="megatron.core", value_models=False, shape=MESH, memory=MM.MODEL_PARALLEL,
+    needs="megatron.core", value_models=False, shape=MESH, memory=MM.MODEL_PARALLEL, checkpoint=MEGATRON_DIST,
     model_features=("max_tokens_per_micro_batch", "gradient_checkpointing"),
     options="mindspeed_rl.engines.train.megatron.engine:MegatronOptions",
     install="pip install -e .[megatron] (and transformer-engine for layer_spec: te) on a CUDA machine; on "

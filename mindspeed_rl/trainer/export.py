@@ -30,12 +30,12 @@ from typing import Iterable, Iterator
 
 import torch
 
+from ..engines import registry
 from ..models.files import CheckpointFileError, load_file
 from ..models.hf_export import CAUSAL_LM, DTYPES, SHARD_BYTES, VALUE, ExportError, write_hf_checkpoint
 
 STATE = "trainer_state.pt"
 MODEL_KINDS = {"actor": CAUSAL_LM, "critic": VALUE}   # what each trained model exports as
-DCP_BACKENDS = ("fsdp", "mesh")
 
 
 @dataclass
@@ -119,8 +119,8 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike, *, model:
     if saved.lora is not None:
         return export_lora(saved, Path(out), adapter_only=adapter_only, shard_bytes=shard_bytes)
     buckets = bucket_cast(read_weights(saved, shard_bytes), DTYPES[saved.dtype], shard_bytes)
-    source = saved.directory / "engine.pt" if saved.backend == "torch" else saved.directory
-    return write_hf_checkpoint(buckets, out, saved.base, kind=saved.kind, dtype=saved.dtype, source=str(source))
+    return write_hf_checkpoint(buckets, out, saved.base, kind=saved.kind, dtype=saved.dtype,
+                               source=str(_source(saved)))
 
 
 def bucket_cast(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
@@ -136,19 +136,32 @@ def bucket_cast(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
 def read_weights(saved: SavedModel, bucket_bytes: int = SHARD_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
     """The saved model's weights by HF name as its checkpoint holds them (fp32 masters of a trained model),
     at most about `bucket_bytes` of them read at a time."""
-    if saved.backend == "torch":
+    fmt = _format(saved)
+    if fmt == registry.STATE_FILE:
         yield from _torch_state(saved.directory).items()
-    elif saved.backend in DCP_BACKENDS:
+    elif fmt == registry.DCP:
         yield from read_dcp(saved.directory, "model", bucket_bytes)
-    elif saved.backend == "megatron":
-        raise ExportError(f"{saved.directory} was written by the megatron backend (megatron-core's distributed "
+    elif fmt == registry.MEGATRON_DIST:
+        raise ExportError(f"{saved.directory} was written by the {saved.backend} backend (megatron-core's distributed "
                           "checkpoint, read only through megatron-core on the layout's devices); export it with "
                           "the run itself: trainer.save_hf=final or every_save writes <output_dir>/hf/ through "
                           "the engine's HF converter")
     else:
+        readable = [n for n, b in registry.TRAIN_BACKENDS.items() if b.checkpoint in (registry.STATE_FILE, registry.DCP)]
         raise ExportError(f"{saved.directory} was written by the {saved.backend!r} train backend, which this export "
-                          f"does not read (it reads torch, {', '.join(DCP_BACKENDS)}); export it with the run "
-                          "itself: trainer.save_hf")
+                          f"does not read (it reads {', '.join(readable)}); export it with the run itself: "
+                          "trainer.save_hf")
+
+
+def _format(saved: SavedModel) -> str:
+    """How the backend that wrote `saved` holds its weights (the registry's `Backend.checkpoint`)."""
+    row = registry.TRAIN_BACKENDS.get(saved.backend)
+    return row.checkpoint if row is not None else ""
+
+
+def _source(saved: SavedModel) -> Path:
+    """What the exported model names as its source: the state file, or the checkpoint's directory."""
+    return saved.directory / "engine.pt" if _format(saved) == registry.STATE_FILE else saved.directory
 
 
 def _torch_state(directory: Path) -> dict[str, torch.Tensor]:
@@ -227,9 +240,10 @@ def export_lora(saved: SavedModel, out: Path, *, adapter_only: bool, shard_bytes
 
     model_layout(saved.base, CAUSAL_LM, saved.dtype)   # the base exists and is a causal LM (else ExportError)
     adapters = dict(read_weights(saved))
-    source = saved.directory / "engine.pt" if saved.backend == "torch" else saved.directory
-    # the base in the dtype the engine held it in: the compute dtype, but fp32 for FSDP on a CPU
-    held = "float32" if saved.backend == "fsdp" and saved.device_kind == "cpu" else saved.dtype
+    source = _source(saved)
+    # the base in the dtype the engine held it in: the compute dtype, but fp32 where the backend keeps it so on a CPU
+    row = registry.TRAIN_BACKENDS.get(saved.backend)
+    held = "float32" if row is not None and row.lora_base_fp32_on_cpu and saved.device_kind == "cpu" else saved.dtype
     model = load_causal_lm(saved.base, held)
     lora = apply_lora(model, saved.lora, DTYPES[held])
     try:
