@@ -100,7 +100,7 @@ calc_digits.parts = {"answer": answer_digits, "call": calc_call_digits}  # logge
 
 LOOKUP_SHAPING_WEIGHT = 0.2  # the shaping's share of lookup_answer; the answer's is the rest
 # lookup_call_form's weights of the call's opening tag, its key's digits (split evenly) and its closing tag
-LOOKUP_FORM_WEIGHTS = (0.05, 0.9, 0.05)
+LOOKUP_FORM_WEIGHTS = (0.05, 0.6, 0.35)
 _LOOKUP_CALL = re.compile(r"<lookup>([^<]*)</lookup><result>([^<]*)</result>")
 _UNITS = re.compile(r"<[^<>]*>|.", re.DOTALL)  # a tag is one unit (one token of the lookup model), else a character
 
@@ -122,24 +122,29 @@ def lookup_read(response: str, answer: str = "", prompt: str = "") -> float:
 
 
 def lookup_call_form(response: str, answer: str = "", prompt: str = "") -> float:
-    """Format shaping: the response's first units against the call that looks the prompt's key up, position by
-    position (a tag one unit, a character one unit), weighted by LOOKUP_FORM_WEIGHTS: the opening tag 0.05, the
-    key's digits 0.9 (split evenly), the closing tag 0.05. `42=`: `<lookup>42</lookup>...` 1, `<lookup>47</lookup>`
-    0.05 + 0.45 + 0.05, `<lookup><lookup><lookup></lookup>` 0.1, `4<lookup>42` 0 (every unit one place late).
+    """Format shaping: the response's first units (a tag one unit, a character one unit) against the call that
+    looks the prompt's key up, weighted by LOOKUP_FORM_WEIGHTS. The opening tag 0.05 and the key's digits 0.6
+    (split evenly) count position by position; the closing tag 0.35 counts when it closes a call the tool
+    answers: the opening tag first, then as many digits as the key has, whichever digits. `42=`:
+    `<lookup>42</lookup>...` 1, `<lookup>47</lookup>` 0.05 + 0.3 + 0.35, `<lookup>422` 0.65, `4</lookup>` 0,
+    `4<lookup>42` 0 (every unit one place late).
 
-    Why by position, and why the key weighs most: credit for a call only once it parses comes too seldom to a
-    random model (about one row in four hundred writes a whole call with a key of digits); credit per position
-    comes as the copy task's `digits` does, to every row. The tags are one token each and learned first; weighted
-    as much as the key, the key's places settled on a constant (`<lookup><lookup><lookup></lookup>`) before its
-    copy began, and a closing tag paid for well taught the model to close a call at once, unopened
-    (`4</lookup>`): its long error result fills `max_new_tokens`, every row of a group scores 0 and no gradient
-    is left (docs/agent.md)."""
+    Why by position, and why the closing tag is paid for any well-formed call: credit for a call only once it
+    is right comes too seldom to a random model (about one row in four hundred writes a whole call with its
+    key); credit per position comes as the copy task's `digits` does, to every row. Paid little (0.05) or only
+    with the right key, the closing tag is never found: the key's copy is learned first and the place after it
+    settles on the key's last digit repeated (`<lookup>422`, nearly always), so no call parses and nothing
+    is read. Paid without the opening tag, it teaches calls closed unopened (`4</lookup>`), whose long error
+    result fills `max_new_tokens`: every row of a group scores alike and no gradient is left (docs/agent.md)."""
     key = _prompt_key(prompt)
     ideal = ["<lookup>", *key, "</lookup>"]
     opener, digits_w, closer = LOOKUP_FORM_WEIGHTS
-    weights = [opener] + [digits_w / max(len(key), 1)] * len(key) + [closer]
+    weights = [opener] + [digits_w / max(len(key), 1)] * len(key)
     units = _UNITS.findall(str(response))[:len(ideal)]
-    return sum(w for u, i, w in zip(units, ideal, weights) if u == i)
+    score = sum(w for u, i, w in zip(units, ideal, weights) if u == i)
+    well_formed = (len(units) == len(ideal) and units[0] == ideal[0] and units[-1] == ideal[-1]
+                   and all(u.isdigit() for u in units[1:-1]))
+    return score + (closer if well_formed else 0.0)
 
 
 def lookup_answer(response: str, answer: str, prompt: str = "") -> float:
