@@ -124,10 +124,10 @@ def lookup_read(response: str, answer: str = "", prompt: str = "") -> float:
 def lookup_call_form(response: str, answer: str = "", prompt: str = "") -> float:
     """Format shaping: the response's first units (a tag one unit, a character one unit) against the call that
     looks the prompt's key up, weighted by LOOKUP_FORM_WEIGHTS. The opening tag 0.05 and the key's digits 0.6
-    (split evenly) count position by position; the closing tag 0.35 counts when it closes a call the tool
-    answers: the opening tag first, then as many digits as the key has, whichever digits. `42=`:
-    `<lookup>42</lookup>...` 1, `<lookup>47</lookup>` 0.05 + 0.3 + 0.35, `<lookup>422` 0.65, `4</lookup>` 0,
-    `4<lookup>42` 0 (every unit one place late).
+    (split evenly) count position by position, each once the response goes on after it; the closing tag 0.35
+    counts when it closes a call the tool answers: the opening tag first, then as many digits as the key has,
+    whichever digits. `42=`: `<lookup>42</lookup>...` 1, `<lookup>47</lookup>` 0.05 + 0.3 + 0.35,
+    `<lookup>422` 0.65, `<lookup>42<eos>` 0.35, `4</lookup>` 0, `4<lookup>42` 0 (every unit one place late).
 
     Why by position, and why the closing tag is paid for any well-formed call: credit for a call only once it
     is right comes too seldom to a random model (about one row in four hundred writes a whole call with its
@@ -135,13 +135,15 @@ def lookup_call_form(response: str, answer: str = "", prompt: str = "") -> float
     with the right key, the closing tag is never found: the key's copy is learned first and the place after it
     settles on the key's last digit repeated (`<lookup>422`, nearly always), so no call parses and nothing
     is read. Paid without the opening tag, it teaches calls closed unopened (`4</lookup>`), whose long error
-    result fills `max_new_tokens`: every row of a group scores alike and no gradient is left (docs/agent.md)."""
+    result fills `max_new_tokens`: every row of a group scores alike and no gradient is left. A response that
+    ends inside the call (its `<eos>`) never calls; its last unit, paid for, pays for stopping there (measured
+    slower, docs/agent.md)."""
     key = _prompt_key(prompt)
     ideal = ["<lookup>", *key, "</lookup>"]
     opener, digits_w, closer = LOOKUP_FORM_WEIGHTS
     weights = [opener] + [digits_w / max(len(key), 1)] * len(key)
     units = _UNITS.findall(str(response))[:len(ideal)]
-    score = sum(w for u, i, w in zip(units, ideal, weights) if u == i)
+    score = sum(w for u, i, w in zip(units[:-1], ideal, weights) if u == i)  # a unit something follows
     well_formed = (len(units) == len(ideal) and units[0] == ideal[0] and units[-1] == ideal[-1]
                    and all(u.isdigit() for u in units[1:-1]))
     return score + (closer if well_formed else 0.0)

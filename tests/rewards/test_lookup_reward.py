@@ -1,6 +1,7 @@
 """The lookup task's reward by hand: 0.8 x the model's answer digits once it looked its key up + 0.2 x format
 shaping (the first units of the response against the right call: the opening tag 0.05 and the key's digits 0.6
-position by position, the closing tag 0.35 when it closes a call of the key's length that the tool answers)."""
+position by position, each once the response goes on after it; the closing tag 0.35 when it closes a call of the
+key's length that the tool answers)."""
 from __future__ import annotations
 
 import pytest
@@ -20,6 +21,7 @@ R = "<result>237</result>"
     ("<lookup><lookup><lookup><lookup></lookup><result>", 0.05, 0.0, 0.0, 0.01),  # the tags, no key: no call
     ("<lookup>1233<result>237</result>", 0.65, 0.0, 0.0, 0.13),         # the key, then its last digit again
     ("123</lookup><result>", 0.0, 0.0, 0.0, 0.0),                        # closed unopened
+    ("<lookup>123", 0.05 + 0.4, 0.0, 0.0, 0.2 * 0.45),                  # ends inside the call: its last unit unpaid
     ("<lookup></lookup><result></result>237", 0.05, 0.0, 1.0, 0.01),     # an error result the tokenizer dropped
     ("237", 0.0, 0.0, 1.0, 0.0),                                         # no call: a guess, even a right one
     ("1<lookup>123</lookup>", 0.0, 0.0, 0.0, 0.0),                       # every unit of the call one place late
