@@ -42,6 +42,14 @@ def mean_at(values: list[float], step: int, window: int = 10) -> float | None:
     return round(rolling(values, window)[step], 3) if 0 <= step < len(values) else None
 
 
+def mean_at_step(rows: list[dict], metric: str, step: int, window: int = 10) -> float | None:
+    """The mean of `metric` over the records of the `window` steps ending at step `step`: for a metric that
+    only some steps record (reward modeling's eval/accuracy, every trainer.eval_interval steps), its value at
+    that step; None when no record in the window holds it."""
+    vals = [r[metric] for r in rows if metric in r and step - window < r["step"] <= step]
+    return round(sum(vals) / len(vals), 3) if vals else None
+
+
 def summarize(rows: list[dict], target: float, metric: str = "reward/mean") -> dict:
     """Per run: steps, step times, `metric` over the first and last 10 records that hold it and the record
     where its 10-record mean first reaches `target`, and the last-10 mean of every other reward part."""

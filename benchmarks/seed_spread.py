@@ -104,8 +104,9 @@ def seed_row(seed: int, rows: list[dict], metric: str, target: float, at: list[i
     values = [r[metric] for r in rows if metric in r]
     row = {"seed": seed, "first10": s["reward_first10"], "last10": s["reward_last10"],
            "reaches_target_at": s["reaches_target_at_step"]}
+    dense = len(values) == len(rows)  # every step records it (a reward), or only some (an evaluation)
     for step in at:
-        row[f"mean10_at_{step}"] = lc.mean_at(values, step)
+        row[f"mean10_at_{step}"] = lc.mean_at(values, step) if dense else lc.mean_at_step(rows, metric, step)
     for key in also:  # another metric: its last-10 mean and its sum over the run (a count, for a 0/1 flag)
         vals = [r[key] for r in rows if key in r]
         row[f"{key}_last10"] = round(sum(vals[-10:]) / len(vals[-10:]), 3) if vals else None

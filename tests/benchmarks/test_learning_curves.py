@@ -110,3 +110,10 @@ def test_seed_spread_rows_spread_and_table():
     assert lines[0].startswith("| seed | first10 | last10 | reaches_target_at | mean10_at_9 |")
     assert lines[2].startswith("| 1 | 0.045 | 0.445 | never |")
     assert [x.split(" | ")[0] for x in lines[-3:]] == ["| min", "| median", "| max"]
+
+
+def test_mean_at_step_reads_a_metric_some_steps_record():
+    """eval/accuracy every 100 steps: the value at an evaluated step, None in a window without one."""
+    rows = [{"step": i, **({"eval/accuracy": i / 1000} if i % 100 == 99 else {})} for i in range(300)]
+    assert lc.mean_at_step(rows, "eval/accuracy", 199) == 0.199 and lc.mean_at_step(rows, "eval/accuracy", 299) == 0.299
+    assert lc.mean_at_step(rows, "eval/accuracy", 150) is None
