@@ -77,7 +77,7 @@ class Deployment:
     tp: int = 1
     pp: int = 1
     devices: tuple[int, ...] = ()
-    default_group: bool = False         # its actors share torch's default process group (DDP, FSDP, meshes)
+    joins_default_process_group: bool = False  # its actors share torch's default process group (DDP, FSDP, meshes)
 
     @classmethod
     def refused(cls, slice_: Slice) -> "Deployment":
@@ -139,7 +139,7 @@ class Deployment:
     def as_dict(self) -> dict:
         return {"backend": self.backend, "shape": self.shape, "dp": self.dp, "tp": self.tp, "pp": self.pp,
                 "actors": self.actors, "engine_tp": self.engine_tp, "devices": list(self.devices),
-                "default_group": self.default_group,
+                "joins_default_process_group": self.joins_default_process_group,
                 "ranks": [{"rank": r.rank, "replica": r.replica, "reads": r.reads, "writes": r.writes,
                            "devices": list(r.devices)} for r in self.roles()]}
 

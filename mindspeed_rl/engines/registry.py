@@ -28,7 +28,8 @@ from . import memory_model as MM
 from .base import MODEL_FEATURES, RolloutEngine, RolloutSpec, TrainEngine, TrainSpec
 from .deployment import DATA_PARALLEL, ENGINE, MESH, SHAPES, Deployment, DeployError, Slice
 
-ROLLOUT, TRAIN = "rollout", "train"
+# A backend's kind (`Backend.kind`): which table it registers in and which engine base it implements.
+ROLLOUT_KIND, TRAIN_KIND = "rollout", "train"
 ALL_DEVICES = TORCH_DEVICE_TYPES
 
 
@@ -44,7 +45,7 @@ CHECKPOINT_FORMATS = ("", STATE_FILE, DCP, MEGATRON_DIST)
 class Backend:
     name: str
     engine: Any                          # the engine class, or "module:Class" imported lazily
-    kind: str = TRAIN                    # ROLLOUT or TRAIN
+    kind: str = TRAIN_KIND               # ROLLOUT_KIND or TRAIN_KIND
     devices: tuple[str, ...] = ALL_DEVICES  # torch device types it runs on
     needs: str = ""                      # module that must import for it to run ("" = always there)
     install: str = ""                    # how to get `needs`
@@ -78,8 +79,8 @@ class Backend:
     doc: str = ""
 
     def __post_init__(self):
-        if self.kind not in (ROLLOUT, TRAIN):
-            raise ValueError(f"backend {self.name!r}: kind={self.kind!r}; use {ROLLOUT!r} or {TRAIN!r}")
+        if self.kind not in (ROLLOUT_KIND, TRAIN_KIND):
+            raise ValueError(f"backend {self.name!r}: kind={self.kind!r}; use {ROLLOUT_KIND!r} or {TRAIN_KIND!r}")
         if self.shape not in SHAPES:
             raise ValueError(f"backend {self.name!r}: shape={self.shape!r}; use one of {SHAPES}")
         unknown = [f for f in self.model_features if f not in MODEL_FEATURES]
@@ -88,10 +89,11 @@ class Backend:
         if self.checkpoint not in CHECKPOINT_FORMATS:
             raise ValueError(f"backend {self.name!r}: checkpoint={self.checkpoint!r}; use one of {CHECKPOINT_FORMATS}")
         if not self.memory:
-            object.__setattr__(self, "memory", MM.KV_ROWS if self.kind == ROLLOUT else MM.REPLICATED)
-        if self.memory not in (MM.ROLLOUT_MODELS if self.kind == ROLLOUT else MM.TRAIN_MODELS):
+            object.__setattr__(self, "memory", MM.KV_ROWS if self.kind == ROLLOUT_KIND else MM.REPLICATED)
+        if self.memory not in (MM.ROLLOUT_MODELS if self.kind == ROLLOUT_KIND else MM.TRAIN_MODELS):
             raise ValueError(f"backend {self.name!r}: memory={self.memory!r}; use one of "
-                             f"{MM.ROLLOUT_MODELS if self.kind == ROLLOUT else MM.TRAIN_MODELS} (engines/memory_model.py)")
+                             f"{MM.ROLLOUT_MODELS if self.kind == ROLLOUT_KIND else MM.TRAIN_MODELS} "
+                             "(engines/memory_model.py)")
         bad = [d for d in self.devices if d not in ALL_DEVICES]
         if bad:
             raise ValueError(f"backend {self.name!r}: devices {bad} unknown; use some of {ALL_DEVICES}")
@@ -174,7 +176,7 @@ class Backend:
 
     def deploy(self, slice_: Slice) -> Deployment:
         """The actors and roles this backend makes of a worker group's slice (deployment.py)."""
-        table = ROLLOUT_BACKENDS if self.kind == ROLLOUT else TRAIN_BACKENDS
+        table = ROLLOUT_BACKENDS if self.kind == ROLLOUT_KIND else TRAIN_BACKENDS
         if slice_.split and self.shape == DATA_PARALLEL:
             if not self.split_backend:
                 able = [b.name for b in table.values() if b.user and (b.shape != DATA_PARALLEL or b.split_backend)]
@@ -186,10 +188,10 @@ class Backend:
             raise DeployError(f"the {self.name} {self.kind} backend splits by tensor parallelism only: pp={slice_.pp}; "
                               "use pp: 1 (tp up to the mesh size)")
         actors = slice_.dp * slice_.tp * slice_.pp if self.shape == MESH else slice_.dp
-        group = not self.stand_in and (self.shape == MESH and actors > 1 or (self.kind == TRAIN and slice_.dp > 1
+        group = not self.stand_in and (self.shape == MESH and actors > 1 or (self.kind == TRAIN_KIND and slice_.dp > 1
                                                                              and self.shape == DATA_PARALLEL))
         return Deployment(backend=self.name, shape=self.shape, dp=slice_.dp, tp=slice_.tp, pp=slice_.pp,
-                          devices=tuple(slice_.devices), default_group=group)
+                          devices=tuple(slice_.devices), joins_default_process_group=group)
 
 
 ROLLOUT_BACKENDS: dict[str, Backend] = {}
@@ -203,7 +205,7 @@ def _register(kind: str, name: str, engine_class: Any, fields: dict) -> Backend:
     if not (isinstance(engine_class, str) and ":" in engine_class) and not isinstance(engine_class, type):
         raise TypeError(f"register_{kind}_backend({name!r}): engine_class must be a class or 'module:Class', "
                         f"not {engine_class!r}")
-    base = RolloutEngine if kind == ROLLOUT else TrainEngine
+    base = RolloutEngine if kind == ROLLOUT_KIND else TrainEngine
     if isinstance(engine_class, type) and not issubclass(engine_class, base):
         raise TypeError(f"register_{kind}_backend({name!r}): {engine_class.__name__} must subclass {base.__name__} "
                         f"(mindspeed_rl.engines.{base.__name__}), or extend a built-in engine")
@@ -211,12 +213,12 @@ def _register(kind: str, name: str, engine_class: Any, fields: dict) -> Backend:
     unknown = sorted(set(fields) - allowed)
     if unknown:
         raise TypeError(f"register_{kind}_backend({name!r}): unknown fields {unknown}; known: {sorted(allowed)}")
-    if kind == ROLLOUT and "section" not in fields:
+    if kind == ROLLOUT_KIND and "section" not in fields:
         fields = {**fields, "section": "generate_config.backend_options"}
-    if kind == TRAIN and "section" not in fields:
+    if kind == TRAIN_KIND and "section" not in fields:
         fields = {**fields, "section": "actor_config.backend_options"}
     backend = Backend(name=name, engine=engine_class, kind=kind, **fields)
-    table = ROLLOUT_BACKENDS if kind == ROLLOUT else TRAIN_BACKENDS
+    table = ROLLOUT_BACKENDS if kind == ROLLOUT_KIND else TRAIN_BACKENDS
     if backend.split_backend and backend.split_backend not in table:
         raise ValueError(f"register_{kind}_backend({name!r}): split_backend={backend.split_backend!r} is not a "
                          f"registered {kind} backend ({sorted(table)})")
@@ -228,13 +230,13 @@ def register_rollout_backend(name: str, engine_class: Any, **fields) -> Backend:
     """Register (or replace) a rollout backend: `generate_config.backend=<name>` then runs `engine_class`
     (a RolloutEngine subclass with a `build(spec)` classmethod). Call it from a module named in
     `trainer.plugins`, which the driver and every worker import before any engine is built."""
-    return _register(ROLLOUT, name, engine_class, fields)
+    return _register(ROLLOUT_KIND, name, engine_class, fields)
 
 
 def register_train_backend(name: str, engine_class: Any, **fields) -> Backend:
     """Register (or replace) a train backend: `actor_config.backend=<name>` then runs `engine_class` (a
     TrainEngine subclass with a `build(spec)` classmethod) for the actor, reference and critic."""
-    return _register(TRAIN, name, engine_class, fields)
+    return _register(TRAIN_KIND, name, engine_class, fields)
 
 
 # ------------------------------------------------------------------------------------------------ built-ins
@@ -320,11 +322,11 @@ def _backend(table: dict[str, Backend], kind: str, name: str) -> Backend:
 
 
 def rollout_backend(name: str) -> Backend:
-    return _backend(ROLLOUT_BACKENDS, ROLLOUT, name)
+    return _backend(ROLLOUT_BACKENDS, ROLLOUT_KIND, name)
 
 
 def train_backend(name: str) -> Backend:
-    return _backend(TRAIN_BACKENDS, TRAIN, name)
+    return _backend(TRAIN_BACKENDS, TRAIN_KIND, name)
 
 
 def make_rollout_engine(name: str, spec: RolloutSpec) -> RolloutEngine:
@@ -384,7 +386,7 @@ class GroupBackends:
 
 def _runner(backend: Backend, deployment: Deployment) -> Backend:
     """The row whose engines run `deployment` of `backend` (itself, or the backend it hands a split to)."""
-    return (ROLLOUT_BACKENDS if backend.kind == ROLLOUT else TRAIN_BACKENDS)[deployment.backend]
+    return (ROLLOUT_BACKENDS if backend.kind == ROLLOUT_KIND else TRAIN_BACKENDS)[deployment.backend]
 
 
 def resolve_group(rollout: Backend | None, train: Backend | None, slice_: Slice) -> GroupBackends:
@@ -407,4 +409,5 @@ def resolve_group(rollout: Backend | None, train: Backend | None, slice_: Slice)
         raise DeployError(f"the rollout backend {r.backend} deploys as {r.shape} ({r.actors} actors) but the train "
                           f"backend {t.backend} as {t.shape} ({t.actors} actors); one worker group holds both: put "
                           "generation in a group of its own")
-    return dataclasses.replace(rows, deployment=dataclasses.replace(t, default_group=r.default_group or t.default_group))
+    joins = r.joins_default_process_group or t.joins_default_process_group
+    return dataclasses.replace(rows, deployment=dataclasses.replace(t, joins_default_process_group=joins))

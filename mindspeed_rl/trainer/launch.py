@@ -45,15 +45,15 @@ def launch_workers(cfg: Config, plan: Plan, docks: list, placement_groups: Mappi
         for rank, w in enumerate(ws):  # named in the message if it dies
             worker_info[(name, rank)] = {**info_of[id(w)], "actor_id": _actor_id(w)}
     for name, ws in workers.items():
-        if plan.groups[name].deployment.default_group:
+        if plan.groups[name].deployment.joins_default_process_group:
             # the default group over a model's ranks, where its deployment says so (DDP, FSDP; all dp*tp*pp of
             # a model-parallel group, generating ones too); never in a rollout-only data-parallel group, whose
             # engine (vLLM) may take torch's default group for itself.
             # Its collectives may wait for a reader waiting on the dock: a timeout beyond the stage's own
             host = info_of[id(ws[0])]["host"]
-            port = get([ws[0].free_port.remote()], "DDP port")[0]
+            port = get([ws[0].free_port.remote()], f"default process group port of '{name}'")[0]
             timeout = max(60.0, 2 * cfg.trainer.stage_timeout_s + 60.0)
-            get([w.init_ddp.remote(host, port, timeout) for w in ws], f"DDP group of '{name}'")
+            get([w.init_process_group.remote(host, port, timeout) for w in ws], f"default process group of '{name}'")
     get([w.setup.remote() for w in all_workers], "loading models")
     # weight sync groups: the trainer's rank 0 + every worker hosting a reader without the trainer
     sync_members: dict[str, list[Any]] = {}

@@ -14,7 +14,7 @@ import dataclasses
 from ..config import Config
 from ..engines.registry import Backend, stand_in, train_backend
 from ..dataflow.mfc import InterfaceType
-from ..workers.engine_set import INFER, ROLLOUT, TRAIN, EngineDecl
+from ..workers.engine_set import INFER_ROLE, ROLLOUT_ROLE, TRAIN_ROLE, EngineDecl
 from ..workers.impls import PlanInfo, mfc_args
 from ..workers import compute as C
 from ..workers.worker import WorkerSpec
@@ -53,7 +53,7 @@ def engine_calls(gp: GroupPlan, model: str, role: str) -> dict[str, str]:
     out: dict[str, str] = {}
     for m in gp.mfcs:
         f = C.check_mfc(m)
-        if m.model_name != model or not f.engine or (f.engine == ROLLOUT) != (role == ROLLOUT):
+        if m.model_name != model or not f.engine or (f.engine == ROLLOUT_ROLE) != (role == ROLLOUT_ROLE):
             continue
         out["train" if f.interface is InterfaceType.TRAIN_STEP else f.name] = m.name
     return out
@@ -79,34 +79,35 @@ def engine_decls(cfg: Config, plan: Plan, gp: GroupPlan) -> list[EngineDecl]:
     trained_here = {m.model_name for m in gp.mfcs if InterfaceType(m.interface_type) is InterfaceType.TRAIN_STEP}
     for m in gp.mfcs:
         f = C.check_mfc(m)
-        if f.interface is not InterfaceType.TRAIN_STEP or (m.model_name, TRAIN) in out:
+        if f.interface is not InterfaceType.TRAIN_STEP or (m.model_name, TRAIN_ROLE) in out:
             continue
         section, kind = SECTIONS[f.engine]
         o = getattr(cfg, section)
         optim = {"lr": o.lr, "weight_decay": o.weight_decay, "betas": tuple(a.betas), "grad_clip": o.grad_clip}
         backend, dtype = _backend_dtype(cfg, kind, gp)
-        out[(m.model_name, TRAIN)] = declared(EngineDecl(
-            model=m.model_name, role=TRAIN, backend=backend.name, model_path=plan.model_paths[m.model_name],
+        out[(m.model_name, TRAIN_ROLE)] = declared(EngineDecl(
+            model=m.model_name, role=TRAIN_ROLE, backend=backend.name, model_path=plan.model_paths[m.model_name],
             model_kind=kind, dtype=dtype, options=options(backend), optim=optim, temperature=g.temperature or 1.0,
             features=features_of(cfg, m.model_name, trained=True)))
     for m in gp.mfcs:
         f = C.check_mfc(m)
-        if f.engine == ROLLOUT and (m.model_name, ROLLOUT) not in out:
-            out[(m.model_name, ROLLOUT)] = declared(EngineDecl(
-                model=m.model_name, role=ROLLOUT, backend=gp.rollout_backend, model_path=plan.model_paths[m.model_name],
+        if f.engine == ROLLOUT_ROLE and (m.model_name, ROLLOUT_ROLE) not in out:
+            out[(m.model_name, ROLLOUT_ROLE)] = declared(EngineDecl(
+                model=m.model_name, role=ROLLOUT_ROLE, backend=gp.rollout_backend,
+                model_path=plan.model_paths[m.model_name],
                 dtype=a.dtype, options=dict(gp.rollout_options),
                 max_seq_len=cfg.data.max_prompt_length + max(g.max_new_tokens, g.val.max_new_tokens or 0),
                 cuda_graphs=g.cuda_graphs))
         elif (f.interface is InterfaceType.INFERENCE and m.model_name not in trained_here
-              and (m.model_name, INFER) not in out):
+              and (m.model_name, INFER_ROLE) not in out):
             _, kind = SECTIONS[f.engine]
             backend, dtype = _backend_dtype(cfg, kind, gp)
             base_of = lora_base_of(cfg, m.model_name, out)
-            decl = EngineDecl(model=m.model_name, role=INFER, backend=backend.name,
+            decl = EngineDecl(model=m.model_name, role=INFER_ROLE, backend=backend.name,
                               model_path=plan.model_paths[m.model_name], model_kind=kind, dtype=dtype, options={} if base_of else options(backend),
                               temperature=g.temperature or 1.0, base_of=base_of,
                               features={} if base_of else features_of(cfg, m.model_name, trained=False))
-            out[(m.model_name, INFER)] = decl if base_of else declared(decl)
+            out[(m.model_name, INFER_ROLE)] = decl if base_of else declared(decl)
     return list(out.values())
 
 
@@ -114,7 +115,7 @@ def lora_base_of(cfg: Config, model: str, decls: dict) -> str:
     """The trained model whose engine `model` runs as its base with the LoRA adapters off, or "": the
     reference, when it is the initial policy (ref_config.model_path null) and the actor trains LoRA in this
     same worker group (its engine is declared here). A reference in another group loads the base itself."""
-    actor = decls.get(("actor", TRAIN))
+    actor = decls.get(("actor", TRAIN_ROLE))
     if (model != "ref" or cfg.ref_config.model_path is not None or actor is None
             or not actor.features.get("lora")):
         return ""

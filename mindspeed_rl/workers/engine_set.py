@@ -16,14 +16,15 @@ from typing import Any
 import numpy as np
 import torch
 
-ROLLOUT, TRAIN, INFER = "rollout", "train", "infer"
+# An engine's role in a worker (`EngineDecl.role`).
+ROLLOUT_ROLE, TRAIN_ROLE, INFER_ROLE = "rollout", "train", "infer"
 
 
 @dataclass(frozen=True)
 class EngineDecl:
     """One engine of a worker: which model, in which role (generating, trained, inferring), on which backend."""
     model: str
-    role: str                            # ROLLOUT, TRAIN (with an optimizer) or INFER (forward only)
+    role: str                            # ROLLOUT_ROLE, TRAIN_ROLE (with an optimizer) or INFER_ROLE (forward only)
     backend: str
     model_path: str = ""                 # "": an engine without a model (the simulate backend's)
     model_kind: str = "causal_lm"        # causal_lm, value or reward
@@ -34,7 +35,7 @@ class EngineDecl:
     max_seq_len: int = 0                 # the longest prompt + response of the run (RolloutSpec.max_seq_len)
     cuda_graphs: bool | None = None      # generate_config.cuda_graphs (RolloutSpec.cuda_graphs)
     features: dict = field(default_factory=dict)  # TrainSpec's model features (engines.base.MODEL_FEATURES) set
-    base_of: str = ""                    # INFER only: the model trained here with LoRA whose base (adapters off)
+    base_of: str = ""                    # INFER_ROLE only: the model trained here with LoRA whose base (adapters off)
                                          # this engine is; no weights of its own are loaded (engines/train/lora.py)
 
 
@@ -66,12 +67,12 @@ class EngineSet:
             from ..models import load_tokenizer
             self.tokenizer = load_tokenizer(self.tokenizer_path)
             pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        for d in sorted(self.decls, key=lambda d: (d.role != TRAIN,)):   # trained models first
+        for d in sorted(self.decls, key=lambda d: (d.role != TRAIN_ROLE,)):   # trained models first
             path = d.model_path
             if path:
                 from ..models import resolve_model_path
                 path = str(resolve_model_path(path))
-            if d.role == ROLLOUT:
+            if d.role == ROLLOUT_ROLE:
                 self.rollout[d.model] = make_rollout_engine(d.backend, RolloutSpec(
                     model_path=path, dtype=d.dtype, device=device, pad_token_id=pad, seed=self.seed, options=d.options,
                     max_seq_len=d.max_seq_len, cuda_graphs=d.cuda_graphs, role=self.role))
@@ -84,10 +85,10 @@ class EngineSet:
             engine = make_train_engine(d.backend, TrainSpec(
                 model_path=path, model_kind=d.model_kind, dtype=d.dtype, device=device,
                 pad_token_id=self._pad_of(d, path, pad),
-                temperature=d.temperature, optim=optim if d.role == TRAIN else None,
-                process_group=self.process_group if d.role == TRAIN else None, seed=self.seed, options=d.options,
+                temperature=d.temperature, optim=optim if d.role == TRAIN_ROLE else None,
+                process_group=self.process_group if d.role == TRAIN_ROLE else None, seed=self.seed, options=d.options,
                 role=self.role, **d.features))
-            (self.train if d.role == TRAIN else self.infer)[d.model] = engine
+            (self.train if d.role == TRAIN_ROLE else self.infer)[d.model] = engine
         self.stop_ids = tuple(self._stop_token_ids()) if self.tokenizer is not None else ()
 
     def _pad_of(self, decl: EngineDecl, path: str, pad: int) -> int:
@@ -113,7 +114,7 @@ class EngineSet:
     def engine_for(self, model: str, kind: str):
         """The engine an MFC of `model` calls: its rollout engine for kind "rollout", else the trained engine
         (its own log-probs, values) or an inference copy (a frozen reference, a reader of a remote trainer)."""
-        if kind == ROLLOUT:
+        if kind == ROLLOUT_ROLE:
             return self.rollout[model]
         return self.train.get(model) or self.infer[model]
 
@@ -190,7 +191,7 @@ class EngineSet:
         rollout sharing the device in another process (vLLM waking from sleep) finds it free."""
         from .compute import check_mfc
         kind = check_mfc(mfc).engine
-        if not kind or kind == ROLLOUT:
+        if not kind or kind == ROLLOUT_ROLE:
             yield
             return
         with self.engine_for(mfc.model_name, kind).holding(training, mfc.name):

@@ -22,7 +22,8 @@ from typing import Any
 from ..dataflow.mfc import MFCDef
 from . import compute as C
 
-FORWARD, TRAIN = "forward", "train"
+# An implementation's kind (`Impl.kind`): a forward over micro-batches, or optimizer steps.
+FORWARD_PASS, OPTIMIZER_STEP = "forward", "train"
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,8 @@ class StageContext:
 
 
 class Impl:
-    """Base of an implementation; `kind` is FORWARD (micro-batch -> outputs) or TRAIN (optimizer steps)."""
-    kind = FORWARD
+    """Base of an implementation; `kind` is FORWARD_PASS (micro-batch -> outputs) or OPTIMIZER_STEP."""
+    kind = FORWARD_PASS
 
     @staticmethod
     def args(cfg, mfc: MFCDef, info: PlanInfo) -> dict:
@@ -250,7 +251,7 @@ class ReMaxAdvantage(Impl):
                     "correction from rollout_log_prob)")
 class PolicyTrain(Impl):
     """Optimizer steps of the clipped policy loss (+ KL, entropy, off-policy correction)."""
-    kind = TRAIN
+    kind = OPTIMIZER_STEP
     section = "actor_config"
 
     @classmethod

@@ -31,7 +31,7 @@ from ..dataflow.mfc import InterfaceType
 from . import compute as C
 from .engine_set import EngineDecl, EngineSet
 from ..engines.deployment import RankRole
-from .impls import TRAIN, StageContext, build_impl
+from .impls import OPTIMIZER_STEP, StageContext, build_impl
 from .stage import LoopRoles, StageError, run_stage
 from .turns import CollectiveTurns
 from .weights import WeightHost
@@ -76,7 +76,7 @@ class Worker:
         torch.set_num_threads(spec.torch_threads)
         from ..engines.registry import import_plugins
         import_plugins(spec.plugins)
-        self.ddp_group = None
+        self.process_group = None
         self.engines: EngineSet | None = None
         self.weights: WeightHost | None = None
         self.turns = CollectiveTurns()
@@ -93,7 +93,7 @@ class Worker:
         from ..engines.sync.weight_sync import free_port
         return free_port()
 
-    def init_ddp(self, host: str, port: int, timeout_s: float = 60.0) -> None:
+    def init_process_group(self, host: str, port: int, timeout_s: float = 60.0) -> None:
         """torch's default process group over this group's ranks (gloo on CPU): the DP ranks for DDP and
         FSDP, all dp * tp * pp ranks of a model-parallel group (the mesh backend's device mesh).
 
@@ -108,7 +108,7 @@ class Worker:
             dist.init_process_group(dist_backend(resolve_device(self.spec.device)),
                                     init_method=f"tcp://{host}:{port}", rank=self.spec.rank,
                                     world_size=self.spec.world, timeout=timedelta(seconds=timeout_s))
-            self.ddp_group = dist.group.WORLD
+            self.process_group = dist.group.WORLD
 
     def setup(self) -> dict:
         """Build the engines this worker's MFCs need (from the registry)."""
@@ -116,7 +116,7 @@ class Worker:
         hf_logging.disable_progress_bar()
         hf_logging.set_verbosity_error()
         s = self.spec
-        self.engines = EngineSet(s.engines, seed=s.seed, device=s.device, process_group=self.ddp_group,
+        self.engines = EngineSet(s.engines, seed=s.seed, device=s.device, process_group=self.process_group,
                                  tokenizer_path=s.tokenizer_path, stop_tokens=s.stop_tokens, role=s.role)
         self.engines.build()
         for args in s.args.values():  # a reward function's module that fails to import fails here, not mid-step
@@ -170,7 +170,7 @@ class Worker:
                             input_keys=mfc.input_keys, get_n_samples=mfc.get_n_samples,
                             timeout_s=self.spec.stage_timeout_s,
                             before_optimizer_step=lambda: self._wait_columns(mfc.name, step))
-        if impl.kind == TRAIN:
+        if impl.kind == OPTIMIZER_STEP:
             rep.metrics["version"] = float(engine.version)
         return rep
 
@@ -264,9 +264,9 @@ class Worker:
         draws the engine's export to its end (a sharded engine's gathers are collective); rank 0 writes each
         bucket as a safetensors shard as it comes, so no rank holds more than one bucket beyond its model."""
         from ..models.hf_export import SHARD_BYTES, VALUE, CAUSAL_LM, write_hf_checkpoint
-        from .engine_set import TRAIN
+        from .engine_set import TRAIN_ROLE
         engine = self.engines.train[model]
-        decl = next(d for d in self.spec.engines if d.model == model and d.role == TRAIN)
+        decl = next(d for d in self.spec.engines if d.model == model and d.role == TRAIN_ROLE)
         if not decl.model_path:   # an engine without a model (the simulate backend's): no weights to write
             return None
         with engine.holding(False, "export"):

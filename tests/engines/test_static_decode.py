@@ -102,10 +102,10 @@ def test_generate_config_cuda_graphs_reaches_the_rollout_engines_declaration(val
     from mindspeed_rl.config import config_from_dict
     from mindspeed_rl.trainer.plan import make_plan
     from mindspeed_rl.trainer.worker_specs import engine_decls
-    from mindspeed_rl.workers.engine_set import ROLLOUT
+    from mindspeed_rl.workers.engine_set import ROLLOUT_ROLE
     cfg = config_from_dict({"generate_config": {"cuda_graphs": value}})
     plan = make_plan(cfg, check_files=True)
-    rollouts = [d for gp in plan.groups.values() for d in engine_decls(cfg, plan, gp) if d.role == ROLLOUT]
+    rollouts = [d for gp in plan.groups.values() for d in engine_decls(cfg, plan, gp) if d.role == ROLLOUT_ROLE]
     assert rollouts and all(d.cuda_graphs is value for d in rollouts)
 
 

@@ -12,7 +12,7 @@ import pytest
 from mindspeed_rl.config import ConfigError, config_from_dict
 from mindspeed_rl.trainer.plan import make_plan
 from mindspeed_rl.trainer.worker_specs import engine_decls
-from mindspeed_rl.workers.engine_set import INFER, TRAIN
+from mindspeed_rl.workers.engine_set import INFER_ROLE, TRAIN_ROLE
 
 ROOT = Path(__file__).resolve().parents[2]
 LORA = {"rank": 8}
@@ -31,14 +31,14 @@ def decls_by_group(cfg, plan) -> dict[str, dict]:
 
 def trainer_decls(cfg, plan) -> dict:
     """The engine declarations of the worker group that trains the actor."""
-    (decls,) = [d for d in decls_by_group(cfg, plan).values() if ("actor", TRAIN) in d]
+    (decls,) = [d for d in decls_by_group(cfg, plan).values() if ("actor", TRAIN_ROLE) in d]
     return decls
 
 
 def test_reference_beside_a_lora_policy_is_its_base():
     cfg, plan = plan_of({"lora": LORA})
     decls = trainer_decls(cfg, plan)
-    ref, actor = decls[("ref", INFER)], decls[("actor", TRAIN)]
+    ref, actor = decls[("ref", INFER_ROLE)], decls[("actor", TRAIN_ROLE)]
     assert ref.base_of == "actor" and not ref.features and actor.features["lora"]["rank"] == 8
 
 
@@ -47,7 +47,7 @@ def test_reference_loads_a_model_of_its_own(actor, ref):
     """No LoRA, or a reference named by path (not the initial policy): the reference loads its weights."""
     cfg, plan = plan_of(actor, ref)
     decls = trainer_decls(cfg, plan)
-    assert decls[("ref", INFER)].base_of == ""
+    assert decls[("ref", INFER_ROLE)].base_of == ""
 
 
 def test_reference_in_another_worker_group_loads_the_base():
@@ -55,9 +55,9 @@ def test_reference_in_another_worker_group_loads_the_base():
               "ref": {"mfcs": ["ref_log_prob"]}, "rule": {"mfcs": ["rule_reward", "compute_advantage"]}}
     cfg, plan = plan_of({"lora": LORA}, placement={"mode": "custom", "groups": groups})
     by_group = decls_by_group(cfg, plan)
-    ref = by_group["ref"][("ref", INFER)]
+    ref = by_group["ref"][("ref", INFER_ROLE)]
     assert ref.base_of == "" and ref.model_path == plan.model_paths["actor"]
-    assert by_group["train"][("actor", TRAIN)].features["lora"]
+    assert by_group["train"][("actor", TRAIN_ROLE)].features["lora"]
 
 
 def test_lora_on_a_backend_without_it_is_refused():

@@ -70,7 +70,7 @@ def test_fsdp_log_probs_and_training_take_turns_on_every_rank(ray_session, tmp_p
     try:
         host = ray.get(workers[0].ping.remote(), timeout=WAIT_S)["host"]
         port = ray.get(workers[0].free_port.remote(), timeout=WAIT_S)
-        ray.get([w.init_ddp.remote(host, port, GLOO_TIMEOUT_S) for w in workers], timeout=WAIT_S)
+        ray.get([w.init_process_group.remote(host, port, GLOO_TIMEOUT_S) for w in workers], timeout=WAIT_S)
         ray.get([w.setup.remote() for w in workers], timeout=WAIT_S)
         ray.get([w.sync_weights.remote("actor", 0) for w in workers], timeout=WAIT_S)
         for step in range(2):

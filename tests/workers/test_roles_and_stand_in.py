@@ -12,7 +12,7 @@ from mindspeed_rl.engines.deployment import DATA_PARALLEL, MESH, Deployment
 from mindspeed_rl.engines.simulate import PLACEHOLDER
 from mindspeed_rl.trainer.plan import make_plan
 from mindspeed_rl.trainer.worker_specs import engine_decls, group_args, worker_specs
-from mindspeed_rl.workers.engine_set import ROLLOUT, TRAIN
+from mindspeed_rl.workers.engine_set import ROLLOUT_ROLE, TRAIN_ROLE
 from mindspeed_rl.workers.impls import StageContext, StandIn, build_impl
 from mindspeed_rl.workers.stage import LoopRoles
 
@@ -55,9 +55,9 @@ def test_the_stand_in_declares_engines_without_a_model():
     cfg, plan = _simulated()
     decls = [d for gp in plan.groups.values() for d in engine_decls(cfg, plan, gp)]
     assert decls and all(d.backend == "simulate" and d.model_path == "" and d.features == {} for d in decls)
-    rollout = next(d for d in decls if d.role == ROLLOUT)
+    rollout = next(d for d in decls if d.role == ROLLOUT_ROLE)
     assert rollout.options == {"costs": {"generate": 0.004}, "slots": 4, "sigma": 0.0}
-    train = next(d for d in decls if d.role == TRAIN)
+    train = next(d for d in decls if d.role == TRAIN_ROLE)
     assert train.options["costs"]["train"] == 0.002
     specs = [s for gp in plan.groups.values() for s in worker_specs(cfg, plan, gp, [], lambda k: {})]
     assert all(s.tokenizer_path == "" for s in specs)   # no model: nothing to tokenize
