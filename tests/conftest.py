@@ -85,6 +85,19 @@ def ray_session():
     ray.shutdown()
 
 
+TINY_RM_STEPS = 300
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_model(ray_session, tmp_path_factory):
+    """configs/rm_tiny.yaml, seed 1, shortened to TINY_RM_STEPS steps: (its output_dir, its metrics.jsonl
+    records). One run shared by the reward model's learning check (tests/learning/test_rlhf_learns.py) and the
+    pipeline's checks of it (tests/trainer/test_reward_model_e2e.py); the classifier is in <output_dir>/final."""
+    from .learning.helpers import train
+    out = tmp_path_factory.mktemp("rm_tiny") / "run"
+    return out, train("rm_tiny", out, TINY_RM_STEPS)
+
+
 def _may_use_ray(item) -> bool:
     return (item.get_closest_marker("slow") is not None or item.get_closest_marker("ray") is not None) \
         and ("ray" in sys.modules or importlib.util.find_spec("ray") is not None)

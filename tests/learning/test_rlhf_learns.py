@@ -26,9 +26,10 @@ GRPO_THRESHOLD = 0.13
 
 
 @pytest.fixture(scope="module")
-def reward_model(ray_session, tmp_path_factory):
-    out = tmp_path_factory.mktemp("rm") / "run"
-    records = train("rm_tiny", out, RM_STEPS)
+def reward_model(tiny_reward_model):
+    """The session's rm_tiny run (tests/conftest.py), shared with the pipeline's tests of the reward model."""
+    out, records = tiny_reward_model
+    assert len(records) == RM_STEPS, "tests/conftest.py TINY_RM_STEPS is the length the spread was measured at"
     return out / "final", records
 
 

@@ -86,20 +86,22 @@ def test_reward_modeling_dataset_errors_name_the_file(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def trained_rm(ray_session, tmp_path_factory):
-    out = tmp_path_factory.mktemp("rm") / "rm"
-    history = Trainer(config_from_dict(rm_config(out))).run()
-    return out, history
+def trained_rm(tiny_reward_model):
+    """configs/rm_tiny.yaml shortened (tests/conftest.py): the run the reward model's learning check reads too."""
+    return tiny_reward_model
 
 
 @pytest.mark.ray
 @pytest.mark.slow
 def test_reward_modeling_trains_evaluates_and_saves_a_plain_hf_classifier(trained_rm):
-    out, history = trained_rm
-    recs = records(out)
-    assert [r["step"] for r in recs] == list(range(20))
+    out, recs = trained_rm
+    steps = len(recs)
+    assert [r["step"] for r in recs] == list(range(steps))
+    from mindspeed_rl.data.preferences import copy_pairs, split_held_out
+    held = split_held_out(copy_pairs(3, 10000, seed=1), 500, seed=1)[1]   # rm_tiny's data and seed
     evals = [r for r in recs if "eval/accuracy" in r]
-    assert [r["step"] for r in evals] == [9, 19] and all(r["eval/pairs"] == 40 for r in evals)
+    assert [r["step"] for r in evals] == list(range(99, steps, 100))   # eval_interval 100, and the last step
+    assert all(r["eval/pairs"] == len(held.records) for r in evals)
     assert recs[-1]["reward/loss"] < recs[0]["reward/loss"]
     from mindspeed_rl.models.reward import describe_model
     assert describe_model(out / "final") == (["Qwen2ForSequenceClassification"], 1)
@@ -109,11 +111,10 @@ def test_reward_modeling_trains_evaluates_and_saves_a_plain_hf_classifier(traine
     from transformers import AutoModelForSequenceClassification
 
     from mindspeed_rl.algorithms import preference_accuracy, preference_margin
-    from mindspeed_rl.data.preferences import copy_pairs, encode_pairs, split_held_out
+    from mindspeed_rl.data.preferences import encode_pairs
     from mindspeed_rl.models import load_tokenizer
     model = AutoModelForSequenceClassification.from_pretrained(str(out / "final")).eval()
     tok = load_tokenizer(str(out / "final"))
-    held = split_held_out(copy_pairs(3, 400, seed=1), 40, seed=1)[1]
     cols, _ = encode_pairs(tok, held.records, max_prompt_length=64)
     with torch.no_grad():
         # the head at the last token (HF's own pooling would skip a <pad> that a noisy rejected answer holds)
