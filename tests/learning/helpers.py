@@ -8,9 +8,9 @@ check reproduces its seed's number exactly; the margin under the lowest seed is 
 float rounding takes other trajectories.
 
 `MINDSPEED_RL_LEARNS_OVERRIDES="actor_config.lr=1e-12"` (space-separated `key=value`, YAML values) is
-applied last to every run: with a learning rate of (almost) 0 every check must fail, which is how each was
-shown able to fail (the reward model's check: `reward_model.lr=1e-12` beside it). The config refuses lr=0 itself, and AdamW at 1e-12 moves each weight by about 1e-12
-a step.
+applied last to every run: with a learning rate of (almost) 0 every check must fail, which shows each one can
+fail (the reward model's check: `reward_model.lr=1e-12` beside it). The config refuses lr=0 itself, and AdamW
+at 1e-12 moves each weight by about 1e-12 a step.
 """
 from __future__ import annotations
 
