@@ -288,6 +288,9 @@ class RLConfig:
     adv_eps: float = 1e-6
     norm_adv_by_std: bool = True
     max_weight_staleness: int = 0        # rollout may use weights at most this many versions old
+    partial_rollout: bool = False        # a weight sync does not wait for the micro-batches being generated: they
+                                         # pause one decode step and go on with the new weights (needs
+                                         # max_weight_staleness > 0, guarantee_order false; docs/async.md)
     dock_micro_batch_size: int = 32      # rows per get of reward/advantage; whole groups: rounded down to them
     gamma: float = 1.0                   # PPO's GAE discount
     lam: float = 1.0                     # PPO's GAE lambda

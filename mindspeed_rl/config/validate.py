@@ -209,6 +209,13 @@ def _steps(e: list[str], rl) -> None:
         e.append(f"rl_config.max_weight_staleness={rl.max_weight_staleness} with rl_config.blocking=true: blocking mode "
                  "runs a step's stages one after another, so no step can run ahead of another; set "
                  "rl_config.blocking=false (or max_weight_staleness=0)")
+    if rl.partial_rollout and (not rl.max_weight_staleness or rl.guarantee_order):
+        why = ("max_weight_staleness=0: the weights move only between steps, when nothing generates"
+               if not rl.max_weight_staleness else
+               "guarantee_order=true: the weights move only between rollout steps, so that each row comes "
+               "from one known version")
+        e.append(f"rl_config.partial_rollout=true with rl_config.{why}; set rl_config.max_weight_staleness >= 1 "
+                 "and rl_config.guarantee_order=false (or partial_rollout=false)")
     _positive(e, "rl_config.dock_micro_batch_size", rl.dock_micro_batch_size)
 
 

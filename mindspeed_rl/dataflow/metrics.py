@@ -106,6 +106,8 @@ for _m in (
     StepMetric("agent/tool_tokens_mean", RESPONSES, "agent_tool_tokens_sum", "rows", REPORTED),
     StepMetric("async/staleness_max", RESPONSES, "weight_version_min", "rows", REPORTED, behind=True),
     StepMetric("async/staleness_mean", RESPONSES, "weight_version_sum", "rows", REPORTED, behind=True),
+    # rl_config.partial_rollout: rows of the micro-batches whose weights moved while they were generated
+    StepMetric("async/partial_fraction", RESPONSES, "partial_count", "rows", REPORTED),
     # the trainer's log-probs against the rollout's (verl's rollout_probs_diff): ~1e-6 on-policy proves the
     # sync arrived
     StepMetric("rollout/logprob_diff_max", "old_log_prob", "logprob_diff_max", "logprob_diff_tokens", COUNTED),

@@ -85,6 +85,7 @@ class RolloutEngine(ReplicaRoles, abc.ABC):
 
     weight_version: int = 0
     concurrent_generate: bool = False   # may two threads call `generate` at once (rows of two steps in flight)?
+    partial_rollout: bool = False       # can it take new weights while `generate` calls are in flight (`paused`)?
 
     @abc.abstractmethod
     def generate(self, prompts: Sequence[torch.Tensor], params: SamplingParams,
@@ -113,6 +114,14 @@ class RolloutEngine(ReplicaRoles, abc.ABC):
         whole bucket of a flattened trainer in one broadcast; the alignment padding between them
         is written too, so it must belong to no other tensor."""
         return None
+
+    def paused(self) -> contextlib.AbstractContextManager:
+        """Hold every `generate` call in flight at its next decode step until the context exits; a weight
+        update loads inside it, and the calls go on with the new weights over the KV cache the old ones
+        wrote (rl_config.partial_rollout: AReaL's interruptible generation, verl's partial rollout). Each
+        token's log-prob is the one it was sampled with. Engines with `partial_rollout` implement it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot take weights while generate calls are in "
+                                  "flight (partial_rollout is False)")
 
     def sleep(self) -> None:
         """Free device memory between rollouts when it shares a device with training (vLLM's

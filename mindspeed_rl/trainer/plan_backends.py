@@ -62,6 +62,29 @@ def check_rollout_split(cfg: Config, backend: Backend, rollout: dict) -> None:
                               f"not on others; use max_weight_staleness: 0 with a split generation, or tp: 1, pp: 1")
 
 
+def check_partial_rollout(cfg: Config, groups: dict[str, GroupPlan]) -> None:
+    """rl_config.partial_rollout: every group's rollout engine can take weights while it generates
+    (`RolloutEngine.partial_rollout`)."""
+    if not cfg.rl_config.partial_rollout:
+        return
+    from ..engines.registry import ROLLOUT_BACKENDS, user_backends
+    for g, p in groups.items():
+        row = p.rollout_row
+        if row is not None and not _partial(row):
+            able = [n for n in user_backends(ROLLOUT_BACKENDS) if _partial(ROLLOUT_BACKENDS[n])]
+            raise ConfigError(f"rl_config.partial_rollout=true: worker group '{g}' generates on the {row.name} "
+                              f"backend, which cannot take new weights while it generates; set "
+                              f"rl_config.partial_rollout=false, or generate_config.backend to one of {able} "
+                              "(with tp 1 and pp 1)")
+
+
+def _partial(row: Backend) -> bool:
+    try:
+        return bool(row.load().partial_rollout)
+    except ImportError:   # a plugin's engine that does not import here: its install check says so
+        return False
+
+
 def deploy_groups(cfg: Config, groups: dict[str, GroupPlan], model_kinds: dict[str, str], rollout: Backend,
                   train: Backend, check_files: bool) -> list[str]:
     """Each worker group's deployment, as its backends declare it (engines/deployment.py): which backend's

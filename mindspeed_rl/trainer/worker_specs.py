@@ -133,6 +133,7 @@ def worker_specs(cfg: Config, plan: Plan, gp: GroupPlan, docks: list, env_of) ->
                        args=args, engines=decls, docks=docks, tokenizer_path=tokenizer,
                        stop_tokens=list(cfg.generate_config.stop_tokens), seed=t.seed,
                        stage_timeout_s=t.stage_timeout_s, weight_sync=dataclasses.replace(cfg.weight_sync),
+                       partial_rollout=cfg.rl_config.partial_rollout,
                        same_step_outputs=plan.same_step_outputs, rows_per_step=plan.rows_per_step,
                        plugins=list(t.plugins), torch_threads=r.torch_threads, device=r.device, env=env_of(k))
             for k, role in enumerate(dep.roles())]

@@ -52,6 +52,7 @@ class WorkerSpec:
     seed: int = 0
     stage_timeout_s: float = 120.0
     weight_sync: Any = None                     # WeightSyncConfig
+    partial_rollout: bool = False               # rl_config.partial_rollout: a sync pauses generation, never drains it
     same_step_outputs: dict[str, list[str]] = field(default_factory=dict)  # train MFC -> same-step readers' columns
     rows_per_step: int = 0
     plugins: list = field(default_factory=list)  # trainer.plugins, imported before any engine is built
@@ -123,7 +124,7 @@ class Worker:
             if "reward_fn" in args:
                 self.engines.reward_fn(args["reward_fn"])
         self.weights = WeightHost(self.engines, rank=s.rank, group=s.group, device=s.device, sync_cfg=s.weight_sync,
-                                  stage_timeout_s=s.stage_timeout_s)
+                                  stage_timeout_s=s.stage_timeout_s, partial_rollout=s.partial_rollout)
         return {}
 
     # ------------------------------------------------------------------ stages

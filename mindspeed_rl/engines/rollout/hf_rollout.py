@@ -22,6 +22,7 @@ import torch
 from ..base import (NamedTensors, Rollout, RolloutEngine, RolloutSpec, SamplingParams, flatten_parameters,
                    hf_named_weights, load_named)
 from ..batching import left_pad, positions
+from ..rw_lock import ReadWriteLock
 from .sampling import filter_logits, row_uniforms, sample_next  # noqa: F401  (filter_logits: the engine's API)
 from .static_decode import StaticDecoder, StaticDecoders, sampling_key
 
@@ -124,6 +125,7 @@ class ResponseBuilder:
 
 class HFRolloutEngine(RolloutEngine):
     concurrent_generate = True  # each call has its own cache and draws; the weights are only read
+    partial_rollout = True      # every forward reads the weights under `_steps`: a paused update waits for one step
 
     def __init__(self, model: torch.nn.Module, pad_token_id: int, device: torch.device | str = "cpu",
                  check_every: int | None = None, cuda_graphs: bool | None = None, max_seq_len: int = 0):
@@ -142,6 +144,7 @@ class HFRolloutEngine(RolloutEngine):
         self.pad_token_id = int(pad_token_id)
         self.weight_version = 0
         self._last_only = last_logits_only(self.model)
+        self._steps = ReadWriteLock()   # forwards read, `paused` writes
 
     @classmethod
     def build(cls, spec: RolloutSpec) -> "HFRolloutEngine":
@@ -153,8 +156,9 @@ class HFRolloutEngine(RolloutEngine):
         """The prompts' forward into `cache`: (the last position's logits [B, vocab], the positions [B, P])."""
         pos = positions(attn)
         dtype = next(self.model.parameters()).dtype
-        out = self.model(input_ids=ids, attention_mask=prompt_mask(attn, dtype), position_ids=pos,
-                         past_key_values=cache, use_cache=True, **self._last_only)
+        with self._steps.reading():
+            out = self.model(input_ids=ids, attention_mask=prompt_mask(attn, dtype), position_ids=pos,
+                             past_key_values=cache, use_cache=True, **self._last_only)
         return out.logits[:, -1, :], pos
 
     @torch.no_grad()
@@ -189,8 +193,9 @@ class HFRolloutEngine(RolloutEngine):
             width = P + responses.t
             mask[..., width - 1] = 0
             last_pos = last_pos + 1
-            logits = self.model(input_ids=nxt[:, None], attention_mask=mask[..., :width], position_ids=last_pos,
-                                past_key_values=cache, use_cache=True).logits[:, -1, :]
+            with self._steps.reading():
+                logits = self.model(input_ids=nxt[:, None], attention_mask=mask[..., :width], position_ids=last_pos,
+                                    past_key_values=cache, use_cache=True).logits[:, -1, :]
 
     def _generate_static(self, ids: torch.Tensor, attn: torch.Tensor, params: SamplingParams,
                          draws: torch.Tensor) -> Rollout:
@@ -212,7 +217,7 @@ class HFRolloutEngine(RolloutEngine):
             return logits, [(layer.keys, layer.values) for layer in cache.layers]
 
         try:
-            return decoder.run(prefill, attn, positions(attn)[:, -1:], draws)
+            return decoder.run(prefill, attn, positions(attn)[:, -1:], draws, step_guard=self._steps.reading)
         finally:
             self._decoders.give(key, decoder)
 
@@ -220,6 +225,11 @@ class HFRolloutEngine(RolloutEngine):
         """The static decode's buffers and graphs go (a trainer sharing the device gets them); the next
         generate stage builds and captures them again."""
         self._decoders.clear()
+
+    def paused(self):
+        """Every generate call in flight stops before its next forward (prefill or decode step) until the
+        update is in (`RolloutEngine.paused`)."""
+        return self._steps.writing()
 
     def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
         load_named(self.model, named_tensors)

@@ -21,9 +21,10 @@ uniforms), which is also what the eager loop's row dropping relies on.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 
@@ -209,10 +210,12 @@ class StaticDecoder:
 
     # ------------------------------------------------------------------------------------------- a batch
     def run(self, prefill: Callable[[], tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]],
-            attn: torch.Tensor, last_pos: torch.Tensor, draws: torch.Tensor) -> Rollout:
+            attn: torch.Tensor, last_pos: torch.Tensor, draws: torch.Tensor,
+            step_guard: Callable[[], ContextManager] = contextlib.nullcontext) -> Rollout:
         """Decodes a left-padded batch: `prefill()` runs the prompt's forward (the eager path's own) and
         returns the last position's logits and each layer's (keys, values); `attn` is the prompts' 2D mask,
-        `last_pos` their last positions [B, 1], `draws` the rows' uniforms [B, max_new_tokens]."""
+        `last_pos` their last positions [B, 1], `draws` the rows' uniforms [B, max_new_tokens]. Each decode
+        step runs inside `step_guard()` (the engine's lock that a weight update mid-call waits on)."""
         B, P = attn.shape
         if B != self.rows or P + self.n > self.length:
             raise ValueError(f"static decode: {B} rows x {P} prompt tokens do not fit its {self.rows} x "
@@ -248,7 +251,8 @@ class StaticDecoder:
                     if to < b:
                         self._move(b, to)
                         b = to
-            self._run_step(b)
+            with step_guard():
+                self._run_step(b)
             t += 1
         resp, lp = self.tokens.cpu(), self.log_probs.cpu()
         n = self.lengths.cpu().numpy().tolist()

@@ -6,6 +6,7 @@ one-token placeholders; `stand_in.declare` fills the costs from trainer.simulate
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Iterable, Iterator, Sequence
 
@@ -32,6 +33,7 @@ class SimulatedRolloutEngine(RolloutEngine):
     a call returns when its last row ends. One call alone then lasts as long as its longest row (a
     synchronous batch waits for it); calls of several steps at once fill each other's idle slots."""
     concurrent_generate = True  # sleeping calls overlap, as requests do in a serving engine
+    partial_rollout = True      # its weights are a version number: rows in flight go on at once on the new one
 
     def __init__(self, costs: dict[str, float], slots: int = 0, sigma: float = 0.0):
         import threading
@@ -70,6 +72,10 @@ class SimulatedRolloutEngine(RolloutEngine):
                     end = max(end, finish)
             _sleep(end - time.monotonic())
         return Rollout([PLACEHOLDER_TOKEN] * len(prompts), [PLACEHOLDER_LOGP] * len(prompts))
+
+    def paused(self):
+        """A serving engine's pause for a weight update lasts one decode step, which the cost model leaves out."""
+        return contextlib.nullcontext()
 
     def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
         for _ in named_tensors:
