@@ -1,9 +1,9 @@
 """Cross-step asynchrony: step time with rl_config.max_weight_staleness k = 0 (blocking and
 non-blocking), 1 and 2, side by side in one run, against the ideal of the same cost model.
 
-    python benchmarks/async_speedup.py                  # 3 workloads x 4 modes (~10 min on 2 cores)
-    python benchmarks/async_speedup.py --steps 8 --json docs/benchmarks/async_speedup.json
-    python benchmarks/async_speedup.py --workloads longtail --modes k0_blocking k2   # one ratio, ~2 min
+    python benchmarks/async_speedup.py                  # 3 workloads x 6 modes (~10 min on 2 cores)
+    python benchmarks/async_speedup.py --json docs/benchmarks/async_speedup.json
+    python benchmarks/async_speedup.py --workloads longtail --modes k0_blocking k2 k2_partial   # ~2 min
 
 What runs: the real GRPO driver, dock, stage loops and weight sync (bucketed, with a placeholder
 bucket), disaggregated placement (rollout, trainer and rule workers apart); the models are the
@@ -20,13 +20,19 @@ Workloads (seconds of work per step; rewards and advantages cost nothing):
   in flight fill each other's idle slots.
 Modes: k=0 blocking (stages one after another), k=0 non-blocking (stages overlap within a step),
 k=1 and k=2 (step t+k's rollout runs while step t trains; `guarantee_order: false`, so the weights
-move as soon as a step is trained and the rollout picks them up at its next micro-batch).
+move as soon as a step is trained and the rollout picks them up at its next micro-batch: each sync
+waits for the micro-batches in flight), and k=1, k=2 with `rl_config.partial_rollout` (a sync
+pauses the rollout for one decode step instead: the micro-batches in flight go on with the new
+weights).
 
 Ideal (same cost model, no overhead): blocking = rollout + train side (longtail: the sum over
 micro-batches of their longest row, computed from the same seeds); k=0 non-blocking = the
 micro-batch pipeline's critical path (`ideal_pipeline`); k >= 1 = max(rollout work, train side)
 per step in steady state (longtail: rollout work = the rows' total cost over the slots).
-Measured: the median of `timing/step` over the steps after the first k + 2 (the pipeline filling).
+Measured: the mean of `timing/step` over the steady steps, those after the first k + 2 (the pipeline
+filling) and before the last k (no rollout left to overlap with: they only train). The mean, not
+the median: with k > 0 step times alternate (a step whose rows were generated while the one before
+it trained is short), and only the mean is bound by the rollout's work per step.
 """
 from __future__ import annotations
 
@@ -54,10 +60,11 @@ WORKLOADS = {  # seconds per step of each stage's work
     "80_20": {"actor_rollout": 0.64, "actor_log_prob": 0.016, "actor_train": 0.144},
     "longtail": {"actor_rollout": 0.40, "actor_log_prob": 0.04, "actor_train": 0.36},
 }
-MODES = (("k0_blocking", 0, True), ("k0_overlap", 0, False), ("k1", 1, False), ("k2", 2, False))
+MODES = (("k0_blocking", 0, True, False), ("k0_overlap", 0, False, False), ("k1", 1, False, False),
+         ("k2", 2, False, False), ("k1_partial", 1, False, True), ("k2_partial", 2, False, True))
 
 
-def make_config(workload: str, k: int, blocking: bool, steps: int, out: str) -> dict:
+def make_config(workload: str, k: int, blocking: bool, steps: int, out: str, partial: bool = False) -> dict:
     costs = {stage: s / ROWS for stage, s in WORKLOADS[workload].items()}
     longtail = workload == "longtail"
     return {
@@ -66,7 +73,8 @@ def make_config(workload: str, k: int, blocking: bool, steps: int, out: str) -> 
                     "simulate_cost_s_per_row": costs, "simulate_generate_slots": SLOTS if longtail else 0,
                     "simulate_generate_sigma": SIGMA if longtail else 0.0},
         "rl_config": {"prompts_per_step": ROWS // N, "n_samples_per_prompt": N, "dock_micro_batch_size": MICRO,
-                      "blocking": blocking, "guarantee_order": k == 0, "max_weight_staleness": k},
+                      "blocking": blocking, "guarantee_order": k == 0, "max_weight_staleness": k,
+                      "partial_rollout": partial},
         "generate_config": {"micro_batch_size_per_device": MICRO},
         "actor_config": {"ppo_micro_batch_size_per_device": MICRO, "ppo_mini_batch_size": None,
                          "log_prob_micro_batch_size_per_device": MICRO, "kl_loss_coef": 0.0},
@@ -87,6 +95,11 @@ def longtail_rollout(steps: int) -> tuple[list[float], list[float]]:
     return sync, work
 
 
+def steady(values: list, k: int) -> list:
+    """The steady steps' values: after the first k + 2 and before the last k."""
+    return values[k + 2:len(values) - k]
+
+
 def ideal(workload: str, k: int, blocking: bool, steps: int) -> float:
     w = WORKLOADS[workload]
     train_side = w["actor_log_prob"] + w["actor_train"]
@@ -96,7 +109,7 @@ def ideal(workload: str, k: int, blocking: bool, steps: int) -> float:
             per = [s + (train_side if blocking else train_side * MICRO / ROWS) for s in sync]
         else:
             per = [max(x, train_side) for x in work]
-        return statistics.median(per[k + 2:] if len(per) > k + 2 else per)
+        return statistics.mean(steady(per, k))
     if k == 0:
         mfcs, keys = get_algorithm("grpo")
         order = topological_order(build_graph(mfcs, keys))
@@ -106,14 +119,16 @@ def ideal(workload: str, k: int, blocking: bool, steps: int) -> float:
     return max(w["actor_rollout"], train_side)
 
 
-def measure(workload: str, k: int, blocking: bool, steps: int) -> dict:
+def measure(workload: str, k: int, blocking: bool, partial: bool, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        history = Trainer(config_from_dict(make_config(workload, k, blocking, steps, tmp))).run()
+        history = Trainer(config_from_dict(make_config(workload, k, blocking, steps, tmp, partial))).run()
         wall = time.perf_counter() - t0
-    times = [r["timing/step"] for r in history][k + 2:]
-    return {"step_s": statistics.median(times), "wall_s": wall,
-            "staleness_max": max(r.get("async/staleness_max", 0.0) for r in history)}
+    times = steady([r["timing/step"] for r in history], k)
+    return {"step_s": statistics.mean(times), "step_median_s": statistics.median(times),
+            "step_min_s": min(times), "step_max_s": max(times), "steady_steps": len(times), "wall_s": wall,
+            "staleness_max": max(r.get("async/staleness_max", 0.0) for r in history),
+            "partial_fraction": statistics.mean(r.get("async/partial_fraction", 0.0) for r in history)}
 
 
 def run(steps: int, workloads=tuple(WORKLOADS), modes=tuple(m[0] for m in MODES)) -> dict:
@@ -121,16 +136,17 @@ def run(steps: int, workloads=tuple(WORKLOADS), modes=tuple(m[0] for m in MODES)
            "steps": steps, "rows_per_step": ROWS, "micro_batch": MICRO, "workloads": {}, "ratios": {}}
     for workload in workloads:
         res = {}
-        for name, k, blocking in MODES:
+        for name, k, blocking, partial in MODES:
             if name not in modes:
                 continue
-            m = measure(workload, k, blocking, steps)
+            m = measure(workload, k, blocking, partial, steps)
             m["ideal_s"] = ideal(workload, k, blocking, steps)
             res[name] = m
-            print(f"{workload:9s} {name:12s} step {m['step_s']:.3f} s (ideal {m['ideal_s']:.3f}), "
-                  f"staleness max {m['staleness_max']:.0f}", file=sys.stderr, flush=True)
+            print(f"{workload:9s} {name:12s} step {m['step_s']:.3f} s (ideal {m['ideal_s']:.3f}; steady steps "
+                  f"{m['step_min_s']:.3f}-{m['step_max_s']:.3f}), staleness max {m['staleness_max']:.0f}",
+                  file=sys.stderr, flush=True)
         base = res.get("k0_blocking")
-        for name in ("k0_overlap", "k1", "k2"):
+        for name in [m[0] for m in MODES[1:]]:
             if base is not None and name in res:
                 res[name]["speedup"] = base["step_s"] / res[name]["step_s"]
                 res[name]["ideal_speedup"] = base["ideal_s"] / res[name]["ideal_s"]
@@ -139,7 +155,8 @@ def run(steps: int, workloads=tuple(WORKLOADS), modes=tuple(m[0] for m in MODES)
     w = out["workloads"]
     targets = {"speedup_k1_over_blocking_50_50": ("50_50", "k1", 1.8),
                "speedup_k1_over_blocking_80_20": ("80_20", "k1", 1.2),
-               "speedup_k2_over_blocking_longtail": ("longtail", "k2", 2.5)}
+               "speedup_k2_over_blocking_longtail": ("longtail", "k2", 2.5),
+               "speedup_k2_partial_over_blocking_longtail": ("longtail", "k2_partial", 2.9)}
     out["ratios"] = {"targets": {}}
     for key, (workload, mode, target) in targets.items():  # the ratios this run measured
         if "speedup" in w.get(workload, {}).get(mode, {}):
@@ -151,7 +168,7 @@ def run(steps: int, workloads=tuple(WORKLOADS), modes=tuple(m[0] for m in MODES)
 
 def print_table(res: dict) -> None:
     print(f"\nCross-step asynchrony: simulated GRPO through the real driver, dock, stage loops and sync "
-          f"({res['rows_per_step']} rows/step, micro-batch {res['micro_batch']}, median step time)\n")
+          f"({res['rows_per_step']} rows/step, micro-batch {res['micro_batch']}, mean time of the steady steps)\n")
     print(f"{'workload':10s} {'mode':12s} {'step s':>8s} {'ideal s':>8s} {'speedup':>8s} {'ideal':>7s}")
     for workload, modes in res["workloads"].items():
         for name, m in modes.items():
@@ -169,7 +186,8 @@ def print_table(res: dict) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=10, help="steps per run (the first k + 2 are not measured)")
+    p.add_argument("--steps", type=int, default=14,
+                   help="steps per run (the first k + 2 and the last k are not measured)")
     p.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
     p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     p.add_argument("--modes", nargs="+", choices=[m[0] for m in MODES], default=[m[0] for m in MODES],
