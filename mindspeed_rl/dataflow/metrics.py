@@ -34,6 +34,7 @@ class StepMetric:
     label: str = ""          # its name on the console line ("": not on it)
     fmt: str = ".3f"         # its format on the console line
     chart: str = ""          # the title of the dashboard chart that draws it ("": none)
+    curve: bool = False      # drawn in the run's curve.png (a panel of its own)
 
     def __post_init__(self):
         if not isinstance(self.key, str) or "/" not in self.key:
@@ -69,6 +70,11 @@ def console_metrics() -> list[tuple[str, str, str]]:
     return [(m.key, m.label, m.fmt) for m in STEP_METRICS.values() if m.label]
 
 
+def curve_metrics() -> list[str]:
+    """The keys curve.png draws, one panel each, in registration order."""
+    return [m.key for m in STEP_METRICS.values() if m.curve]
+
+
 def chart_specs() -> list[dict]:
     """The dashboard's per-step charts: {title, keys, stageKeys} in the order their first metric was
     registered; `stageKeys` when the keys are per stage (drawn in the stages' colors)."""
@@ -83,7 +89,7 @@ def chart_specs() -> list[dict]:
 REWARD, RESPONSES = "rm_scores", "responses"
 for _m in (
     # the reward that trains (its stage: the producer of rm_scores)
-    StepMetric("reward/mean", REWARD, "reward_sum", "reward_rows", label="reward", chart="Reward"),
+    StepMetric("reward/mean", REWARD, "reward_sum", "reward_rows", label="reward", chart="Reward", curve=True),
     StepMetric("reward/max_fraction", REWARD, "reward_max_count", "reward_rows", chart="Reward"),
     StepMetric("reward/rule_mean", REWARD, "rule_reward_sum", "reward_rows", REPORTED, label="rule"),
     StepMetric("reward/model_mean", REWARD, "model_reward_sum", "reward_rows", REPORTED, label="model", fmt="+.3f"),
@@ -116,7 +122,7 @@ for _m in (
     StepMetric("critic/values_mean", "values", "values_sum", "values_tokens", COUNTED),
     StepMetric("critic/returns_mean", "returns", "returns_sum", "returns_tokens", COUNTED),
     # the driver's timings and throughput
-    StepMetric("timing/step", label="step_s", fmt=".2f", chart="Step time (s)"),
+    StepMetric("timing/step", label="step_s", fmt=".2f", chart="Step time (s)", curve=True),
     StepMetric("timing/stages", chart="Step time (s)"),
     StepMetric("timing/weight_sync", chart="Step time (s)"),
     StepMetric("throughput/tokens_per_s", label="tok/s", fmt=".0f", chart="Throughput (tokens/s)"),

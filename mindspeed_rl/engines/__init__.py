@@ -1,8 +1,9 @@
-"""Engines behind two abstract classes (`base.py`), built by name from one registry (`registry.py`).
+"""Engines behind two abstract classes (`base.py`), built from one registry (`registry.py`).
 
-Workers import only this package's interfaces and `make_rollout_engine` / `make_train_engine`;
-backend modules (hf, vllm, torch, fsdp, megatron, simulate) are imported when an engine of theirs is
-built. The built-in engine classes are importable from here too (lazily, so importing the package
+The plan resolves each backend name once into the registry's row; a worker builds its engines from the
+rows it is handed (`row.load().build(spec)`), and `make_rollout_engine` / `make_train_engine` build one
+by name. Backend modules (hf, vllm, torch, fsdp, megatron, simulate) are imported when an engine of
+theirs is built. The built-in engine classes are importable from here too (lazily, so importing the package
 costs no backend), for a plugin that extends one and registers it under a name of its own:
 
     from mindspeed_rl.engines import TorchTrainEngine, register_train_backend

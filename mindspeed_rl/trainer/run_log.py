@@ -199,24 +199,23 @@ def format_line(rec: dict) -> str:
 
 
 def plot_curve(history: list[dict], path: str | os.PathLike, title: str = "") -> str | None:
-    """reward/mean and actor/pg_loss per step as a PNG (None when matplotlib is missing)."""
+    """The step metrics registered with `curve` (dataflow/metrics.py), one panel each, per step, as a PNG
+    (None when matplotlib is missing)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return None
+    from ..dataflow.metrics import curve_metrics
+    keys = curve_metrics()
     steps = [r["step"] for r in history]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    axes[0].plot(steps, [r.get("reward/mean", float("nan")) for r in history], color="tab:green")
-    axes[0].set_title("reward/mean")
-    axes[0].set_xlabel("step")
-    axes[0].set_ylim(0, 1.05)
-    axes[0].grid(alpha=0.3)
-    axes[1].plot(steps, [r.get("timing/step", float("nan")) for r in history], color="tab:blue")
-    axes[1].set_title("timing/step (s)")
-    axes[1].set_xlabel("step")
-    axes[1].grid(alpha=0.3)
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.6), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        ax.plot(steps, [r.get(key, float("nan")) for r in history])
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
     if title:
         fig.suptitle(title)
     fig.tight_layout()

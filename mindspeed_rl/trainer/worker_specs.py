@@ -86,14 +86,14 @@ def engine_decls(cfg: Config, plan: Plan, gp: GroupPlan) -> list[EngineDecl]:
         optim = {"lr": o.lr, "weight_decay": o.weight_decay, "betas": tuple(a.betas), "grad_clip": o.grad_clip}
         backend, dtype = _backend_dtype(cfg, kind, gp)
         out[(m.model_name, TRAIN_ROLE)] = declared(EngineDecl(
-            model=m.model_name, role=TRAIN_ROLE, backend=backend.name, model_path=plan.model_paths[m.model_name],
+            model=m.model_name, role=TRAIN_ROLE, backend=backend, model_path=plan.model_paths[m.model_name],
             model_kind=kind, dtype=dtype, options=options(backend), optim=optim, temperature=g.temperature or 1.0,
             features=features_of(cfg, m.model_name, trained=True)))
     for m in gp.mfcs:
         f = C.check_mfc(m)
         if f.engine == ROLLOUT_ROLE and (m.model_name, ROLLOUT_ROLE) not in out:
             out[(m.model_name, ROLLOUT_ROLE)] = declared(EngineDecl(
-                model=m.model_name, role=ROLLOUT_ROLE, backend=gp.rollout_backend,
+                model=m.model_name, role=ROLLOUT_ROLE, backend=gp.rollout_row,
                 model_path=plan.model_paths[m.model_name],
                 dtype=a.dtype, options=dict(gp.rollout_options),
                 max_seq_len=cfg.data.max_prompt_length + max(g.max_new_tokens, g.val.max_new_tokens or 0),
@@ -103,7 +103,7 @@ def engine_decls(cfg: Config, plan: Plan, gp: GroupPlan) -> list[EngineDecl]:
             _, kind = SECTIONS[f.engine]
             backend, dtype = _backend_dtype(cfg, kind, gp)
             base_of = lora_base_of(cfg, m.model_name, out)
-            decl = EngineDecl(model=m.model_name, role=INFER_ROLE, backend=backend.name,
+            decl = EngineDecl(model=m.model_name, role=INFER_ROLE, backend=backend,
                               model_path=plan.model_paths[m.model_name], model_kind=kind, dtype=dtype, options={} if base_of else options(backend),
                               temperature=g.temperature or 1.0, base_of=base_of,
                               features={} if base_of else features_of(cfg, m.model_name, trained=False))

@@ -27,7 +27,7 @@ class EngineDecl:
     """One engine of a worker: which model, in which role (generating, trained, inferring), on which backend."""
     model: str
     role: str                            # ROLLOUT_ROLE, TRAIN_ROLE (with an optimizer) or INFER_ROLE (forward only)
-    backend: str
+    backend: Any                         # the registry's row the plan resolved (engines/registry.py Backend)
     model_path: str = ""                 # "": an engine without a model (the simulate backend's)
     model_kind: str = "causal_lm"        # causal_lm, value or reward
     dtype: str = "float32"
@@ -61,7 +61,7 @@ class EngineSet:
 
     def build(self) -> None:
         from ..device import resolve_device
-        from ..engines import OptimConfig, RolloutSpec, TrainSpec, make_rollout_engine, make_train_engine
+        from ..engines import OptimConfig, RolloutSpec, TrainSpec
         torch.manual_seed(self.seed)
         device = str(resolve_device(self.device_name))
         pad = 0
@@ -75,7 +75,7 @@ class EngineSet:
                 from ..models import resolve_model_path
                 path = str(resolve_model_path(path))
             if d.role == ROLLOUT_ROLE:
-                self.rollout[d.model] = make_rollout_engine(d.backend, RolloutSpec(
+                self.rollout[d.model] = d.backend.load().build(RolloutSpec(
                     model_path=path, dtype=d.dtype, device=device, pad_token_id=pad, seed=self.seed, options=d.options,
                     max_seq_len=d.max_seq_len, cuda_graphs=d.cuda_graphs, role=self.role))
                 continue
@@ -84,7 +84,7 @@ class EngineSet:
                 self.infer[d.model] = BaseReference(self.train[d.base_of])
                 continue
             optim = OptimConfig(**d.optim) if isinstance(d.optim, dict) else d.optim
-            engine = make_train_engine(d.backend, TrainSpec(
+            engine = d.backend.load().build(TrainSpec(
                 model_path=path, model_kind=d.model_kind, dtype=d.dtype, device=device,
                 pad_token_id=self._pad_of(d, path, pad),
                 temperature=d.temperature, optim=optim if d.role == TRAIN_ROLE else None,

@@ -278,7 +278,7 @@ class Worker:
                 return None
             return str(write_hf_checkpoint(buckets, directory, decl.model_path,
                                            kind=VALUE if decl.model_kind == VALUE else CAUSAL_LM, dtype=decl.dtype,
-                                           source=f"{model}'s {decl.backend} engine"))
+                                           source=f"{model}'s {decl.backend.name} engine"))
 
     # ------------------------------------------------------------------ a reward model between steps
     def score_pairs(self, model: str, columns: dict, micro_batch_size: int) -> dict:

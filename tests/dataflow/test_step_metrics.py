@@ -9,8 +9,8 @@ import pytest
 from mindspeed_rl.dashboard import DashboardState
 from mindspeed_rl.dataflow import get_algorithm
 from mindspeed_rl.dataflow.metrics import (COUNTED, REPORTED, STEP_METRICS, StepMetric, chart_specs, console_metrics,
-                                           register_metric)
-from mindspeed_rl.trainer.run_log import format_line
+                                           curve_metrics, register_metric)
+from mindspeed_rl.trainer.run_log import format_line, plot_curve
 from mindspeed_rl.trainer.step_metrics import step_record
 
 SYNC = {"actor": {"seconds": 0.01, "checksum": None, "readers": 1, "bytes": 0}}
@@ -31,12 +31,12 @@ def shortest():
     """What a new metric needs: the rollout reports `response_length_min` (one line in its compute function),
     and one registration."""
     register_metric(StepMetric("response_length/min", "responses", "response_length_min", "rows", REPORTED,
-                               label="resp_min", fmt=".0f", chart="Shortest response"))
+                               label="resp_min", fmt=".0f", chart="Shortest response", curve=True))
     yield "response_length/min"
     STEP_METRICS.pop("response_length/min")
 
 
-def test_a_registered_metric_reaches_the_record_the_console_and_the_charts(shortest):
+def test_a_registered_metric_reaches_the_record_the_console_and_the_charts(shortest, tmp_path, monkeypatch):
     reports = [_report("actor_rollout", rows=4.0, response_length_sum=10.0, response_length_min=2.0),
                _report("actor_rollout", rows=4.0, response_length_sum=12.0, response_length_min=1.0)]
     rec = _record(reports)
@@ -47,6 +47,12 @@ def test_a_registered_metric_reaches_the_record_the_console_and_the_charts(short
     assert {"title": "Shortest response", "keys": [shortest], "stageKeys": False} in \
         DashboardState({"title": "t"}).snapshot()["info"]["charts"]
     assert shortest not in _record([_report("actor_rollout", rows=4.0)]), "REPORTED: absent when not reported"
+    assert curve_metrics() == ["reward/mean", "timing/step", shortest]
+    import matplotlib.pyplot as plt
+    drawn = []
+    monkeypatch.setattr(plt.Axes, "set_title", lambda ax, t, *a, **k: drawn.append(t))
+    assert plot_curve([rec, {**rec, "step": 4}], tmp_path / "curve.png") and (tmp_path / "curve.png").stat().st_size
+    assert drawn == curve_metrics(), "curve.png: a panel per curve metric"
 
 
 def test_when_and_behind_decide_presence_and_value():

@@ -99,22 +99,25 @@ def colocated_host(partial: bool):
     return engines, rollout, host
 
 
-def micro_batch(engines, rollout):
-    """What the worker's generate stage does for one micro-batch (workers/impls.py `Generate`)."""
+def micro_batch(engines, rollout, generated: threading.Event):
+    """What the worker's generate stage does for one micro-batch (workers/impls.py `Generate`); `generated` is
+    set when its generate call has returned."""
     prompts = random_rows(2, [4, 6], seed=2)
     with engines.awake("actor"), engines.weights_lock("actor").reading():
-        return C.generate({"prompts": prompts}, [0, 1], engine=rollout, params=PARAMS, seed=5, step=0)
+        out = C.generate({"prompts": prompts}, [0, 1], engine=rollout, params=PARAMS, seed=5, step=0)
+        generated.set()
+        return out
 
 
 @pytest.mark.parametrize("partial", [False, True])
 def test_a_sync_waits_for_the_micro_batch_only_without_partial_rollout(partial):
     engines, rollout, host = colocated_host(partial)
-    slow = SlowDecode(rollout.model)
-    thread, out = in_thread(lambda: micro_batch(engines, rollout))
+    slow, generated = SlowDecode(rollout.model), threading.Event()
+    thread, out = in_thread(lambda: micro_batch(engines, rollout, generated))
     assert slow.reached.wait(30)
     result = host.sync_weights("actor", 1)
     assert result["sent"] and set(result["received"]) == {result["sent"]}   # every byte arrived (verify)
-    assert thread.is_alive() is partial      # partial: the sync did not wait for the micro-batch
+    assert generated.is_set() is not partial   # partial: the sync did not wait for the micro-batch
     thread.join(60)
     assert "error" not in out, out.get("error")
     got = out["value"]

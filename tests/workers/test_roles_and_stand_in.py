@@ -54,7 +54,7 @@ def _simulated():
 def test_the_stand_in_declares_engines_without_a_model():
     cfg, plan = _simulated()
     decls = [d for gp in plan.groups.values() for d in engine_decls(cfg, plan, gp)]
-    assert decls and all(d.backend == "simulate" and d.model_path == "" and d.features == {} for d in decls)
+    assert decls and all(d.backend.name == "simulate" and d.model_path == "" and d.features == {} for d in decls)
     rollout = next(d for d in decls if d.role == ROLLOUT_ROLE)
     assert rollout.options == {"costs": {"generate": 0.004}, "slots": 4, "sigma": 0.0}
     train = next(d for d in decls if d.role == TRAIN_ROLE)
@@ -82,4 +82,4 @@ def test_real_compute_has_no_stand_in():
     plan = make_plan(cfg, check_files=False)
     for gp in plan.groups.values():
         assert not any("stand_in" in a for a in group_args(cfg, plan, gp).values())
-        assert all(d.backend != "simulate" for d in engine_decls(cfg, plan, gp))
+        assert all(d.backend.name != "simulate" for d in engine_decls(cfg, plan, gp))

@@ -48,11 +48,13 @@ def declare(cfg: Any, role: str, calls: Mapping[str, str]) -> dict[str, Any]:
     tokenizer or model features either), and options with the seconds per row of each of its `calls`
     (call -> the MFC making it: `generate`, `log_probs`, `train`, ...); a rollout engine also gets
     trainer.simulate_generate_slots and _sigma (a serving engine's continuous batching)."""
+    from ..registry import ROLLOUT_BACKENDS, TRAIN_BACKENDS
     t = cfg.trainer
     options: dict[str, Any] = {"costs": {call: float(_costs(cfg).get(mfc, 0.0)) for call, mfc in calls.items()}}
     if role == "rollout":
         options.update(slots=t.simulate_generate_slots, sigma=t.simulate_generate_sigma)
-    return {"backend": BACKEND, "model_path": "", "features": {}, "options": options}
+    row = (ROLLOUT_BACKENDS if role == "rollout" else TRAIN_BACKENDS)[BACKEND]
+    return {"backend": row, "model_path": "", "features": {}, "options": options}
 
 
 def compute_args(cfg: Any, mfc: MFCDef, args: Mapping[str, Any]) -> dict[str, Any]:
