@@ -83,3 +83,13 @@ def test_real_compute_has_no_stand_in():
     for gp in plan.groups.values():
         assert not any("stand_in" in a for a in group_args(cfg, plan, gp).values())
         assert all(d.backend.name != "simulate" for d in engine_decls(cfg, plan, gp))
+
+
+def test_partial_rollout_reaches_every_worker_of_the_run():
+    """rl_config.partial_rollout is what each worker's WeightHost is built with (workers/weights.py `_writing`)."""
+    for partial in (False, True):
+        cfg = config_from_dict({"rl_config": {"max_weight_staleness": 1, "guarantee_order": not partial,
+                                              "partial_rollout": partial}, "placement": {"mode": "disaggregated"}})
+        plan = make_plan(cfg, check_files=False)
+        specs = [s for gp in plan.groups.values() for s in worker_specs(cfg, plan, gp, [], lambda k: {})]
+        assert len(specs) >= 2 and all(s.partial_rollout is partial for s in specs)
