@@ -119,7 +119,7 @@ class RolloutEngine(ReplicaRoles, abc.ABC):
         """Hold every `generate` call in flight at its next decode step until the context exits; a weight
         update loads inside it, and the calls go on with the new weights over the KV cache the old ones
         wrote (rl_config.partial_rollout: AReaL's interruptible generation, verl's partial rollout). Each
-        token's log-prob is the one it was sampled with. Engines with `partial_rollout` implement it."""
+        token's log-prob is that of the weights that sampled it. Engines with `partial_rollout` implement it."""
         raise NotImplementedError(f"{type(self).__name__} cannot take weights while generate calls are in "
                                   "flight (partial_rollout is False)")
 

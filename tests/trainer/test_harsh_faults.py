@@ -78,7 +78,9 @@ def test_a_silent_dock_ends_the_run_naming_the_call_and_the_step(ray_session, tm
             pass
     err = out.get("error")
     assert isinstance(err, TrainingError), err
-    assert re.search(r"^step \d+, stages \[.*\] running: the dock did not answer \S+ within 10 s "
+    # the stages that were waiting are named when the dock stopped mid-step, not when it stopped during a call
+    # between two steps (clear(), the next step's prompts)
+    assert re.search(r"^step \d+(, stages \[.*\] running)?: the dock did not answer \S+ within 10 s "
                      r"\(trainer.stage_timeout_s\)", str(err)), err
     assert out["t_end"] - t_stop < 90  # the 10 s timeout, then a bounded clean-up
 

@@ -79,7 +79,7 @@ def test_paused_update_lands_between_two_decode_steps():
     zeros = [(n, torch.zeros_like(p)) for n, p in engine.model.named_parameters()]
     with engine.paused():
         engine.update_weights(zeros, 1)
-    assert thread.is_alive()   # the call was still decoding when the update went in
+    assert thread.is_alive()   # the call is still decoding after the update went in
     thread.join(60)
     rollout = out["value"]
     switches = {switch_index(lp) for lp in rollout.log_probs}
