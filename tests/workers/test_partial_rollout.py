@@ -67,10 +67,12 @@ def switch_index(log_probs: torch.Tensor) -> int:
     return j
 
 
-def test_paused_update_lands_between_two_decode_steps():
-    """The engine alone: a call in flight takes weights loaded inside `paused()` at its next step; every row
-    switches at the same token (one forward serves all rows), after the ones sampled before the update."""
-    engine = HFRolloutEngine(tiny_qwen2(seed=1), pad_token_id=0)
+@pytest.mark.parametrize("static", [False, True])
+def test_paused_update_lands_between_two_decode_steps(static):
+    """The engine alone, in its eager decode and its fixed-shape one (the CUDA-graph loop, run eagerly on the
+    CPU): a call in flight takes weights loaded inside `paused()` at its next step; every row switches at the
+    same token (one forward serves all rows), after the ones sampled before the update."""
+    engine = HFRolloutEngine(tiny_qwen2(seed=1), pad_token_id=0, cuda_graphs=static)
     assert engine.partial_rollout
     slow = SlowDecode(engine.model)
     prompts = random_rows(3, [5, 3, 4], seed=0)
