@@ -131,13 +131,11 @@ class _ChosenOptions:
 
 
 def _set_engine_options(p: GroupPlan, rollout: Backend, train: Backend, options: _ChosenOptions) -> None:
-    """The group's backends' names and engine options: the chosen backend's section (a split train backend
-    reads none of it) and what the row tells an engine of the deployment."""
+    """The group's backends' engine options: the chosen backend's section (a split train backend reads none of
+    it) and what the row tells an engine of the deployment."""
     if p.rollout_row is not None:
-        p.rollout_backend = p.rollout_row.name
         p.rollout_options = {**options.of(rollout), **p.rollout_row.engine_options(p.deployment)}
     if p.train_row is not None:
-        p.train_backend = p.train_row.name
         p.train_options = {**(options.of(train) if p.train_row is train else {}),
                            **p.train_row.engine_options(p.deployment)}
 

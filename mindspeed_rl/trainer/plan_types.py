@@ -40,12 +40,20 @@ class GroupPlan:
     tp: int = 1                             # placement.mode=mesh: the tensor- and pipeline-parallel sizes of
     pp: int = 1                             # the group's slice (its backend's deployment decides the actors)
     deployment: Deployment | None = None    # what the backends make of the slice (engines/deployment.py)
-    rollout_backend: str = ""               # the backend whose rollout engine generates here ("": none)
-    train_backend: str = ""                 # the backend whose engines run the group's other models ("": none)
+    rollout_row: Backend | None = field(default=None, repr=False)  # the registry's row whose rollout engine
+                                                                   # generates here (None: none)
+    train_row: Backend | None = field(default=None, repr=False)    # the row whose engines run the group's other
+                                                                   # models; both resolved once by the plan
     rollout_options: dict = field(default_factory=dict)  # their options, checked by their dataclasses
     train_options: dict = field(default_factory=dict)
-    rollout_row: Backend | None = field(default=None, repr=False)  # the registry's rows of those two backends,
-    train_row: Backend | None = field(default=None, repr=False)    # resolved once by the plan (registry.py)
+
+    @property
+    def rollout_backend(self) -> str:
+        return self.rollout_row.name if self.rollout_row is not None else ""
+
+    @property
+    def train_backend(self) -> str:
+        return self.train_row.name if self.train_row is not None else ""
 
     @property
     def world(self) -> int:
