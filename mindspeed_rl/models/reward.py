@@ -50,7 +50,7 @@ def check_reward_model(key: str, path: str | None, trainable_from_lm: bool = Fal
     if is_builtin(path):
         if trainable_from_lm:
             return
-        raise ValueError(f"{key}={path!r}: the built-in tiny model is a causal LM, not a reward model (a one-label "
+        raise ValueError(f"{key}={path!r}: a built-in model is a causal LM, not a reward model (a one-label "
                          f"sequence classifier); train one with `python cli/train_rm.py --config-name rm_tiny "
                          f"trainer.output_dir=D` and set {key}=D/final")
     archs, labels = describe_model(path)

@@ -59,7 +59,7 @@ def test_errors_name_the_key(tmp_path, builtin_dir):
         check_reward_model(KEY, None)
     with pytest.raises(ValueError, match=rf"{KEY}='{tmp_path}/nope': no HF checkpoint there"):
         check_reward_model(KEY, str(tmp_path / "nope"))
-    with pytest.raises(ValueError, match=rf"{KEY}='builtin:tiny-qwen2': the built-in tiny model is a causal LM"):
+    with pytest.raises(ValueError, match=rf"{KEY}='builtin:tiny-qwen2': a built-in model is a causal LM"):
         check_reward_model(KEY, "builtin:tiny-qwen2")
     with pytest.raises(ValueError, match=r"\['Qwen2ForCausalLM'\] is not a sequence classifier"):
         check_reward_model(KEY, str(builtin_dir))

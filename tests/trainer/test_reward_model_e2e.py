@@ -45,7 +45,7 @@ def records(out: Path) -> list[dict]:
 def test_a_bad_model_path_is_refused_naming_the_key(tmp_path):
     with pytest.raises(ConfigError, match=rf"{KEY}='{tmp_path}/nope': no HF checkpoint there"):
         make_plan(config_from_dict(rl_config(tmp_path / "o", str(tmp_path / "nope"))), check_files=True)
-    with pytest.raises(ConfigError, match=rf"{KEY}='builtin:tiny-qwen2': the built-in tiny model is a causal LM"):
+    with pytest.raises(ConfigError, match=rf"{KEY}='builtin:tiny-qwen2': a built-in model is a causal LM"):
         make_plan(config_from_dict(rl_config(tmp_path / "o", "builtin:tiny-qwen2")), check_files=True)
     from mindspeed_rl.models import resolve_model_path
     lm = str(resolve_model_path("builtin:tiny-qwen2"))
