@@ -36,6 +36,10 @@ is `final_digits`: `digits` on the text after the last tool result (`calc_digits
 random-digit 0.10; with it, it calls `<lookup>123</lookup>`, reads `<result>847</result>` and writes `847`
 itself (configs/grpo_tiny_tool.yaml, reward `lookup_answer`).
 
+`arith` is for a real pretrained chat model, not the tiny one: additions and subtractions asked in words
+(`data/arith.py`), answers in GSM8K's form (`#### 12`), reward `gsm8k_flexible`
+(configs/grpo_smollm2_arith.yaml, docs/quickstart.md).
+
 ## Train and held-out splits
 Every task's prompts are split by a hash of the prompt text (`is_held_out`: CRC-32 mod 10 == 0, about
 one prompt in ten), so the split is a property of the prompt, not of a seed or a dataset size: the
@@ -52,10 +56,10 @@ import numpy as np
 
 from .base import ANSWER, PROMPT, PromptDataset
 
-KINDS = ("copy", "reverse", "sort", "add", "sum", "lookup")
+KINDS = ("copy", "reverse", "sort", "add", "sum", "lookup", "arith")
 ALPHABET = "0123456789+="  # every character a synthetic prompt may hold
 REWARD = "digits"
-REWARDS = {"sum": "final_digits", "lookup": "lookup_answer"}  # kinds whose reward is not REWARD
+REWARDS = {"sum": "final_digits", "lookup": "lookup_answer", "arith": "gsm8k_flexible"}  # kinds whose reward is not REWARD
 SPLITS = ("train", "val")
 HELD_OUT_MODULUS = 10      # one prompt in ten is held out
 VAL_STREAM = 0x76616C      # the held-out split's draws: their own generator, seeded by (seed, VAL_STREAM)
@@ -93,6 +97,9 @@ class SyntheticTask:
 
     def sample_many(self, rng: np.random.Generator, count: int) -> list[tuple[str, str]]:
         """`count` (prompt, answer) pairs drawn from `rng` at once (vectorized)."""
+        if self.kind == "arith":
+            from . import arith
+            return arith.sample_many(rng, count, self.num_digits)
         a = rng.integers(0, 10, size=(count, self.num_digits))
         if self.kind == "copy":
             return [(f"{_digits(x)}=", _digits(x)) for x in a]
@@ -113,6 +120,9 @@ class SyntheticTask:
 
     def solve(self, prompt: str) -> str:
         """The answer to `prompt` computed from its text (ValueError when it is not this task's)."""
+        if self.kind == "arith":
+            from . import arith
+            return arith.solve(prompt)
         n = self.num_digits
         body = prompt[:-1] if prompt.endswith("=") else ""
         if self.kind == "sort" and body.startswith("+"):

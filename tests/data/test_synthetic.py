@@ -12,6 +12,8 @@ from mindspeed_rl.rewards import digits, get_reward_fn
 FORMATS = {"copy": r"\d{3}=", "reverse": r"\d{3}=", "sort": r"\+?\d{3}=", "add": r"\d{3}\+\d{3}=",
            "sum": r"\d{3}\+\d{3}=", "lookup": r"\d{3}="}
 ANSWERS = {"sum": r"0|[1-9]\d{0,3}"}  # the real sum of two 3-digit strings (leading zeros): 0 .. 1998
+# the tiny model's tasks (digits, `+` and `=`); `arith` is asked in words for a real model (tests below)
+DIGIT_KINDS = [k for k in SYNTHETIC_KINDS if k != "arith"]
 
 
 @pytest.mark.parametrize("kind, prompt, answer", [
@@ -26,7 +28,7 @@ def test_solve_by_hand(kind, prompt, answer):
     assert SyntheticTask(kind, 3).solve(prompt) == answer
 
 
-@pytest.mark.parametrize("kind", SYNTHETIC_KINDS)
+@pytest.mark.parametrize("kind", DIGIT_KINDS)
 def test_samples_have_the_format_and_the_right_answer(kind):
     task = SyntheticTask(kind, 3)
     pairs = task.sample_many(np.random.default_rng(0), 500)
@@ -43,7 +45,7 @@ def test_samples_have_the_format_and_the_right_answer(kind):
 def test_sort_uses_both_directions_and_other_lengths():
     prompts = [p for p, _ in SyntheticTask("sort").sample_many(np.random.default_rng(0), 200)]
     assert 60 < sum(p.startswith("+") for p in prompts) < 140
-    for kind in SYNTHETIC_KINDS:
+    for kind in DIGIT_KINDS:
         task = SyntheticTask(kind, 5)
         for prompt, answer in task.sample_many(np.random.default_rng(2), 50):
             expected = {"sum": len(str(int(prompt[:5]) + int(prompt[6:11]))) if kind == "sum" else 0, "lookup": 3}
@@ -62,7 +64,7 @@ def test_solve_rejects_other_prompts():
 
 def test_task_argument_errors():
     with pytest.raises(ValueError, match=r"unknown synthetic task kind 'mul'; kinds are \['copy', "
-                                         r"'reverse', 'sort', 'add', 'sum', 'lookup'\]"):
+                                         r"'reverse', 'sort', 'add', 'sum', 'lookup', 'arith'\]"):
         SyntheticTask("mul")
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="num_digits must be a positive integer"):
@@ -94,7 +96,7 @@ def _best_constant(dataset, n):
     return "".join(str(np.bincount(answers[:, i], minlength=10).argmax()) for i in range(n))
 
 
-@pytest.mark.parametrize("kind", [k for k in SYNTHETIC_KINDS if k not in ("sum", "lookup")])  # the tool tasks: below,
+@pytest.mark.parametrize("kind", [k for k in DIGIT_KINDS if k not in ("sum", "lookup")])  # the tool tasks: below,
 # and tests/agent/test_lookup.py
 def test_a_policy_that_ignores_the_prompt_scores_under_0_2(kind):
     n = 3
@@ -150,7 +152,7 @@ def test_sum_is_real_addition_scored_after_the_tool_result():
     assert not same_form("1+2a", "1+2") and same_form("(1+2)*3", "(4+5)*6")
 
 
-@pytest.mark.parametrize("kind", SYNTHETIC_KINDS)
+@pytest.mark.parametrize("kind", DIGIT_KINDS)
 def test_prompts_are_made_of_real_tokens_of_the_builtin_tokenizer(kind):
     """No character may map to <unk>: the tiny model must see every prompt character."""
     tok = build_char_tokenizer()
@@ -160,3 +162,34 @@ def test_prompts_are_made_of_real_tokens_of_the_builtin_tokenizer(kind):
         assert unk not in ids and len(ids) == len(record["prompt"])
         assert tok.decode(ids) == record["prompt"]
         assert set(record["prompt"]) <= set(ALPHABET)
+
+
+def test_arith_questions_answers_and_splits():
+    """builtin:arith: every template used, operands of 1 to num_digits digits, subtractions never below 0,
+    answers in GSM8K form scored 1 by the gsm8k rewards, train and held-out splits disjoint; the phrasings
+    kept for transfer checks appear in neither."""
+    from mindspeed_rl.data import arith
+    from mindspeed_rl.rewards.gsm8k import gsm8k_flexible
+    task = SyntheticTask("arith", 2)
+    assert task.reward == "gsm8k_flexible"
+    train = SyntheticPromptDataset(task, size=2000, seed=3)
+    held = SyntheticPromptDataset(task, size=300, seed=3, split="val")
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held}
+    used = set()
+    for r in list(train) + list(held):
+        numbers = [int(x) for x in re.findall(r"\d+", r["prompt"])]
+        assert len(numbers) == 2 and all(0 <= x <= 99 for x in numbers)
+        value = int(r["answer"].removeprefix("#### "))
+        assert value >= 0 and r["answer"] == task.solve(r["prompt"])
+        assert gsm8k_flexible(f"The answer is {value}.", r["answer"]) == 1.0
+        used |= {t for t, _ in arith.TEMPLATES if re.fullmatch(
+            re.escape(t).replace(r"\{a\}", r"\d+").replace(r"\{b\}", r"\d+"), r["prompt"])}
+    assert used == {t for t, _ in arith.TEMPLATES}
+    singles = sum(all(int(x) < 10 for x in re.findall(r"\d+", r["prompt"])) for r in train)
+    assert 350 < singles < 650   # both operands single-digit a quarter of the time
+    unseen = arith.sample_many(np.random.default_rng(0), 50, 2, arith.UNSEEN_TEMPLATES)
+    assert not {p for p, _ in unseen} & {r["prompt"] for r in train}
+    assert all(arith.solve(p) == a for p, a in unseen)
+    assert arith.solve("Compute 12 - 5.") == "#### 7" and arith.solve("Add 3 and 4.") == "#### 7"
+    with pytest.raises(ValueError, match="is not an arith question"):
+        task.solve("123=")
