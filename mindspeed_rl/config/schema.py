@@ -156,6 +156,9 @@ class ActorConfig:
                                          # null: model_path's config.json, else the name of model_path
     off_policy_correction: str = "none"  # none, tis (verl's truncated IS), decoupled (AReaL's decoupled PPO)
     tis_cap: float = 2.0                 # cap of the behaviour importance weight (tis, decoupled)
+    recompute_log_prob: Optional[bool] = None  # the old log-probs by a forward before the update; null: only when
+                                         # a step's rows feed more than one optimizer step or older weights made
+                                         # them (else the update's own detached log-probs are the old ones, as TRL)
 
 
 @dataclass

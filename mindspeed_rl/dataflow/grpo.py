@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .dataset import DATASET_KEYS  # the columns the dataset puts into the dock
 from .mfc import MFCDef
-from .options import FULL, AlgorithmOptions, reference_mfcs, reward_mfcs, train_inputs
+from .options import FULL, AlgorithmOptions, old_log_prob_mfcs, reference_mfcs, reward_mfcs, train_inputs
 
 
 def grpo_mfcs(options: AlgorithmOptions = FULL) -> list[MFCDef]:
@@ -20,9 +20,7 @@ def grpo_mfcs(options: AlgorithmOptions = FULL) -> list[MFCDef]:
                ("prompts", "prompt_length"), ("responses", "response_length", "weight_version", "rollout_log_prob")),
         *reward_mfcs(options),
         *reference_mfcs(options),
-        MFCDef("actor_log_prob", "actor", "inference",
-               ("prompts", "responses", "rollout_log_prob"), ("old_log_prob",),
-               output_key_remap={"log_prob": "old_log_prob"}),
+        *old_log_prob_mfcs(options),
         MFCDef("compute_advantage", "advantage", "compute",
                ("rm_scores",), ("advantages",), get_n_samples=True, fn="grpo_advantage"),
         MFCDef("actor_train", "actor", "train_step",

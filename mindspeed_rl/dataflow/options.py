@@ -28,6 +28,7 @@ class AlgorithmOptions:
     agent: bool = False          # the rollout is the agent loop (generate_config.agent.enable): writes loss_mask
     loss_mask: bool = False      # a loss_mask column (agent rollout, or overlong_buffer.drop_truncated)
     dynamic_sampling: bool = False  # stages after the reward wait for the driver's gate column (rollout_options.py)
+    recompute_log_prob: bool = True  # the actor's log-probs before the update (old_log_prob) by a forward of its own
 
 
 FULL = AlgorithmOptions()
@@ -39,6 +40,16 @@ def reference_mfcs(options: AlgorithmOptions) -> list[MFCDef]:
         return []
     return [MFCDef("ref_log_prob", "ref", "inference", ("prompts", "responses"), ("ref_log_prob",),
                    output_key_remap={"log_prob": "ref_log_prob"})]
+
+
+def old_log_prob_mfcs(options: AlgorithmOptions) -> list[MFCDef]:
+    """The actor's log-probs before the update, or nothing when the update is on-policy: then the old
+    log-probs equal the update's own at its start, and the loss takes those, detached (TRL's way), saving a
+    forward over every row."""
+    if not options.recompute_log_prob:
+        return []
+    return [MFCDef("actor_log_prob", "actor", "inference", ("prompts", "responses", "rollout_log_prob"),
+                   ("old_log_prob",), output_key_remap={"log_prob": "old_log_prob"})]
 
 
 def reward_mfcs(options: AlgorithmOptions, responses: str = "responses", out: str = "rm_scores",
@@ -71,11 +82,27 @@ def reward_mfcs(options: AlgorithmOptions, responses: str = "responses", out: st
 
 
 def train_inputs(options: AlgorithmOptions, *keys: str) -> tuple[str, ...]:
-    """A train MFC's input keys, without ref_log_prob when there is no reference stage to write it, and
-    without rollout_log_prob when the loss makes no off-policy correction (the train stage would wait for
-    a column it does not read)."""
+    """A train MFC's input keys, without ref_log_prob when there is no reference stage to write it, without
+    old_log_prob when no stage recomputes it, and without rollout_log_prob when the loss makes no off-policy
+    correction (the train stage would wait for a column it does not read)."""
     return tuple(k for k in keys if (options.use_reference or k != "ref_log_prob")
+                 and (options.recompute_log_prob or k != "old_log_prob")
                  and (options.off_policy_correction or k != "rollout_log_prob"))
+
+
+def on_policy_update(cfg) -> bool:
+    """Does each step's rows feed exactly one optimizer step of the weights that generated them? Then the
+    log-probs before the update equal the update's own (duck-typed over a `Config`)."""
+    a, rl = cfg.actor_config, cfg.rl_config
+    one_step = not a.ppo_mini_batch_size or a.ppo_mini_batch_size >= rl.prompts_per_step
+    return (one_step and rl.max_weight_staleness == 0 and not getattr(rl, "dynamic_sampling", False)
+            and getattr(a, "off_policy_correction", "none") == "none")
+
+
+def recomputes_log_prob(cfg) -> bool:
+    """`actor_config.recompute_log_prob`, with null meaning: only when the update is not on-policy."""
+    chosen = getattr(cfg.actor_config, "recompute_log_prob", None)
+    return (not on_policy_update(cfg)) if chosen is None else bool(chosen)
 
 
 def uses_kl_loss(use_kl_loss: bool, kl_loss_coef: float) -> bool:
@@ -97,4 +124,5 @@ def options_from_config(cfg) -> AlgorithmOptions:
                             loss_mask=bool(getattr(getattr(getattr(cfg, "generate_config", None), "agent", None),
                                                    "enable", False)
                                            or getattr(getattr(rl, "overlong_buffer", None), "drop_truncated", False)),
-                            dynamic_sampling=bool(getattr(rl, "dynamic_sampling", False)))
+                            dynamic_sampling=bool(getattr(rl, "dynamic_sampling", False)),
+                            recompute_log_prob=recomputes_log_prob(cfg) if rl is not None else True)

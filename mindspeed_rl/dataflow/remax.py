@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .dataset import DATASET_KEYS  # the columns the dataset puts into the dock
 from .mfc import MFCDef
-from .options import FULL, AlgorithmOptions, reference_mfcs, reward_mfcs, train_inputs
+from .options import FULL, AlgorithmOptions, old_log_prob_mfcs, reference_mfcs, reward_mfcs, train_inputs
 
 
 def remax_mfcs(options: AlgorithmOptions = FULL) -> list[MFCDef]:
@@ -24,9 +24,7 @@ def remax_mfcs(options: AlgorithmOptions = FULL) -> list[MFCDef]:
         *reward_mfcs(options),
         *reward_mfcs(options, responses="greedy_responses", out="reward_baselines", prefix="greedy_"),
         *reference_mfcs(options),
-        MFCDef("actor_log_prob", "actor", "inference",
-               ("prompts", "responses", "rollout_log_prob"), ("old_log_prob",),
-               output_key_remap={"log_prob": "old_log_prob"}),
+        *old_log_prob_mfcs(options),
         MFCDef("compute_advantage", "advantage", "compute",
                ("rm_scores", "reward_baselines", "response_length"), ("advantages",),
                fn="remax_advantage"),

@@ -13,13 +13,14 @@ import networkx as nx
 from ..config import Config, ConfigError, validate_config
 from ..dataflow import (MFCDef, algorithm_graph, dock_columns, dock_consumers, get_algorithm, options_from_config,
                         same_step_readers, train_time_mfcs, topological_order, trained_models, weight_sync_targets)
+from ..dataflow.options import on_policy_update
 from ..engines.registry import Backend
 from ..parallel import PlacementPlan
 from .memory import plan_memory
 from .plan_backends import (check_group_backends, check_installed, check_own_process, check_partial_rollout,
                             check_rollout_model, check_rollout_split, choose_backends, deploy_groups)
 from .plan_checks import (check_cluster, check_dataset, check_dynamic_sampling_groups, check_lora_targets,
-                          check_model_paths, check_names, check_sizes, check_stages, model_paths_of)
+                          check_model_paths, check_names, check_sizes, check_stages, check_tokenizer, model_paths_of)
 from .plan_format import format_plan, plan_dict, write_plan_json
 from .plan_groups import mesh_groups, preset_groups, worker_groups
 from .plan_types import MODEL_ENGINES, GroupPlan, Plan, generates, model_mfc
@@ -75,6 +76,11 @@ def _algorithm(cfg: Config) -> tuple[nx.DiGraph, list[MFCDef], tuple[str, ...]]:
     if cfg.actor_config.off_policy_correction not in OFF_POLICY_CORRECTIONS:
         raise ConfigError(f"actor_config.off_policy_correction={cfg.actor_config.off_policy_correction!r}: must be one "
                           f"of {list(OFF_POLICY_CORRECTIONS)} (docs/async.md)")
+    if cfg.actor_config.recompute_log_prob is False and not on_policy_update(cfg):
+        raise ConfigError("actor_config.recompute_log_prob=false: this config's rows feed several optimizer steps or "
+                          "come from older weights (ppo_mini_batch_size < rl_config.prompts_per_step, "
+                          "max_weight_staleness > 0, dynamic sampling or an off-policy correction), so the loss needs "
+                          "the log-probs from before the update; set it to null or true")
     rl = cfg.rl_config
     options = options_from_config(cfg)
     try:
@@ -125,6 +131,8 @@ def _check_inputs(cfg: Config, graph: nx.DiGraph, order: list[MFCDef], functions
     notes = []
     if check_files:
         check_model_paths(cfg, order, model_paths, trained)
+        if any(generates(m) for m in order):
+            check_tokenizer(cfg, model_paths)
     else:
         notes.append("dry run: model and data paths were not opened")
     check_names(cfg, order, functions, check_files)

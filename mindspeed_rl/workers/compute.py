@@ -291,7 +291,9 @@ def policy_loss_fn(loss_cfg: PolicyLossConfig, kl_coef: float) -> Callable:
         batch, logp = mb.data, out.log_probs
         mask = token_mask(out.response_mask, batch)
         width = mask.shape[1]
-        old = (_rows_to_matrix(batch["old_log_prob"], width) * mask.cpu()).to(logp.device)
+        # no old_log_prob column: an on-policy update, whose log-probs at its start are the old ones
+        old = ((_rows_to_matrix(batch["old_log_prob"], width) * mask.cpu()).to(logp.device)
+               if "old_log_prob" in batch else logp.detach() * mask)
         adv = advantage_matrix(batch["advantages"], mask)
         if loss_cfg.off_policy_correction != "none":  # rows from older weights: weigh by behaviour IS (docs/async.md)
             behaviour = (_rows_to_matrix(batch["rollout_log_prob"], width) * mask.cpu()).to(logp.device)

@@ -245,8 +245,8 @@ class ReMaxAdvantage(Impl):
 
 
 # ------------------------------------------------------------------------------------------------ train
-@C.compute_step("policy_train", "train_step", ("prompts", "responses", "old_log_prob", "advantages"),
-                optional=("ref_log_prob", "rollout_log_prob", "loss_mask"), engine="policy",
+@C.compute_step("policy_train", "train_step", ("prompts", "responses", "advantages"),
+                optional=("old_log_prob", "ref_log_prob", "rollout_log_prob", "loss_mask"), engine="policy",
                 doc="clipped policy loss (+ KL to the reference when the KL coefficient is > 0, + the off-policy "
                     "correction from rollout_log_prob)")
 class PolicyTrain(Impl):
