@@ -76,7 +76,7 @@ def truncation_warning(cut: int, total: int, longest: int, limit: int, source: s
             f"whole (the count per step is the metric data/prompts_truncated)")
 
 
-def _check_tokenizer_chat_template(tokenizer) -> None:
+def check_tokenizer_chat_template(tokenizer) -> None:
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"apply_chat_template is on but the tokenizer "
                          f"({type(tokenizer).__name__}) has no chat template; turn it off or use a "
@@ -110,7 +110,7 @@ class PromptLoader:
             raise ValueError(f"max_prompt_length must be a positive integer or None, "
                              f"got {max_prompt_length!r}")
         if apply_chat_template:
-            _check_tokenizer_chat_template(tokenizer)
+            check_tokenizer_chat_template(tokenizer)
         self.dataset = dataset
         self.tokenizer = tokenizer
         self.prompts_per_step = int(prompts_per_step)

@@ -7,6 +7,7 @@ from ..config.sizes import group_size_note, train_size_note
 from ..dataflow import MFCDef
 from ..dataflow.mfc import InterfaceType
 from ..models.checkpoint import read_config
+from .errors import first_line
 from .plan_types import MODEL_ENGINES, GroupPlan, Plan
 
 
@@ -124,6 +125,28 @@ def check_model_paths(cfg: Config, order: list[MFCDef], model_paths: dict[str, s
                                trainable_from_lm="reward" in trained)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def check_tokenizer(cfg: Config, model_paths: dict[str, str]) -> None:
+    """The policy's tokenizer has every stop token and, with data.chat_template, a chat template: refused
+    here, before any worker loads a model, rather than by the first generate call."""
+    from ..data.loader import check_tokenizer_chat_template
+    from ..models import load_tokenizer
+    from ..models.checkpoint import stop_token_ids
+    path = model_paths.get("actor") or cfg.actor_config.model_path
+    try:
+        tokenizer = load_tokenizer(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"actor_config.model_path={path!r}: its tokenizer does not load ({first_line(e)})") from None
+    try:
+        stop_token_ids(tokenizer, cfg.generate_config.stop_tokens)
+    except ValueError as e:
+        raise ConfigError(f"{e}; actor_config.model_path={path!r}") from None
+    if cfg.data.chat_template:
+        try:
+            check_tokenizer_chat_template(tokenizer)
+        except ValueError as e:
+            raise ConfigError(f"data.chat_template=true, actor_config.model_path={path!r}: {e}") from None
 
 
 def check_names(cfg: Config, order: list[MFCDef], functions: dict, check_files: bool) -> None:

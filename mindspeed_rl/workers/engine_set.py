@@ -103,14 +103,12 @@ class EngineSet:
         return tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
 
     def _stop_token_ids(self) -> list[int]:
+        from ..models.checkpoint import stop_token_ids
         from .stage import StageError
-        ids = []
-        for tok in self.stop_tokens:
-            tid = self.tokenizer.convert_tokens_to_ids(tok)
-            if tid is None or (tid == self.tokenizer.unk_token_id and tok != self.tokenizer.unk_token):
-                raise StageError(f"generate_config.stop_tokens: {tok!r} is not a token of the tokenizer")
-            ids.append(int(tid))
-        return ids
+        try:
+            return stop_token_ids(self.tokenizer, self.stop_tokens)
+        except ValueError as e:
+            raise StageError(str(e)) from None
 
     # ------------------------------------------------------------------ lookups
     def engine_for(self, model: str, kind: str):

@@ -276,12 +276,12 @@ PLAN_ERRORS = {
                                "'builtin:tiny-qwen2'"]),
     "unknown built-in model": ({"actor_config.model_path": "builtin:huge"},
                                ["actor_config.model_path='builtin:huge'", "unknown built-in model 'huge'",
-                                "built-in models are ['builtin:tiny-qwen2', 'builtin:tiny-qwen2-4l', 'builtin:tiny-qwen2-tool', 'builtin:tiny-qwen2-lookup']"]),
+                                "built-in models are ['builtin:tiny-qwen2', 'builtin:tiny-qwen2-4l', 'builtin:tiny-qwen2-tool', 'builtin:tiny-qwen2-lookup', 'builtin:smollm2-135m-instruct']"]),
     "empty model path": ({"actor_config.model_path": ""},
                          ["actor_config.model_path is empty", "'builtin:tiny-qwen2'"]),
     "unknown built-in dataset": ({"data.dataset": "builtin:multiply"},
                                  ["data.dataset='builtin:multiply'", "unknown built-in task",
-                                  "['builtin:copy', 'builtin:reverse', 'builtin:sort', 'builtin:add', 'builtin:sum', 'builtin:lookup']"]),
+                                  "['builtin:copy', 'builtin:reverse', 'builtin:sort', 'builtin:add', 'builtin:sum', 'builtin:lookup', 'builtin:arith']"]),
     "dataset file missing": ({"data.dataset": "/nonexistent/train.jsonl"},
                              ["data.dataset='/nonexistent/train.jsonl'", "no such file",
                               ".jsonl/.json/.parquet path", "builtin:copy"]),
@@ -351,13 +351,24 @@ def test_dataset_that_is_a_directory(tmp_path):
 
 
 def test_existing_files_and_a_dotted_reward_pass_the_plan(tmp_path, monkeypatch):
+    from mindspeed_rl.models import build_char_tokenizer
     (tmp_path / "config.json").write_text("{}")
+    build_char_tokenizer().save_pretrained(str(tmp_path))   # the plan reads the policy's tokenizer
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
     (tmp_path / "cfg_test_reward_mod.py").write_text("def score(response, answer, prompt):\n    return 1.0\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     run_stage({"actor_config.model_path": str(tmp_path), "ref_config.model_path": str(tmp_path),
                "data.dataset": str(data), "rl_config.reward_fn": "cfg_test_reward_mod:score"}, "plan")
+
+
+def test_the_tokenizer_is_checked_before_any_worker_starts():
+    """A stop token the tokenizer does not have, and a chat template it does not have, are refused by the plan."""
+    _check(error_of({"generate_config.stop_tokens": ["<|im_end|>"]}, "plan"),
+           ["generate_config.stop_tokens: '<|im_end|>' is not a token of the tokenizer",
+            "its end-of-sequence token is '<eos>'", "actor_config.model_path='builtin:tiny-qwen2'"])
+    _check(error_of({"data.chat_template": True}, "plan"),
+           ["data.chat_template=true, actor_config.model_path='builtin:tiny-qwen2'", "has no chat template"])
 
 
 def test_tensorboard_logger_without_the_package(monkeypatch):
