@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
+from ..device.host_memory import peak_resident_bytes
 from ..transfer_dock.errors import DockTimeoutError
 
 
@@ -44,6 +45,7 @@ class StageReport:
     get_s: float = 0.0
     compute_s: float = 0.0
     put_s: float = 0.0
+    peak_rss_bytes: int = 0   # the worker process's peak resident memory at the stage's end
     metrics: dict = field(default_factory=dict)
     # per micro-batch, in order: the get's wall time (waiting for inputs included) and the put's (sending it;
     # the final flush is only in put_s). benchmarks/pipeline_efficiency.py reads the handoff overhead here.
@@ -189,6 +191,7 @@ def run_stage(dock, impl, roles: LoopRoles, *, stage: str, rank: int, step: int,
         dock.flush()
     rep.put_s += time.perf_counter() - t4
     rep.t_end = time.time()
+    rep.peak_rss_bytes = peak_resident_bytes()
     return rep
 
 
@@ -277,6 +280,7 @@ def run_stage_loop(dock, *, stage: str, rank: int, step: int, input_keys, count:
     dock.flush()
     rep.put_s += time.perf_counter() - t4
     rep.t_end = time.time()
+    rep.peak_rss_bytes = peak_resident_bytes()
     return rep
 
 
