@@ -197,5 +197,5 @@ def test_dropping_finished_rows_changes_no_token(monkeypatch):
         got, dropped = run(every)
         assert dropped and dropped == sorted(dropped, reverse=True) and dropped[-1] < 12
         assert [r.tolist() for r in got.responses] == [r.tolist() for r in never.responses]
-        for a, b in zip(got.log_probs, never.log_probs):
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+        for a, b in zip(got.log_probs, never.log_probs):  # fp32 GEMMs of another batch size round otherwise:
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)  # 1.2e-6 seen on a CPU with AMX
