@@ -91,6 +91,8 @@ class TrainerConfig:
     eval_interval: int = 0               # reward modeling: held-out accuracy and margin every N steps (0: at the end)
     val_interval: int = 0                # validation on data.val_dataset every N steps and after the last (0: off)
     val_before_train: bool = False       # also validate the starting weights before the first step
+    log_samples: int = 4                 # training rows per step written as text to <output_dir>/samples/ (each
+                                         # validation writes all of its rows); 0: none from training
 
 
 @dataclass

@@ -63,6 +63,7 @@ def _reward_model(e: list, cfg: Config, models: Collection[str] | None) -> None:
     rm, rl = cfg.reward_model, cfg.rl_config
     training = rl.algorithm == REWARD_MODELING
     _positive(e, "trainer.eval_interval", cfg.trainer.eval_interval, "0 evaluates only at the end", allow_zero=True)
+    _positive(e, "trainer.log_samples", cfg.trainer.log_samples, "0 writes none from training", allow_zero=True)
     _positive(e, "data.eval_size", cfg.data.eval_size, "0 holds nothing out", allow_zero=True)
     weights = rl.reward_weights
     for source, w in weights.items():

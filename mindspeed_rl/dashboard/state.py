@@ -24,6 +24,7 @@ TIMELINE_STEPS = 3      # steps the Gantt chart shows (and the run directory kee
 REFRESH_S = 0.5         # the page polls every second; the dock is asked at most this often
 DOCK_TIMEOUT_S = 5.0    # a status call that takes longer is given up (the last values stay)
 MAX_POINTS = 2000       # per-step metrics kept per chart (older steps are thinned beyond it)
+SAMPLES_SHOWN = 16      # rows of what the model answered the page shows, per kind (all are in samples/)
 SAVE_EVERY_S = 2.0      # the run directory's dashboard.json is rewritten at most this often (and at the end)
 SNAPSHOT_FILE = "dashboard.json"
 FORMAT = 1
@@ -61,6 +62,7 @@ class DashboardState:
         self.steps: dict[int, dict] = {}     # step -> {"t_start", "t_end"}
         self.spans: list[dict] = []          # {"step", "stage", "worker", "t_start", "t_end"}
         self.history: list[dict] = []
+        self.samples: dict[str, list[dict]] = {}   # "train" / "val" -> the latest rows (trainer/samples.py)
         self.dock_error: str | None = None
         self._refreshed = 0.0
         self._saved = 0.0
@@ -98,6 +100,12 @@ class DashboardState:
                if _number(v) and not k.startswith("weight_sync/")}
         with self._lock:
             self.history.append(rec)
+
+    def add_samples(self, kind: str, rows: list[dict]) -> None:
+        """What the model answered: the latest validation's first rows, or the latest training steps' rows."""
+        with self._lock:
+            kept = rows[:SAMPLES_SHOWN] if kind == "val" else (self.samples.get(kind, []) + rows)[-SAMPLES_SHOWN:]
+            self.samples[kind] = [dict(r) for r in kept]
 
     def finish(self, error: BaseException | None = None) -> None:
         """The run ended (or failed): read the dock a last time if it still answers, then let go.
@@ -168,6 +176,7 @@ class DashboardState:
                     "consumers": self.consumers, "columns": self.columns,
                     "steps": {str(s): t for s, t in sorted(self.steps.items())},
                     "events": list(self.events), "spans": list(self.spans), "history": list(history),
+                    "samples": {k: list(v) for k, v in self.samples.items()},
                     "timeline_steps": TIMELINE_STEPS}
 
     def save(self, run_dir: str | os.PathLike, every_s: float = 0.0) -> Path | None:

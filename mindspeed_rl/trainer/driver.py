@@ -41,6 +41,7 @@ from .reward_modeling import save_final, trains_reward_model
 from .run_dashboard import DashboardError, finish_dashboard, start_dashboard
 from .run_dir import RunDirectory
 from .run_log import MetricsFileError, RunInfo, RunLog, plot_curve
+from .samples import SampleLog
 from .signals import SignalTrap
 from .stage_watch import StageWatch, collect
 from .step_metrics import step_record
@@ -70,6 +71,7 @@ class Trainer:
         self.log: RunLog | None = None
         self.evaluate = lambda step: {}    # reward modeling: trainer/reward_modeling.py Evaluation, set at start
         self.validation = None             # trainer/validation.py Validation (data.val_dataset), set at start
+        self.samples = None                # trainer/samples.py SampleLog: what the model answers, set at start
         self.worker_info: dict[tuple[str, int], dict] = {}  # (group, rank) -> its ping: pid, host, node id
         self.step = 0             # the step running (or about to), for an interrupted run's message
         self.steps_done = 0
@@ -149,6 +151,8 @@ class Trainer:
                               info=RunInfo.of(cfg))
         except MetricsFileError as e:
             raise TrainingError(f"trainer.resume=true: {e}") from None
+        self.samples = SampleLog(cfg.trainer.output_dir, cfg.trainer.log_samples, self.dashboard, self.log.trackers,
+                                 resume_step=start_step)
         if self.dashboard is not None:
             for record in self.log.history:  # a resumed run's earlier steps
                 self.dashboard.add_record(record)
@@ -224,6 +228,7 @@ class Trainer:
                                                if "weight_version_min" in r["metrics"] else {})}
                                            for r in reports])
         own = self.pipeline.clear(step)  # dynamic sampling's metrics and the prompts cut to max_prompt_length
+        self.samples.training(step, reports)
         record = self._metrics(step, reports, time.perf_counter() - t0, t_stages - t0, sync)
         record.update(own)
         if record.get("actor/kl") is not None:

@@ -29,7 +29,7 @@ from ..config import ConfigError
 LOCK_NAME = ".lock"
 # What a run writes into its output directory (trainer.overwrite=true deletes exactly these).
 RUN_FILES = ("metrics.jsonl", "curve.png", "report.html", "dashboard.json", "plan.json")
-RUN_DIRS = ("checkpoints", "tensorboard", "hf", "wandb", "mlruns")
+RUN_DIRS = ("checkpoints", "tensorboard", "hf", "wandb", "mlruns", "samples")
 
 
 class RunDirectory:

@@ -87,6 +87,14 @@ class WandbLogger:
     def log(self, record: dict) -> None:
         self.run.log({k: v for k, v in record.items() if k != "step"}, step=int(record["step"]))
 
+    def log_samples(self, kind: str, step: int, rows: list[dict]) -> None:
+        """A table of what the model answered (`samples/train` or `samples/val`), committed with the next
+        record: a step of its own could run ahead of the records' steps, which wandb drops."""
+        import wandb
+        columns = [c for c in ("step", "weight_version", "prompt", "response", "answer", "reward") if c in rows[0]]
+        table = wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rows])
+        self.run.log({f"samples/{kind}": table}, commit=False)
+
     def close(self) -> None:
         self.run.finish()
 

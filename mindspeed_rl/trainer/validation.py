@@ -222,6 +222,7 @@ class Validation:
         if versions != {version}:
             from .driver import TrainingError
             raise TrainingError(f"{context}: the responses came from weight versions {sorted(versions)}")
+        tr.samples.validation(tr.steps_done, version, reports)
         out = val_metrics(record, by_prompt, self.n)
         out.update({"val/weight_version": float(version), "val/prompts": float(self.prompts),
                     "timing/val": time.perf_counter() - t0})

@@ -10,7 +10,7 @@ of metric sums.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -112,6 +112,7 @@ def check_mfc(mfc: MFCDef) -> ComputeFn:
 class Output:
     columns: dict[str, list]
     metrics: dict[str, float]  # sums over rows/micro-batches; the driver turns them into means
+    samples: list = field(default_factory=list)  # rows as text for people to read (trainer/samples.py)
 
 
 def as_scalars(rows: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -227,7 +228,9 @@ def rule_reward(batch: dict, rows: list[int], *, reward_fn: Callable, tokenizer,
         penalty = overlong_penalty([int(r.numel()) for r in batch["responses"]], *overlong)
         t = t + penalty
         metrics["overlong_penalty_sum"] = float(penalty.sum())
-    return Output({"rm_scores": scalar_rows(t)}, metrics)
+    samples = [{"row": int(r), "prompt": p, "response": s, "answer": a, "reward": float(x)}
+               for r, p, s, a, x in zip(rows, prompts, responses, answers, t.tolist())]
+    return Output({"rm_scores": scalar_rows(t)}, metrics, samples)
 
 
 def grpo_advantage(batch: dict, rows: list[int], *, n_samples_per_prompt: int, eps: float,

@@ -33,6 +33,9 @@ class StageTimeout(StageError):
         self.stage, self.rank, self.step, self.input_keys = stage, rank, step, tuple(input_keys)
 
 
+MAX_SAMPLES = 512  # rows of text a stage report carries at most (a validation's; a step keeps a few)
+
+
 @dataclass
 class StageReport:
     stage: str
@@ -47,6 +50,7 @@ class StageReport:
     put_s: float = 0.0
     peak_rss_bytes: int = 0   # the worker process's peak resident memory at the stage's end
     metrics: dict = field(default_factory=dict)
+    samples: list = field(default_factory=list)   # rows as text (a rule reward's), at most MAX_SAMPLES
     # per micro-batch, in order: the get's wall time (waiting for inputs included) and the put's (sending it;
     # the final flush is only in put_s). benchmarks/pipeline_efficiency.py reads the handoff overhead here.
     mb_get_s: list = field(default_factory=list)
@@ -182,6 +186,7 @@ def run_stage(dock, impl, roles: LoopRoles, *, stage: str, rank: int, step: int,
                 if out.columns and rows:
                     dock.put_experience(out.columns, rows, producer=stage, wait=False)
                 add_metrics(rep.metrics, out.metrics)
+                rep.samples.extend(getattr(out, "samples", [])[:max(0, MAX_SAMPLES - len(rep.samples))])
             t3 = time.perf_counter()
             rep.put_s += t3 - t2
             if not train:
@@ -273,6 +278,7 @@ def run_stage_loop(dock, *, stage: str, rank: int, step: int, input_keys, count:
             if out.columns:
                 dock.put_experience(out.columns, rows, producer=stage, wait=False)
             add_metrics(rep.metrics, out.metrics)
+            rep.samples.extend(getattr(out, "samples", [])[:max(0, MAX_SAMPLES - len(rep.samples))])
         t3 = time.perf_counter()
         rep.put_s += t3 - t2
         rep.mb_put_s.append(t3 - t2)

@@ -438,6 +438,31 @@
       legend, svg]);
   }
 
+  // ------------------------------------------------------------------ what the model answers
+  // s.samples: {"val": the latest validation's first rows, "train": the latest training steps' rows}, each row
+  // {prompt, response, answer, reward, step or weight_version} (trainer/samples.py; all rows are in samples/)
+  function renderSamples(s) {
+    var box = clear(document.getElementById("samples-tables"));
+    var samples = s.samples || {}, shown = 0;
+    [["val", "Validation (the latest)"], ["train", "Training (the latest steps)"]].forEach(function (kv) {
+      var rows = samples[kv[0]] || [];
+      if (!rows.length) return;
+      shown += rows.length;
+      box.appendChild(el("h3", {}, kv[1]));
+      var table = el("table", {"class": "samples", "data-kind": kv[0]});
+      table.appendChild(el("tr", {}, [kv[0] === "val" ? "weights" : "step", "prompt", "response", "answer",
+                                      "reward"].map(function (h) { return el("th", {}, h); })));
+      rows.forEach(function (r) {
+        table.appendChild(el("tr", {"class": "sample-row"}, [
+          el("td", {}, String(kv[0] === "val" ? r.weight_version : r.step)), el("td", {"class": "text"}, r.prompt),
+          el("td", {"class": "text"}, r.response), el("td", {}, r.answer), el("td", {}, fmt(r.reward))]));
+      });
+      box.appendChild(table);
+    });
+    var section = document.getElementById("samples");
+    if (section && section.style) section.style.display = shown ? "" : "none";
+  }
+
   // ------------------------------------------------------------------ main
   function render(s) {
     var color = stageColors(s.info || {});
@@ -445,6 +470,7 @@
     renderBars(s, color);
     renderGantt(s, color);
     renderCharts(s, color);
+    renderSamples(s);
     document.body.setAttribute("data-rendered", String(s.now));
   }
 
