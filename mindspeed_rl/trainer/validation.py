@@ -118,7 +118,8 @@ def val_metrics(record: dict, scores_by_prompt: list[list[float]], n: int) -> di
 
 
 def format_val_line(metrics: dict[str, Any], prompts: int, n: int) -> str:
-    shown = [f"{k} {metrics[k]:.3f}" for k in ("val/reward_mean", "val/pass@1", f"val/pass@{n}") if k in metrics]
+    keys = dict.fromkeys(("val/reward_mean", "val/pass@1", f"val/pass@{n}"))   # n = 1: pass@1 once
+    shown = [f"{k} {metrics[k]:.3f}" for k in keys if k in metrics]
     return (f"validation (weight version {int(metrics['val/weight_version'])}, {prompts} prompts x {n}, "
             f"{metrics['timing/val']:.1f} s): " + " | ".join(shown))
 

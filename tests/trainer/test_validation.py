@@ -14,7 +14,7 @@ from mindspeed_rl.config import ConfigError, config_from_dict
 from mindspeed_rl.dataflow import algorithm_graph, topological_order
 from mindspeed_rl.dataflow.validation import validation_graph
 from mindspeed_rl.trainer.plan import make_plan
-from mindspeed_rl.trainer.validation import val_config, val_metrics
+from mindspeed_rl.trainer.validation import format_val_line, val_config, val_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,6 +58,12 @@ def _plan_error(tmp_path, **data) -> str:
     with pytest.raises(ConfigError) as e:
         make_plan(cfg, check_files=True)
     return str(e.value)
+
+
+def test_the_validation_line_names_each_metric_once():
+    m = {"val/reward_mean": 0.5, "val/pass@1": 0.25, "val/weight_version": 3.0, "timing/val": 1.0}
+    assert format_val_line(m, 8, 1).endswith("s): val/reward_mean 0.500 | val/pass@1 0.250")
+    assert format_val_line({**m, "val/pass@4": 0.75}, 8, 4).endswith("val/pass@1 0.250 | val/pass@4 0.750")
 
 
 def test_a_bad_validation_set_is_refused_by_the_plan(tmp_path):
