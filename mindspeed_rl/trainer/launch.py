@@ -13,7 +13,6 @@ from typing import Any, Callable, Mapping
 
 from ..config import Config
 from ..device import ACCELERATOR_OPTION_KEYS, group_actor_options
-from ..device.host_memory import actor_runtime_env
 from ..workers.worker import Worker
 from .plan import Plan
 from .worker_specs import worker_specs
@@ -76,8 +75,7 @@ def _start_group(cfg: Config, plan: Plan, gp, docks: list, placement_groups: Map
     # (x the steps in flight: with max_weight_staleness k, stages of k + 1 steps may run at once);
     # +3 for an IPC weight sync's deliveries (ipc_deliver) waiting beside its sync_weights call
     opts: dict[str, Any] = {**group_actor_options(r),  # num_cpus, num_gpus, resources={NPU: ...}
-                            "max_concurrency": len(gp.mfcs) * (cfg.rl_config.max_weight_staleness + 1) + 4 + 3,
-                            "runtime_env": actor_runtime_env()}  # the host allocator's arena limit
+                            "max_concurrency": len(gp.mfcs) * (cfg.rl_config.max_weight_staleness + 1) + 4 + 3}
 
     # mode mesh: the deployment's actors, actor k on its devices (one, or a replica's for an engine that
     # starts its own ranks there)

@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 
 from ..engines import memory_model as MM
 from ..engines.registry import rollout_backend, train_backend
-from .memory_terms import (CONTEXT_BYTES, DTYPE_BYTES, GB, LOGITS_CHUNK_BYTES, SHIPPED, Layout, ModelDims,
-                           chunked_logits_bytes, decode_logits_bytes, full_logits_bytes, inference_activation_bytes,
-                           kv_cache_bytes, load_dims, log_prob_pass_bytes, lora_params, optimizer_step_bytes,
-                           recompute_bytes, state_bytes, tokens_per_forward, train_activation_bytes, vllm_bytes)
+from .memory_terms import (CONTEXT_BYTES, DRIVER_AND_DOCK_BYTES, DTYPE_BYTES, GB, HOST_PROCESS_BYTES,
+                           LOGITS_CHUNK_BYTES, SHIPPED, Layout, ModelDims, chunked_logits_bytes, decode_logits_bytes,
+                           full_logits_bytes, inference_activation_bytes, kv_cache_bytes, load_dims,
+                           log_prob_pass_bytes, lora_params, optimizer_step_bytes, recompute_bytes, state_bytes,
+                           tokens_per_forward, train_activation_bytes, vllm_bytes)
 
 
 # ---------------------------------------------------------------------------- engines and devices
@@ -452,6 +453,10 @@ def group_loads(cfg, p, model_kinds: dict[str, str], dims: dict[str, ModelDims |
     if by_model and kind != "cpu":
         ctx = Term("context", CONTEXT_BYTES, "CUDA/CANN context, collective buffers (allowance)", ())
         loads.append(Load("process", [ctx], {}))
+    if kind == "cpu":   # on the host every worker process counts, with its libraries, model or not
+        runtime = Term("worker process", HOST_PROCESS_BYTES, "Python, torch, transformers and Ray's core worker "
+                       "(measured)", ())
+        loads.append(Load("process", [runtime], {}))
     return loads
 
 
@@ -534,6 +539,9 @@ def estimate_memory(cfg, groups: dict, model_kinds: dict[str, str], model_paths:
         phases = [m for ld in loads for m in ld.busy]
         for mfc in dict.fromkeys(phases):
             est.phases[mfc] = [t for ld in loads for t in (ld.busy[mfc] if mfc in ld.busy else ld.idle)]
+            if kind == "cpu":   # the host also holds the driver and the dock's actor
+                est.phases[mfc].append(Term("driver and dock", DRIVER_AND_DOCK_BYTES, "the driver process and the "
+                                            "dock's actor (measured)", ()))
         devices.append(est)
     return MemoryPlan(devices, sources, notes)
 

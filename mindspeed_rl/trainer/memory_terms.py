@@ -27,6 +27,12 @@ LOGITS_CHUNK_BYTES = 128 << 20
 # a trainer process on an accelerator: the CUDA/CANN context, the collective's buffers, allocator slack.
 # An allowance, not a measurement (vLLM's gpu_memory_utilization covers its own process)
 CONTEXT_BYTES = 1.0 * GB
+# a worker process on the host: Python with torch, transformers and Ray's core worker imported, before any model
+# (measured here: 0.64-0.71 GB resident for the rule reward's worker of configs/grpo_smollm2_arith.yaml)
+HOST_PROCESS_BYTES = 0.7 * GB
+# the run's own processes beside its workers on the host: the driver (0.66 GB measured, as a worker: torch and
+# transformers loaded) and the dock's actor (0.41 GB: torch without transformers)
+DRIVER_AND_DOCK_BYTES = 0.7 * GB + 0.4 * GB
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "models" / "configs"
 SHIPPED = {"qwen2.5-0.5b": "qwen2_5_0_5b.json", "qwen2.5-1.5b": "qwen2_5_1_5b.json", "qwen2.5-3b": "qwen2_5_3b.json",
@@ -280,8 +286,8 @@ class Layout:
 
     @property
     def compute_bytes(self) -> int:
-        """The CPU computes in fp32 whatever the dtype (the engines' rule)."""
-        return 4 if self.kind == "cpu" else DTYPE_BYTES.get(self.dtype, 4)
+        """Bytes of the dtype the engines compute in (autocast to it on the CPU too, over fp32 masters)."""
+        return DTYPE_BYTES.get(self.dtype, 4)
 
     @property
     def sharded(self) -> bool:

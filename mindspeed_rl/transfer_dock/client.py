@@ -455,8 +455,7 @@ def create_transfer_dock(columns: Sequence[str], consumers: Sequence[str], promp
         shm.remove_stale_files()
         tag = f"{os.getpid()}x{uuid.uuid4().hex[:10]}"
     cls = remote_actor_class(num_cpus)
-    from ..device.host_memory import actor_runtime_env
-    options = {"runtime_env": actor_runtime_env(), **({"name": name} if name else {})}
+    options = {"name": name} if name else {}
     actor = cls.options(**options).remote(columns, consumers, prompts_num, n_samples_per_prompt,
                                           shm_tag=tag if use_shm else None,
                                           channel_tag=tag if use_channel else None,

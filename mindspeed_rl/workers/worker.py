@@ -28,6 +28,7 @@ import torch
 
 from ..dataflow import MFCDef
 from ..dataflow.mfc import InterfaceType
+from ..device.host_memory import release_free_memory
 from . import compute as C
 from .engine_set import EngineDecl, EngineSet
 from ..engines.deployment import RankRole
@@ -135,6 +136,10 @@ class Worker:
         mfc = self._by_name.get(mfc_name)
         if mfc is None:
             raise StageError(f"worker group '{self.spec.group}' does not host stage '{mfc_name}'")
+        # Ray runs each call on a thread of its pool, and torch.set_num_threads in __init__ reaches only the thread
+        # that ran it: each call sets it on its own (measured: a 2-thread worker's matmuls ran at one thread's
+        # speed, SmolLM2's GRPO update 13.8 s where it takes 8 s)
+        torch.set_num_threads(self.spec.torch_threads)
         try:
             names = self._collective()
             # validation runs while no step's stage does (trainer/validation.py): no turn to wait for
@@ -142,6 +147,7 @@ class Worker:
                     else contextlib.nullcontext())
             with turn:
                 rep = self._run(mfc, step, policy_version, kl_coef, validation)
+            release_free_memory()   # what the stage freed goes back to the kernel (device/host_memory.py)
         except StageError:
             raise
         except Exception as e:  # name the stage in every failure the driver sees

@@ -1,0 +1,72 @@
+"""A worker's resident memory stops growing over steps of varying prompt lengths (device/host_memory.py): the
+rollout and the update run on threads of their own, as in a worker, and what each stage freed goes back to the
+kernel after it. Without that, glibc's per-thread arenas keep the freed pieces and the process grows."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+STEPS = 8
+SCRIPT = r"""
+import json, sys, threading
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from mindspeed_rl.device.host_memory import release_free_memory
+from mindspeed_rl.engines.base import MicroBatch, OptimConfig, SamplingParams
+from mindspeed_rl.engines.rollout.hf_rollout import HFRolloutEngine
+from mindspeed_rl.engines.train.torch_train import TorchTrainEngine
+
+release, steps = sys.argv[1] == "release", int(sys.argv[2])
+torch.set_num_threads(2)
+config = LlamaConfig(vocab_size=16384, hidden_size=384, intermediate_size=1024, num_hidden_layers=4,
+                     num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256)
+torch.manual_seed(0)
+train = TorchTrainEngine(LlamaForCausalLM(config), 0, OptimConfig(lr=1e-5))
+rollout = HFRolloutEngine(LlamaForCausalLM(config), 0)
+g = torch.Generator().manual_seed(0)
+
+def rss_mb():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+
+def on_thread(fn):
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("r", fn()))
+    t.start()
+    t.join()
+    if release:
+        release_free_memory()
+    return out.get("r")
+
+def loss_fn(o, mb):
+    return -(o.log_probs * o.response_mask).sum() / o.response_mask.sum(), {}
+
+sizes = []
+for step in range(steps):
+    prompts = [torch.randint(1, 16384, (int(n),), generator=g) for n in torch.randint(20, 120, (32,), generator=g)]
+    params = SamplingParams(max_new_tokens=int(torch.randint(16, 48, (1,), generator=g)))
+    got = on_thread(lambda: rollout.generate(prompts, params, list(range(step * 32, step * 32 + 32))))
+    on_thread(lambda: train.train_step(iter([MicroBatch({"prompts": prompts[i:i + 16], "responses": got.responses[i:i + 16]},
+                                                        0.5, i == 16) for i in (0, 16)]), loss_fn))
+    sizes.append(rss_mb())
+print(json.dumps(sizes))
+"""
+
+
+def resident_mb(release: bool) -> list[float]:
+    out = subprocess.run([sys.executable, "-c", SCRIPT, "release" if release else "keep", str(STEPS)],
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.slow_budget(70, reason="8 steps of generating and training a 20M-parameter Llama, twice: with the "
+                                    "worker's release of freed memory and without it")
+def test_resident_memory_stops_growing_when_freed_memory_goes_back():
+    kept = resident_mb(release=True)
+    assert max(kept[3:]) <= 1.1 * kept[2], kept       # level after the third step, as a worker's must be
+    grown = resident_mb(release=False)
+    assert grown[-1] > 1.2 * kept[-1], (grown, kept)  # the same work keeps more without it
