@@ -453,7 +453,7 @@ def group_loads(cfg, p, model_kinds: dict[str, str], dims: dict[str, ModelDims |
     if by_model and kind != "cpu":
         ctx = Term("context", CONTEXT_BYTES, "CUDA/CANN context, collective buffers (allowance)", ())
         loads.append(Load("process", [ctx], {}))
-    if kind == "cpu":   # on the host every worker process counts, with its libraries, model or not
+    if by_model and kind == "cpu":   # on the host a model's worker process counts with its libraries
         runtime = Term("worker process", HOST_PROCESS_BYTES, "Python, torch, transformers and Ray's core worker "
                        "(measured)", ())
         loads.append(Load("process", [runtime], {}))

@@ -243,3 +243,17 @@ def test_7b_lora_fits_one_gpu(backend):
     assert dev.ids == [0] and dev.capacity == 80 * GB and dev.peak()[1] <= 80 * GB, dev.summary()
     with pytest.raises(ConfigError, match="gpu 0 .* over its 80 GB"):   # the whole model does not
         plan_of("grpo_qwen25_7b_lora_1gpu", **{"generate_config.backend": backend, "actor_config.lora.rank": 0})
+
+
+def test_the_host_counts_bf16_compute_each_model_worker_and_the_driver_and_dock():
+    """On the CPU the engines compute in the configured dtype (autocast over fp32 masters), and the host also
+    holds each model worker's libraries and the driver and dock processes (measured constants)."""
+    plan = plan_of("grpo_tiny", **{"actor_config.dtype": "bfloat16"})
+    [host] = plan.memory.devices
+    assert host.kind == "cpu" and host.groups == ["integrated"]   # the rule reward's worker holds no model
+    train = {t.name: t.bytes for t in host.phases["actor_train"]}
+    assert train["worker process"] == M.HOST_PROCESS_BYTES and train["driver and dock"] == M.DRIVER_AND_DOCK_BYTES
+    d = M.ModelDims.from_config(json.loads((REPO / "mindspeed_rl/models/tiny_qwen2/config.json").read_text()))
+    assert train["rollout weights"] == d.params() * 2
+    fp32 = {t.name: t.bytes for t in plan_of("grpo_tiny").memory.devices[0].phases["actor_train"]}
+    assert fp32["rollout weights"] == d.params() * 4 and fp32["actor activations"] > train["actor activations"]
