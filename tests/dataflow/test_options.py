@@ -113,3 +113,39 @@ def test_reward_modeling_is_one_train_step_over_the_pairs():
     m = g.nodes["rm_train"]["mfc"]
     assert m.is_trainable and m.model_name == "reward" and m.fn == "reward_train"
     assert trained_models(g) == {"reward": "rm_train"} and weight_sync_targets(g) == {"reward": []}
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo", "remax"])
+def test_an_on_policy_update_has_no_old_log_prob_stage(algorithm):
+    g = algorithm_graph(algorithm, AlgorithmOptions(recompute_log_prob=False))
+    assert "actor_log_prob" not in g.nodes and "old_log_prob" not in dock_columns(g)
+    assert "old_log_prob" not in g.nodes["actor_train"]["mfc"].input_keys
+    assert "actor_log_prob" in algorithm_graph(algorithm).nodes
+
+
+@pytest.mark.parametrize("overrides, recompute", [
+    ({}, True),                                                             # 4 optimizer steps a step
+    ({"actor_config.ppo_mini_batch_size": 16}, False),                      # one: on-policy
+    ({"actor_config.ppo_mini_batch_size": None}, False),                    # null: the whole step, one
+    ({"actor_config.ppo_mini_batch_size": 16, "rl_config.max_weight_staleness": 1}, True),
+    ({"actor_config.ppo_mini_batch_size": 16, "actor_config.off_policy_correction": "tis"}, True),
+    ({"actor_config.ppo_mini_batch_size": 16, "rl_config.dynamic_sampling": True}, True),
+    ({"actor_config.ppo_mini_batch_size": 16, "actor_config.recompute_log_prob": True}, True),
+])
+def test_the_old_log_probs_are_recomputed_unless_the_update_is_on_policy(overrides, recompute):
+    from tests.config.helpers import with_overrides
+    assert options_from_config(config_from_dict(with_overrides(overrides))).recompute_log_prob is recompute
+
+
+def test_the_loss_without_old_log_probs_takes_the_updates_own():
+    """The policy loss of an on-policy update: ratio 1 on every token, the plain policy gradient."""
+    from mindspeed_rl.engines import ModelOutput
+    from mindspeed_rl.workers.compute import PolicyLossConfig, policy_loss_fn
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    out = ModelOutput(response_mask=mask, log_probs=logp, entropy=torch.zeros(1, 3))
+    mb = type("MB", (), {"data": {"advantages": [torch.tensor([2.0])]}})()
+    loss, m = policy_loss_fn(PolicyLossConfig(0.2, 0.2, 3.0, "token-mean", False, "k3", 0.0), 0.0)(out, mb)
+    loss.backward()
+    assert float(loss.detach()) == pytest.approx(-2.0) and m["pg_clipfrac"] == 0.0 and m["ppo_kl"] == 0.0
+    assert logp.grad.tolist() == [[-1.0, -1.0, 0.0]]   # -A / tokens on the real tokens
