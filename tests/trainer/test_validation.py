@@ -98,7 +98,7 @@ def test_the_commands_exit_2_without_a_traceback(tmp_path):
 
 
 # ------------------------------------------------------------------------------ real runs
-TRAIN_KEYS_SKIPPED = ("val/", "timing/", "busy/", "throughput/")
+TRAIN_KEYS_SKIPPED = ("val/", "timing/", "busy/", "throughput/", "memory/")
 
 
 def _run(tmp: Path, name: str, steps: int, **sections) -> tuple[list[dict], object]:
