@@ -1,5 +1,5 @@
 """Models from GGUF files (models/gguf.py): a tiny Llama written with the gguf package's own writer, converted,
-and checked against the weights it was written from."""
+and checked against the weights it is written from."""
 from __future__ import annotations
 
 import threading
