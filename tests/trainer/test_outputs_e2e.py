@@ -111,9 +111,10 @@ def test_the_wandb_offline_run_has_the_metrics_jsonl_keys(run):
     assert (w["project"], w["name"], w["tags"]) == ("mindspeed_rl", "grpo_tiny", ["e2e"])
     assert w["config"]["trainer"]["total_steps"] == STEPS
     assert len(w["history"]) == len(lines)
-    for row, line in zip(w["history"], lines):
-        assert {k for k in row if not k.startswith("_")} == line.keys() - {"step"}
+    for row, line in zip(w["history"], lines):   # beside them, what the model answered (trainer.log_samples)
+        assert {k for k in row if not k.startswith(("_", "samples/"))} == line.keys() - {"step"}
         assert row["_step"] == line["step"]
+    assert any(k.startswith("samples/train") for row in w["history"] for k in row)
 
 
 @pytest.mark.skipif("mlflow" not in TRACKERS, reason="mlflow not installed (pip install -e .[mlflow])")
