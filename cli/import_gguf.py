@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = convert(args.gguf, args.out)
     except ValueError as e:
-        shutil.rmtree(args.out, ignore_errors=True) if os.path.isdir(args.out) and not os.listdir(args.out) else None
+        if os.path.isdir(args.out) and not os.listdir(args.out):   # leave no empty directory behind
+            shutil.rmtree(args.out, ignore_errors=True)
         print(f"import error: {e}", file=sys.stderr)
         return 2
     print(f"Hugging Face checkpoint: {out}")
