@@ -840,9 +840,11 @@ def bench_e2e(a, ckpt: str, device, dims: dict, peak: float | None, work: Path) 
         "response_tokens_per_s": sum(resp_tokens) / sum(steps),
         "driver_tokens_per_s": [r["throughput/tokens_per_s"] for r in recs],
         "tokens_per_step": mean_tokens, "response_tokens_per_step": sum(resp_tokens) / len(resp_tokens),
-        "split_s": {k: split.get(k) for k in ("actor_rollout", "ref_log_prob", "actor_log_prob", "actor_train",
-                                              "weight_sync", "step")},
-        "busy_s": {k: busy.get(k) for k in ("actor_rollout", "ref_log_prob", "actor_log_prob", "actor_train")},
+        # the stages this run's graph has (an on-policy update has no actor_log_prob stage)
+        "split_s": {k: split[k] for k in ("actor_rollout", "ref_log_prob", "actor_log_prob", "actor_train",
+                                          "weight_sync", "step") if k in split},
+        "busy_s": {k: busy[k] for k in ("actor_rollout", "ref_log_prob", "actor_log_prob", "actor_train")
+                   if k in busy},
         "timing_s": split, "all_busy_s": busy,
         "train_mfu": (needed_flops(dims["backbone_params"], dims["hidden"], dims["vocab"], mean_tokens,
                                    sum(resp_tokens) / len(resp_tokens), backward=True) / train_busy / (peak * 1e12))
