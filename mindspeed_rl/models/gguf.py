@@ -22,6 +22,7 @@ import importlib.util
 import json
 import os
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,7 +112,8 @@ def content_hash(path: Path, cache: Path) -> str:
             h.update(chunk)
     digest = h.hexdigest()
     memo.parent.mkdir(parents=True, exist_ok=True)
-    tmp = memo.with_name(f".{key}.{os.getpid()}")
+    # unique per writer (process and thread), so concurrent first resolves never share a temporary file
+    tmp = memo.with_name(f".{key}.{os.getpid()}.{threading.get_ident()}")
     tmp.write_text(digest)
     os.replace(tmp, memo)
     return digest
