@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator
 
 from ..device.host_memory import peak_resident_bytes
 from ..transfer_dock.errors import DockTimeoutError
+from .cores import CoreShare
 
 
 class StageError(RuntimeError):
@@ -161,36 +162,45 @@ class LoopRoles:
 
 
 def run_stage(dock, impl, roles: LoopRoles, *, stage: str, rank: int, step: int, input_keys, get_n_samples: bool,
-              timeout_s: float, before_optimizer_step: Callable[[], None] | None = None) -> StageReport:
+              timeout_s: float, before_optimizer_step: Callable[[], None] | None = None,
+              cores: CoreShare | None = None) -> StageReport:
     """The one loop every MFC runs, training included: read (if this rank reads), share within the replica,
     the implementation's engine call, write (if this rank writes). A unit is a micro-batch for a forward
     MFC and a mini-batch (the micro-batches of one optimizer step, read as the engine consumes them) for a
-    train MFC."""
+    train MFC. Each micro-batch computes on the stage's share of the worker's threads (`cores`)."""
     rep = StageReport(stage=stage, rank=rank, step=step)
     rep.t_start = time.time()
     reading = dict(stage=stage, rank=rank, step=step, input_keys=input_keys, timeout_s=timeout_s, report=rep)
     train = getattr(impl, "kind", "forward") == "train"
-    units = (_mini_batches(dock, impl, roles, reading, before_optimizer_step) if train else
+    cores = cores or CoreShare.of_calling_thread()
+    units = (_mini_batches(dock, impl, roles, reading, before_optimizer_step, cores) if train else
              _micro_batches(dock, impl, roles, reading, get_n_samples))
-    with _on_device(impl, train):   # the engine's state on the device for the stage
-        for unit, rows in units:
-            t1, get_before = time.perf_counter(), rep.get_s
-            if roles.share_group is not None and not train:
-                from ..parallel import broadcast_micro_batch
-                unit, rows = broadcast_micro_batch(unit if roles.reads else None, rows if roles.reads else None,
-                                                   src=roles.share_src, group=roles.share_group, device=roles.device)
-            out = impl.run(unit, rows)
-            t2 = time.perf_counter()
-            rep.compute_s += t2 - t1 - (rep.get_s - get_before)   # a train unit reads while it computes
-            if roles.writes and out is not None:
-                if out.columns and rows:
-                    dock.put_experience(out.columns, rows, producer=stage, wait=False)
-                add_metrics(rep.metrics, out.metrics)
-                rep.samples.extend(getattr(out, "samples", [])[:max(0, MAX_SAMPLES - len(rep.samples))])
-            t3 = time.perf_counter()
-            rep.put_s += t3 - t2
-            if not train:
-                rep.mb_put_s.append(t3 - t2)
+    try:
+        with _on_device(impl, train):   # the engine's state on the device for the stage
+            for unit, rows in units:
+                t1, get_before = time.perf_counter(), rep.get_s
+                if roles.share_group is not None and not train:
+                    from ..parallel import broadcast_micro_batch
+                    unit, rows = broadcast_micro_batch(unit if roles.reads else None, rows if roles.reads else None,
+                                                       src=roles.share_src, group=roles.share_group,
+                                                       device=roles.device)
+                if not train:
+                    cores.computing()
+                out = impl.run(unit, rows)
+                cores.waiting()
+                t2 = time.perf_counter()
+                rep.compute_s += t2 - t1 - (rep.get_s - get_before)   # a train unit reads while it computes
+                if roles.writes and out is not None:
+                    if out.columns and rows:
+                        dock.put_experience(out.columns, rows, producer=stage, wait=False)
+                    add_metrics(rep.metrics, out.metrics)
+                    rep.samples.extend(getattr(out, "samples", [])[:max(0, MAX_SAMPLES - len(rep.samples))])
+                t3 = time.perf_counter()
+                rep.put_s += t3 - t2
+                if not train:
+                    rep.mb_put_s.append(t3 - t2)
+    finally:
+        cores.waiting()
     t4 = time.perf_counter()
     if roles.reads or roles.writes:
         dock.flush()
@@ -227,7 +237,7 @@ def _micro_batches(dock, impl, roles: LoopRoles, reading: dict, get_n_samples: b
         yield item if item is not None else ({}, [])
 
 
-def _mini_batches(dock, impl, roles: LoopRoles, reading: dict, before_optimizer_step):
+def _mini_batches(dock, impl, roles: LoopRoles, reading: dict, before_optimizer_step, cores: CoreShare):
     """A train MFC's units: per optimizer step, the iterator of its micro-batches as the dock hands them out
     (None on a rank that does not read: its engine gets them from the reader). Before the step's first
     optimizer step the step's other readers of these weights must be done (`before_optimizer_step`)."""
@@ -239,7 +249,9 @@ def _mini_batches(dock, impl, roles: LoopRoles, reading: dict, before_optimizer_
         taken = 0
         for batch, rows in micro_batches(dock, count=impl.count, get_n_samples=False, max_rows=end, **reading):
             taken += len(rows)
+            cores.computing()
             yield MicroBatch(batch, len(rows) / mini, last=taken >= mini)
+            cores.waiting()   # the engine asks for the next one: the dock's wait computes nothing
         if taken and not waited[0] and before_optimizer_step is not None:
             before_optimizer_step()
             waited[0] = True

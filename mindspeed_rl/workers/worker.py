@@ -30,6 +30,7 @@ from ..dataflow import MFCDef
 from ..dataflow.mfc import InterfaceType
 from ..device.host_memory import release_free_memory
 from . import compute as C
+from .cores import CoreShare
 from .engine_set import EngineDecl, EngineSet
 from ..engines.deployment import RankRole
 from .impls import OPTIMIZER_STEP, StageContext, build_impl
@@ -76,6 +77,7 @@ class Worker:
         for dock in spec.docks:
             dock.worker = f"{spec.group}/{spec.rank}"  # this process's lane in the dock's event log
         torch.set_num_threads(spec.torch_threads)
+        self.cores = CoreShare(spec.torch_threads)
         from ..engines.registry import import_plugins
         import_plugins(spec.plugins)
         self.process_group = None
@@ -138,7 +140,8 @@ class Worker:
             raise StageError(f"worker group '{self.spec.group}' does not host stage '{mfc_name}'")
         # Ray runs each call on a thread of its pool, and torch.set_num_threads in __init__ reaches only the thread
         # that ran it: each call sets it on its own (measured: a 2-thread worker's matmuls ran at one thread's
-        # speed, SmolLM2's GRPO update 13.8 s where it takes 8 s)
+        # speed, SmolLM2's GRPO update 13.8 s where it takes 8 s), and each micro-batch its share of them while
+        # other stages compute beside it (workers/cores.py)
         torch.set_num_threads(self.spec.torch_threads)
         try:
             names = self._collective()
@@ -176,7 +179,7 @@ class Worker:
             rep = run_stage(dock, impl, roles, stage=mfc.name, rank=self.spec.rank, step=step,
                             input_keys=mfc.input_keys, get_n_samples=mfc.get_n_samples,
                             timeout_s=self.spec.stage_timeout_s,
-                            before_optimizer_step=lambda: self._wait_columns(mfc.name, step))
+                            before_optimizer_step=lambda: self._wait_columns(mfc.name, step), cores=self.cores)
         if impl.kind == OPTIMIZER_STEP:
             rep.metrics["version"] = float(engine.version)
         return rep
