@@ -129,6 +129,7 @@ for _m in (
     StepMetric("timing/{stage}", chart="Per-stage time (s)"),
     StepMetric("busy/{stage}", chart="Per-stage compute (s)"),
     StepMetric("memory/peak_rss_gb/{stage}", chart="Peak host memory of each stage's workers (GB)"),
+    StepMetric("memory/rss_gb/{stage}", chart="Host memory of each stage's workers after it (GB)"),
     # validation on held-out prompts (trainer/validation.py)
     StepMetric("val/reward_mean", label="val_reward", chart="Validation (held-out prompts)"),
     StepMetric("val/pass@1", label="val_pass@1", chart="Validation (held-out prompts)"),

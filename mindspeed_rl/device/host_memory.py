@@ -41,6 +41,17 @@ def release_free_memory() -> bool:
     return True
 
 
+def resident_bytes() -> int:
+    """This process's resident memory now (0 where /proc is missing): read after a stage's release of freed
+    memory it is what the worker holds alive, the figure that must stay level over a run."""
+    import os
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
 def peak_resident_bytes() -> int:
     """This process's peak resident memory so far (the kernel's high-water mark, what an out-of-memory kill
     looks at): each stage reports it, so a worker whose memory keeps growing shows in the step record."""

@@ -110,13 +110,16 @@ def trained_models(plan, sums: Sums) -> dict[str, float]:
 
 def stage_times(by_stage: dict[str, list[dict]]) -> dict[str, float]:
     """timing/<stage> (first start to last end over its workers), busy/<stage> (their summed compute) and
-    memory/peak_rss_gb/<stage> (the largest peak resident memory of the worker processes that ran it)."""
+    memory/peak_rss_gb/<stage> (the largest peak resident memory of the worker processes that ran it) and
+    memory/rss_gb/<stage> (the largest resident memory of those processes after it, freed memory released)."""
     out = {}
     for stage, rs in by_stage.items():
         out[f"timing/{stage}"] = max(r["t_end"] for r in rs) - min(r["t_start"] for r in rs)
         out[f"busy/{stage}"] = sum(r["compute_s"] for r in rs)
         if any(r.get("peak_rss_bytes") for r in rs):
             out[f"memory/peak_rss_gb/{stage}"] = max(r.get("peak_rss_bytes", 0) for r in rs) / 2**30
+        if any(r.get("rss_bytes") for r in rs):
+            out[f"memory/rss_gb/{stage}"] = max(r.get("rss_bytes", 0) for r in rs) / 2**30
     return out
 
 

@@ -50,6 +50,7 @@ class StageReport:
     compute_s: float = 0.0
     put_s: float = 0.0
     peak_rss_bytes: int = 0   # the worker process's peak resident memory at the stage's end
+    rss_bytes: int = 0        # its resident memory after the stage, once freed memory went back to the kernel
     metrics: dict = field(default_factory=dict)
     samples: list = field(default_factory=list)   # rows as text (a rule reward's), at most MAX_SAMPLES
     # per micro-batch, in order: the get's wall time (waiting for inputs included) and the put's (sending it;

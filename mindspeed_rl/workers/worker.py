@@ -28,7 +28,7 @@ import torch
 
 from ..dataflow import MFCDef
 from ..dataflow.mfc import InterfaceType
-from ..device.host_memory import release_free_memory
+from ..device.host_memory import release_free_memory, resident_bytes
 from . import compute as C
 from .cores import CoreShare
 from .engine_set import EngineDecl, EngineSet
@@ -151,6 +151,7 @@ class Worker:
             with turn:
                 rep = self._run(mfc, step, policy_version, kl_coef, validation)
             release_free_memory()   # what the stage freed goes back to the kernel (device/host_memory.py)
+            rep.rss_bytes = resident_bytes()
         except StageError:
             raise
         except Exception as e:  # name the stage in every failure the driver sees

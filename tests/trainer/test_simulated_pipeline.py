@@ -49,6 +49,9 @@ def test_every_stage_runs_every_step(histories, blocking):
             assert rec[f"timing/{stage}"] > 0
             # each stage slept rows * cost (and a little more: sleep never wakes early)
             assert rec[f"busy/{stage}"] >= 128 * COSTS[stage] * 0.99
+            # the worker's resident memory after the stage: a live process, at most its peak (whose
+            # high-water mark the kernel updates a few pages late)
+            assert 0.05 < rec[f"memory/rss_gb/{stage}"] <= 1.01 * rec[f"memory/peak_rss_gb/{stage}"]
         # no models, but the real sync path: a placeholder bucket publishes each step's version
         assert rec["weight_version"] == rec["step"] + 1
 

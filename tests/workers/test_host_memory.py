@@ -55,6 +55,20 @@ print(json.dumps(sizes))
 """
 
 
+def test_resident_bytes_follow_what_the_process_holds():
+    import torch
+
+    from mindspeed_rl.device.host_memory import peak_resident_bytes, release_free_memory, resident_bytes
+    before = resident_bytes()
+    held = torch.ones(64 * 2**20 // 4)          # 64 MiB, every page touched
+    during = resident_bytes()
+    del held
+    release_free_memory()
+    after = resident_bytes()
+    assert during - before >= 60 * 2**20 and during - after >= 60 * 2**20, (before, during, after)
+    assert peak_resident_bytes() >= 0.99 * during   # the kernel's high-water mark lags by a few pages
+
+
 def resident_mb(release: bool) -> list[float]:
     out = subprocess.run([sys.executable, "-c", SCRIPT, "release" if release else "keep", str(STEPS)],
                          capture_output=True, text=True, timeout=240)
