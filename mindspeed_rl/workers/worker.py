@@ -28,7 +28,7 @@ import torch
 
 from ..dataflow import MFCDef
 from ..dataflow.mfc import InterfaceType
-from ..device.host_memory import release_free_memory, resident_bytes
+from ..device.host_memory import bound_kernel_caches, release_free_memory, resident_bytes
 from . import compute as C
 from .cores import CoreShare
 from .engine_set import EngineDecl, EngineSet
@@ -72,6 +72,7 @@ class WorkerSpec:
 class Worker:
     def __init__(self, spec: WorkerSpec):
         self.spec = spec
+        bound_kernel_caches()   # before any kernel is built (device/host_memory.py); spec.env may set its own
         for k, v in spec.env.items():
             os.environ[k] = str(v)
         for dock in spec.docks:
