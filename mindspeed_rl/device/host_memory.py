@@ -66,7 +66,6 @@ def release_free_memory() -> bool:
 def resident_bytes() -> int:
     """This process's resident memory now (0 where /proc is missing): read after a stage's release of freed
     memory it is what the worker holds alive, the figure that must stay level over a run."""
-    import os
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
