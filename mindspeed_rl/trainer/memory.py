@@ -4,7 +4,9 @@ A device's peak is the largest, over the MFCs that run on it, of what its engine
 runs: the engine running it holds its working set (activations, logits, a KV cache) on top of its state,
 every other engine on the device holds what it keeps between its own MFCs (less what offload or vLLM's
 sleep mode moves off). MFCs that share a device are taken to run one at a time, which a config that shares
-a device must arrange anyway (vLLM sleep mode, offload).
+a device must arrange anyway (vLLM sleep mode, offload). The host is the exception: it holds every process
+of the run, and with rl_config.blocking false the stages of one worker process compute at once
+(`_host_phases`).
 
 Which devices: with placement.mode=mesh each rank of a group sits on its own device of the group's mesh.
 Otherwise a group whose actors ask for num_gpus (num_npus) >= 1 takes whole devices, ceil(share) per actor,
@@ -18,8 +20,8 @@ from dataclasses import dataclass, field
 
 from ..engines import memory_model as MM
 from ..engines.registry import rollout_backend, train_backend
-from .memory_terms import (CONTEXT_BYTES, DRIVER_AND_DOCK_BYTES, DTYPE_BYTES, GB, HOST_PROCESS_BYTES,
-                           LOGITS_CHUNK_BYTES, SHIPPED, Layout, ModelDims, chunked_logits_bytes, decode_logits_bytes,
+from .memory_terms import (CONTEXT_BYTES, DOCK_BYTES, DRIVER_BYTES, DTYPE_BYTES, GB, HOST_PROCESS_BYTES,
+                           LOGITS_CHUNK_BYTES, RAY_PROCESSES_BYTES, SHIPPED, Layout, ModelDims, chunked_logits_bytes, decode_logits_bytes,
                            full_logits_bytes, inference_activation_bytes, kv_cache_bytes, load_dims,
                            log_prob_pass_bytes, lora_params, optimizer_step_bytes, recompute_bytes, state_bytes,
                            tokens_per_forward, train_activation_bytes, vllm_bytes)
@@ -453,11 +455,44 @@ def group_loads(cfg, p, model_kinds: dict[str, str], dims: dict[str, ModelDims |
     if by_model and kind != "cpu":
         ctx = Term("context", CONTEXT_BYTES, "CUDA/CANN context, collective buffers (allowance)", ())
         loads.append(Load("process", [ctx], {}))
-    if by_model and kind == "cpu":   # on the host a model's worker process counts with its libraries
+    if kind == "cpu":   # on the host every worker process counts with its libraries, a model's or not
         runtime = Term("worker process", HOST_PROCESS_BYTES, "Python, torch, transformers and Ray's core worker "
                        "(measured)", ())
         loads.append(Load("process", [runtime], {}))
     return loads
+
+
+def _busiest(load: Load) -> list[Term]:
+    """What an engine holds in the largest of its own MFCs (its idle terms when it runs none)."""
+    return max(load.busy.values(), key=lambda ts: sum(t.bytes for t in ts), default=load.idle)
+
+
+def _host_processes(cfg) -> list[Term]:
+    """The run's processes on the host beside its workers: the driver, the docks' actors, and Ray's own
+    processes when the trainer starts Ray here."""
+    from .validation import validation_on
+    docks = 2 if validation_on(cfg) else 1
+    terms = [Term("driver", DRIVER_BYTES, "the driver process: torch and transformers loaded (measured)", ()),
+             Term("docks", docks * DOCK_BYTES, f"{docks} dock actor(s): training's"
+                  + (" and validation's" if docks == 2 else "") + " (measured)", ("trainer.val_interval",))]
+    if not cfg.placement.ray_address:
+        terms.append(Term("Ray processes", RAY_PROCESSES_BYTES, "GCS, raylet, dashboard and agents (measured)",
+                          ("placement.ray_address",)))
+    return terms
+
+
+def _host_phases(cfg, groups: dict, names: list[str], per_group: dict[str, list[Load]]) -> dict[str, list[Term]]:
+    """The host's terms at each MFC of its groups. Every rank of a CPU group is a process of its own on the
+    host, so its loads count once per rank. With rl_config.blocking false the stages of every worker overlap
+    (a worker's rollout generates its next micro-batch beside its update): while one MFC runs, every other
+    engine is taken at its largest working set, not at rest."""
+    loads = [ld for g in names for ld in per_group[g] * groups[g].world]
+    overlap = not cfg.rl_config.blocking
+    phases: dict[str, list[Term]] = {}
+    for mfc in dict.fromkeys(m for ld in loads for m in ld.busy):
+        phases[mfc] = [t for ld in loads for t in (ld.busy[mfc] if mfc in ld.busy else
+                                                   _busiest(ld) if overlap else ld.idle)] + _host_processes(cfg)
+    return phases
 
 
 def _placements(cfg, groups: dict) -> dict[tuple[str, int], list[str]]:
@@ -529,19 +564,18 @@ def estimate_memory(cfg, groups: dict, model_kinds: dict[str, str], model_paths:
     by_devices: dict[tuple, list[int]] = {}
     for (kind, dev), gs in sorted(_placements(cfg, groups).items()):
         gs = [g for g in gs if per_group.get(g)]
-        if gs:
+        if any(ld.busy for g in gs for ld in per_group[g]):   # a device with an engine on it
             by_devices.setdefault((kind, tuple(gs)), []).append(dev)
     devices = []
     for (kind, gs), ids in by_devices.items():
         cap_gb = device_memory_gb(kind, cfg.placement.device_memory_gb)
         est = DeviceEstimate(kind, ids, list(gs), cap_gb * GB if cap_gb is not None else None)
-        loads = [ld for g in gs for ld in per_group[g]]
-        phases = [m for ld in loads for m in ld.busy]
-        for mfc in dict.fromkeys(phases):
-            est.phases[mfc] = [t for ld in loads for t in (ld.busy[mfc] if mfc in ld.busy else ld.idle)]
-            if kind == "cpu":   # the host also holds the driver and the dock's actor
-                est.phases[mfc].append(Term("driver and dock", DRIVER_AND_DOCK_BYTES, "the driver process and the "
-                                            "dock's actor (measured)", ()))
+        if kind == "cpu" and ids == [-1]:
+            est.phases = _host_phases(cfg, groups, list(gs), per_group)
+        else:
+            loads = [ld for g in gs for ld in per_group[g]]
+            for mfc in dict.fromkeys(m for ld in loads for m in ld.busy):
+                est.phases[mfc] = [t for ld in loads for t in (ld.busy[mfc] if mfc in ld.busy else ld.idle)]
         devices.append(est)
     return MemoryPlan(devices, sources, notes)
 

@@ -30,9 +30,14 @@ CONTEXT_BYTES = 1.0 * GB
 # a worker process on the host: Python with torch, transformers and Ray's core worker imported, before any model
 # (measured here: 0.64-0.71 GB resident for the rule reward's worker of configs/grpo_smollm2_arith.yaml)
 HOST_PROCESS_BYTES = 0.7 * GB
-# the run's own processes beside its workers on the host: the driver (0.66 GB measured, as a worker: torch and
-# transformers loaded) and the dock's actor (0.41 GB: torch without transformers)
-DRIVER_AND_DOCK_BYTES = 0.7 * GB + 0.4 * GB
+# the run's own processes beside its workers on the host: the driver (0.66-0.76 GB measured, as a worker: torch
+# and transformers loaded) and a dock's actor (0.38-0.41 GB: torch without transformers); validation has a dock
+# of its own
+DRIVER_BYTES = 0.7 * GB
+DOCK_BYTES = 0.4 * GB
+# Ray's own processes when the trainer starts Ray on this host (GCS, raylet, dashboard and its agents, log
+# monitor): 0.57 GB resident together, measured beside configs/grpo_smollm2_arith.yaml's run
+RAY_PROCESSES_BYTES = 0.57 * GB
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "models" / "configs"
 SHIPPED = {"qwen2.5-0.5b": "qwen2_5_0_5b.json", "qwen2.5-1.5b": "qwen2_5_1_5b.json", "qwen2.5-3b": "qwen2_5_3b.json",

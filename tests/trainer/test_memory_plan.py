@@ -13,6 +13,7 @@ import yaml
 from mindspeed_rl.config import ConfigError, config_from_dict
 from mindspeed_rl.trainer import memory_terms as M
 from mindspeed_rl.trainer.plan import make_plan, plan_dict
+from mindspeed_rl.trainer.validation import validation_on
 
 REPO = Path(__file__).resolve().parents[2]
 GB = 1e9
@@ -245,15 +246,38 @@ def test_7b_lora_fits_one_gpu(backend):
         plan_of("grpo_qwen25_7b_lora_1gpu", **{"generate_config.backend": backend, "actor_config.lora.rank": 0})
 
 
-def test_the_host_counts_bf16_compute_each_model_worker_and_the_driver_and_dock():
+def test_the_host_counts_bf16_compute_every_worker_process_the_driver_docks_and_ray():
     """On the CPU the engines compute in the configured dtype (autocast over fp32 masters), and the host also
-    holds each model worker's libraries and the driver and dock processes (measured constants)."""
-    plan = plan_of("grpo_tiny", **{"actor_config.dtype": "bfloat16"})
+    holds every worker process (the rule reward's too, which has no model), the driver, the dock's actor (and the
+    validation's with validation on) and Ray's own processes when the trainer starts Ray (measured constants)."""
+    plan = plan_of("grpo_tiny", **{"actor_config.dtype": "bfloat16", "rl_config.blocking": True})
     [host] = plan.memory.devices
-    assert host.kind == "cpu" and host.groups == ["integrated"]   # the rule reward's worker holds no model
-    train = {t.name: t.bytes for t in host.phases["actor_train"]}
-    assert train["worker process"] == M.HOST_PROCESS_BYTES and train["driver and dock"] == M.DRIVER_AND_DOCK_BYTES
+    assert host.kind == "cpu" and host.groups == ["integrated", "rule"]
+    train: dict[str, float] = {}
+    for t in host.phases["actor_train"]:
+        train[t.name] = train.get(t.name, 0.0) + t.bytes
+    assert train["worker process"] == 2 * M.HOST_PROCESS_BYTES and train["driver"] == M.DRIVER_BYTES
+    assert train["Ray processes"] == M.RAY_PROCESSES_BYTES
+    assert train["docks"] == (2 if validation_on(config_from_dict(config("grpo_tiny"))) else 1) * M.DOCK_BYTES
+    no_val = plan_of("grpo_tiny", **{"trainer.val_interval": 0, "trainer.val_before_train": False}).memory.devices[0]
+    assert {t.name: t.bytes for t in no_val.phases["actor_train"]}["docks"] == M.DOCK_BYTES
+    on_cluster = plan_of("grpo_tiny", **{"placement.ray_address": "auto"}).memory.devices[0]
+    assert "Ray processes" not in {t.name for t in on_cluster.phases["actor_train"]}
     d = M.ModelDims.from_config(json.loads((REPO / "mindspeed_rl/models/tiny_qwen2/config.json").read_text()))
     assert train["rollout weights"] == d.params() * 2
-    fp32 = {t.name: t.bytes for t in plan_of("grpo_tiny").memory.devices[0].phases["actor_train"]}
+    fp32 = {t.name: t.bytes for t in plan_of("grpo_tiny", **{"rl_config.blocking": True}).memory.devices[0]
+            .phases["actor_train"]}
     assert fp32["rollout weights"] == d.params() * 4 and fp32["actor activations"] > train["actor activations"]
+
+
+def test_the_host_overlaps_a_workers_stages_when_the_step_does():
+    """With rl_config.blocking false a worker's rollout generates beside its update: while actor_train runs,
+    the rollout engine holds its KV cache and forward too; blocking, only its weights. Each rank of a CPU group
+    is a process on the host: dp 2 counts two."""
+    def terms(**o):
+        return [t for t in plan_of("grpo_tiny", **o).memory.devices[0].phases["actor_train"]]
+    blocking = {t.name for t in terms(**{"rl_config.blocking": True})}
+    overlapped = {t.name for t in terms(**{"rl_config.blocking": False})}
+    assert "rollout KV cache" not in blocking and "rollout KV cache" in overlapped
+    procs = lambda ts: sum(t.bytes for t in ts if t.name == "worker process")
+    assert procs(terms(**{"placement.groups.integrated.dp": 2})) == 3 * M.HOST_PROCESS_BYTES
