@@ -1,7 +1,7 @@
 """Our GRPO step against TRL's GRPOTrainer on the same real model and work, alternated in one run.
 
     pip install trl==1.16.0          # a benchmark-only dependency, not in the package's requirements
-    python benchmarks/trl_side_by_side.py                       # 2 rounds x 8 steps each, ~25 min here
+    python benchmarks/trl_side_by_side.py                       # 2 rounds x 8 steps each, ~28 min here
     python benchmarks/trl_side_by_side.py --rounds 1 --steps 6 --json docs/benchmarks/trl_side_by_side.json
 
 Both train SmolLM2-135M-Instruct (`builtin:smollm2-135m-instruct`, the same converted checkpoint) on
@@ -12,7 +12,8 @@ normalized within each prompt's group, token-mean loss over the step's tokens (T
 optimizer step per step, and the same reward (`gsm8k_flexible`). Ours runs `configs/grpo_smollm2_arith.yaml`
 through `cli/train_grpo.py`; TRL runs in a process of its own with all of this machine's cores (torch's
 default threads). The two alternate round by round (ours, TRL, ours, TRL, ...), each a fresh process, so drift
-in the machine's load hits both.
+in the machine's load hits both. Round k runs both with seed `--seed` + k (its own prompts and samples), so
+several rounds give held-out accuracy over several trajectories of each, not one repeated.
 
 Reported per trainer: seconds per steady step (the median after the first two steps of each round: the first
 pays for warm-up), where the time goes (generation, log-prob forwards without grad, the update, the rest),
@@ -169,6 +170,7 @@ def summarize(rounds: list[dict]) -> dict:
     out["rest"] = max(0.0, out["step"] - out["generation"] - out["logprob"] - out["update"])
     out["steady_steps"] = len(rows)
     out["held_out_pass@1"] = [r["held_out_pass@1"] for r in rounds]
+    out["held_out_pass@1_mean"] = statistics.mean(out["held_out_pass@1"])
     return out
 
 
@@ -181,7 +183,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=None)
     ap.add_argument("--temperature", type=float, default=None)
     ap.add_argument("--lr", type=float, default=None)
-    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=1, help="round k's seed is this + k (prompts and sampling)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--worker", choices=["trl"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -194,17 +196,19 @@ def main() -> None:
     results: dict[str, list] = {"ours": [], "trl": []}
     with tempfile.TemporaryDirectory() as tmp:
         for k in range(args.rounds):
+            sk = {**s, "seed": s["seed"] + k}   # each round its own seed: its own prompts and samples, for both
             for name in ("ours", "trl"):
                 out = Path(tmp) / f"{name}{k}"
                 t = time.time()
                 if name == "ours":
-                    r = run_ours(s, out)
+                    r = run_ours(sk, out)
                 else:
                     out.mkdir(parents=True)
-                    subprocess.run([sys.executable, __file__, *sys.argv[1:], "--worker", "trl", "--out", str(out)],
-                                   check=True, cwd=REPO)
+                    subprocess.run([sys.executable, __file__, *sys.argv[1:], "--seed", str(sk["seed"]),
+                                    "--worker", "trl", "--out", str(out)], check=True, cwd=REPO)
                     r = json.loads((out / "trl_steps.json").read_text())
-                r["held_out_pass@1"] = held_out_accuracy(r["policy"], s)
+                r["seed"] = sk["seed"]
+                r["held_out_pass@1"] = held_out_accuracy(r["policy"], sk)
                 r["wall_s"] = time.time() - t
                 results[name].append(r)
                 print(f"round {k} {name}: steady step {statistics.median(x['step'] for x in steady(r['steps'])):.2f} s, "
