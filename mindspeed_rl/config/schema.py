@@ -208,7 +208,8 @@ class RewardModelConfig:
 class VLLMConfig:
     """generate_config.vllm: options of the vLLM rollout backend (engines/rollout/vllm_rollout.py)."""
     gpu_memory_utilization: float = 0.5  # CUDA: share of the GPU's memory vLLM may take
-    kv_cache_gb: float = 1.0             # CPU: KV-cache size in GiB (vLLM needs an explicit one there)
+    kv_cache_gb: Optional[float] = 1.0   # CPU only: KV-cache size in GiB (null: 1.0); an accelerator's is what
+                                         # gpu_memory_utilization leaves after the weights
     max_model_len: Optional[int] = None  # null: prompt + response lengths of this config
     enforce_eager: bool = True           # no CUDA graphs / torch.compile (always on CPU)
     enable_sleep_mode: bool = False      # CUDA: free the weights and KV cache between rollouts

@@ -260,7 +260,8 @@ def _vllm(e: list[str], cfg: Config, read: bool) -> None:
     g, v = cfg.generate_config, cfg.generate_config.vllm
     if not 0 < v.gpu_memory_utilization <= 1:
         e.append(f"{VLLM_SECTION}.gpu_memory_utilization={v.gpu_memory_utilization}: must be in (0, 1]")
-    _positive(e, f"{VLLM_SECTION}.kv_cache_gb", v.kv_cache_gb, "vLLM on CPU needs an explicit KV-cache size")
+    if v.kv_cache_gb is not None:
+        _positive(e, f"{VLLM_SECTION}.kv_cache_gb", v.kv_cache_gb, "the CPU's KV-cache size in GiB, or null (1.0)")
     if v.max_model_len is None:
         return
     _positive(e, f"{VLLM_SECTION}.max_model_len", v.max_model_len, "or null for prompt + response lengths")

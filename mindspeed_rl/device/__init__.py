@@ -130,9 +130,11 @@ def _accelerator_module(device: torch.device | str):
 def empty_cache(device: torch.device | str) -> None:
     """Give the caching allocator's free blocks back to the driver, so another process sharing the
     device (a colocated vLLM waking from sleep) can take them; nothing on the CPU."""
+    from .capture import capture_lock
     mod = _accelerator_module(device)
     if mod is not None and mod.is_initialized():
-        mod.empty_cache()
+        with capture_lock():   # never beside a CUDA graph capture of this process (capture.py)
+            mod.empty_cache()
 
 
 def synchronize(device: torch.device | str) -> None:

@@ -5,8 +5,8 @@ model of the built-in it resembles."""
 # train backends
 REPLICATED = "replicated"          # each dp rank a whole fp32 model, gradients and AdamW state, plus DDP's
                                    # gradient buckets when dp > 1 (torch)
-SHARDED = "sharded"                # fp32 states sharded over the dp ranks, gradients accumulated unsharded,
-                                   # the whole logits in the forward (FSDP2)
+SHARDED = "sharded"                # fp32 states, gradients and an inference copy's weights sharded over the dp
+                                   # ranks, the whole logits in the forward (FSDP2)
 SPLIT = "split"                    # a whole copy per rank of its own tp / pp slice, no DDP buckets (mesh)
 MODEL_PARALLEL = "model_parallel"  # 16-bit parameters / (tp pp), fp32 masters, main gradients and the
                                    # distributed optimizer's state over dp (megatron)

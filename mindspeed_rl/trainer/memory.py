@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 from ..engines import memory_model as MM
 from ..engines.registry import rollout_backend, train_backend
 from .memory_terms import (CONTEXT_BYTES, DOCK_BYTES, DRIVER_BYTES, DTYPE_BYTES, GB, HOST_PROCESS_BYTES,
-                           LOGITS_CHUNK_BYTES, RAY_PROCESSES_BYTES, SHIPPED, Layout, ModelDims, chunked_logits_bytes, decode_logits_bytes,
-                           full_logits_bytes, inference_activation_bytes, kv_cache_bytes, load_dims,
-                           log_prob_pass_bytes, lora_params, optimizer_step_bytes, recompute_bytes, state_bytes,
-                           tokens_per_forward, train_activation_bytes, vllm_bytes)
+                           RAY_PROCESSES_BYTES, SHIPPED, STATIC_DECODERS_KEPT, Layout, ModelDims,
+                           chunked_logits_bytes, decode_logits_bytes, full_logits_bytes, inference_activation_bytes,
+                           kv_cache_bytes, load_dims, log_prob_pass_bytes, logits_chunk_bytes, lora_params,
+                           optimizer_step_bytes, recompute_bytes, state_bytes, static_kv_bytes, tokens_per_forward,
+                           train_activation_bytes, vllm_bytes)
 
 
 # ---------------------------------------------------------------------------- engines and devices
@@ -127,7 +128,7 @@ class MemoryPlan:
 
 # ---------------------------------------------------------------------------- from the plan to the devices
 def _state_terms(d: ModelDims, lay: Layout, who: str, section: str, head: str, trained: bool,
-                 n_micro: int, lora_rank: int, lora_targets, offload: dict) -> tuple[list[Term], list[Term], list[Term]]:
+                 lora_rank: int, lora_targets, offload: dict) -> tuple[list[Term], list[Term], list[Term]]:
     """(weights, gradients, optimizer) terms of one engine on one device, per the backend's layout."""
     c, s = lay.compute_bytes, lay.tp * lay.pp
     p = d.params(head)
@@ -159,12 +160,10 @@ def _state_terms(d: ModelDims, lay: Layout, who: str, section: str, head: str, t
     else:
         weights = [Term(f"{who} weights", state_bytes(p, 4, s * dp_shard), f"{p / 1e9:.2f}B x 4 B / {s * dp_shard}",
                         w_knobs)]
-    accumulate = lay.sharded and n_micro > 1
-    g_shard = 1 if accumulate else s * dp_shard
-    g_how = (f"{trainable / 1e9:.3f}B x 4 B unsharded: FSDP2 accumulates {n_micro} micro-batches without "
-             f"reduce-scatter" if accumulate else f"{trainable / 1e9:.3f}B x 4 B / {g_shard}")
+    g_shard = s * dp_shard   # FSDP2 reduce-scatters each micro-batch's gradients: a rank accumulates its shard
+    g_how = f"{trainable / 1e9:.3f}B x 4 B / {g_shard}"
     g_knobs = ((f"{section}.lora.rank (a frozen 16-bit base, only adapters train)",) if section == "actor_config"
-               else ()) + (() if accumulate else (more_dp,))
+               else ()) + (more_dp,)
     grads = [Term(f"{who} grads", state_bytes(trainable, 4, g_shard), g_how, g_knobs)]
     if lay.memory == MM.REPLICATED and lay.dp > 1:
         grads.append(Term(f"{who} DDP buckets", state_bytes(trainable, 4), f"{trainable / 1e9:.3f}B x 4 B",
@@ -179,8 +178,7 @@ def _state_terms(d: ModelDims, lay: Layout, who: str, section: str, head: str, t
     if offload.get("fsdp_cpu_offload"):
         weights = [Term(t.name, 0.0, "on the CPU (fsdp_cpu_offload)") for t in weights]
         opt = [Term(t.name, 0.0, "on the CPU (fsdp_cpu_offload)") for t in opt]
-        if not accumulate:
-            grads = [Term(t.name, 0.0, "on the CPU (fsdp_cpu_offload)") for t in grads]
+        grads = [Term(t.name, 0.0, "on the CPU (fsdp_cpu_offload)") for t in grads]
     return weights, grads, opt
 
 
@@ -230,15 +228,16 @@ def _activations(d: ModelDims, lay: Layout, who: str, section: str, rows: int, n
 def _logits(d: ModelDims, lay: Layout, who: str, rows: int, seq_len: int, response_len: int, budget: int | None,
             train: bool, rows_key: str, head_trained: bool = True) -> Term:
     rows_fwd = max(1, tokens_per_forward(rows, seq_len, budget) // seq_len)
+    chunk = logits_chunk_bytes(lay.kind)
     if lay.sharded:
-        b = full_logits_bytes(d, rows_fwd, response_len, lay.compute_bytes, train)
+        b = full_logits_bytes(d, rows_fwd, response_len, lay.compute_bytes, train, chunk)
         how = f"{rows_fwd} rows x {response_len + 1} x {d.vocab} x {lay.compute_bytes} B{' x 2 (grad)' if train else ''}"
     elif lay.memory == MM.MODEL_PARALLEL:
         b = full_logits_bytes(d, rows_fwd, seq_len, lay.compute_bytes + 4, train) / lay.tp
         how = f"{rows_fwd} rows x {seq_len} x {d.vocab} / tp {lay.tp}, 16-bit + fp32"
     else:
-        b = chunked_logits_bytes(d, rows_fwd * response_len, train, lay.compute_bytes, head_trained)
-        how = f"chunks of {LOGITS_CHUNK_BYTES >> 20} MiB fp32" + (
+        b = chunked_logits_bytes(d, rows_fwd * response_len, train, lay.compute_bytes, head_trained, chunk)
+        how = f"chunks of {chunk >> 20} MiB fp32" + (
             "" if not train else " x 4, the head's gradient once more" if head_trained else " x 4")
     return Term(f"{who} logits", b, how, (f"a smaller {rows_key} (now {rows})",
                                            "actor_config.max_tokens_per_micro_batch (a token budget per forward)"))
@@ -254,15 +253,6 @@ def _infer_working_set(d: ModelDims, lay: Layout, who: str, rows: int, seq_len: 
                  f"({layers / GB:.2f} GB) and the head's ({logits / GB:.2f} GB), over the hidden states",
                  (f"a smaller {rows_key} (now {rows})",
                   "actor_config.max_tokens_per_micro_batch (a token budget per forward)"))]
-
-
-def _reduced(grads: list[Term], d: ModelDims, lay: Layout, trainable: int) -> list[Term]:
-    """The gradients at the optimizer step: FSDP2 has reduce-scattered what it accumulated unsharded."""
-    if not lay.sharded:
-        return grads
-    shards = lay.dp * lay.tp * lay.pp
-    return [Term(t.name, state_bytes(trainable, 4, shards), f"{trainable / 1e9:.3f}B x 4 B / {shards}", t.knobs)
-            if t.name.endswith(" grads") else t for t in grads]
 
 
 def _step_term(d: ModelDims, lay: Layout, who: str, trainable: int, lora_rank: int) -> Term:
@@ -332,7 +322,7 @@ def _model_load(cfg, d: ModelDims, lay: Layout, model: str, kind: str, mfcs: lis
             s = train_sizes(sec.ppo_mini_batch_size, sec.ppo_micro_batch_size_per_device, rl.prompts_per_step,
                             rl.n_samples_per_prompt, lay.dp)
             micro_rows, n_micro = s.micro_rows, max(1, s.mini_rows_per_device // s.micro_rows)
-    weights, grads, opt = _state_terms(d, lay, who, section, head, trained, n_micro, lora_rank,
+    weights, grads, opt = _state_terms(d, lay, who, section, head, trained, lora_rank,
                                        a.lora.target_modules, offload)
     if lora_shared_ref:
         weights = [Term(f"{who} weights", 0.0, "the actor's base with adapters off (LoRA): no copy")]
@@ -358,7 +348,7 @@ def _model_load(cfg, d: ModelDims, lay: Layout, model: str, kind: str, mfcs: lis
                 logits.bytes if logits else 0.0) + ([logits] if logits else [])
             busy[m.name] = _running(terms)
             if lay.memory != MM.MODEL_PARALLEL and not offload.get("fsdp_cpu_offload"):
-                busy[f"{m.name} (optimizer step)"] = _running(weights + _reduced(grads, d, lay, trainable) + opt + [
+                busy[f"{m.name} (optimizer step)"] = _running(weights + grads + opt + [
                     _step_term(d, lay, who, trainable, lora_rank)])
             continue
         else:
@@ -389,7 +379,8 @@ def _rollout_load(cfg, d: ModelDims | None, lay: Layout, mfcs: list, rows_per_st
                          ("generate_config.vllm.gpu_memory_utilization", "generate_config.vllm.enable_sleep_mode"))
         else:
             w = d.params() * DTYPE_BYTES.get(cfg.actor_config.dtype, 4) if d else 0.0
-            awake = Term("vLLM", v.kv_cache_gb * (1 << 30) + w, f"kv_cache_gb {v.kv_cache_gb:g} GiB + weights",
+            kv = v.kv_cache_gb if v.kv_cache_gb is not None else type(v).kv_cache_gb   # null: the default
+            awake = Term("vLLM", kv * (1 << 30) + w, f"kv_cache_gb {kv:g} GiB + weights",
                          ("generate_config.vllm.kv_cache_gb",))
         asleep = (Term("vLLM (asleep)", 0.0, f"sleep level {v.sleep_level}: weights "
                        f"{'to the CPU' if v.sleep_level == 1 else 'dropped'}, KV cache dropped",
@@ -405,9 +396,16 @@ def _rollout_load(cfg, d: ModelDims | None, lay: Layout, mfcs: list, rows_per_st
     seq = cfg.data.max_prompt_length + g.max_new_tokens
     weights = Term("rollout weights", state_bytes(d.params(), c, s), f"{d.params() / 1e9:.2f}B x {c} B / {s}",
                    ("generate_config.backend=vllm with enable_sleep_mode",))
-    kv = Term("rollout KV cache", kv_cache_bytes(d, rows, seq, c) / lay.tp,
-              f"{rows} rows x {seq} tokens x {d.layers} layers x 2 x {d.kv_dim} x {c} B",
-              ("generate_config.micro_batch_size_per_device", "generate_config.max_new_tokens"))
+    static = g.cuda_graphs if g.cuda_graphs is not None else lay.kind == "gpu"
+    if static:   # fixed buffers per kept shape (static_decode.StaticDecoders.KEEP: training's and validation's)
+        kv = Term("rollout KV cache", STATIC_DECODERS_KEPT * static_kv_bytes(d, rows, seq, c) / lay.tp,
+                  f"{STATIC_DECODERS_KEPT} static decoders x {rows} rows x {seq} tokens x {d.layers} layers x 2 x "
+                  f"{d.kv_dim} x {c} B", ("generate_config.micro_batch_size_per_device",
+                                          "generate_config.cuda_graphs=false (the eager decode's cache)"))
+    else:
+        kv = Term("rollout KV cache", kv_cache_bytes(d, rows, seq, c) / lay.tp,
+                  f"{rows} rows x {seq} tokens x {d.layers} layers x 2 x {d.kv_dim} x {c} B",
+                  ("generate_config.micro_batch_size_per_device", "generate_config.max_new_tokens"))
     work = Term("rollout forward", inference_activation_bytes(d, rows * cfg.data.max_prompt_length, c) / lay.tp
                 + decode_logits_bytes(d, rows), "the prompt's prefill, one layer, and a step's logits",
                 ("generate_config.micro_batch_size_per_device",))

@@ -22,8 +22,15 @@ from ..engines import memory_model as MM
 from ..models.checkpoint import read_config
 
 GB = 1e9
-# fp32 logits of one chunk of the LM head (engines/train/log_probs.py LOGITS_CHUNK_BYTES, read without torch)
+# fp32 logits of one chunk of the LM head on the CPU and on an accelerator (engines/train/log_probs.py
+# LOGITS_CHUNK_BYTES and ACCELERATOR_LOGITS_CHUNK_BYTES, read without torch)
 LOGITS_CHUNK_BYTES = 128 << 20
+ACCELERATOR_LOGITS_CHUNK_BYTES = 1 << 30
+
+
+def logits_chunk_bytes(kind: str) -> int:
+    """The fp32 logits one chunk holds on a device of this kind ("cpu", "gpu", "npu")."""
+    return LOGITS_CHUNK_BYTES if kind == "cpu" else ACCELERATOR_LOGITS_CHUNK_BYTES
 # a trainer process on an accelerator: the CUDA/CANN context, the collective's buffers, allocator slack.
 # An allowance, not a measurement (vLLM's gpu_memory_utilization covers its own process)
 CONTEXT_BYTES = 1.0 * GB
@@ -240,12 +247,13 @@ def chunked_logits_bytes(d: ModelDims, response_tokens: int, train: bool, comput
     return chunk * 4 + (4 * d.vocab * d.hidden if several and head_trained else 0)
 
 
-def full_logits_bytes(d: ModelDims, rows: int, response_len: int, compute_bytes: int, train: bool) -> float:
+def full_logits_bytes(d: ModelDims, rows: int, response_len: int, compute_bytes: int, train: bool,
+                      chunk_bytes: int = LOGITS_CHUNK_BYTES) -> float:
     """An FSDP2 root computes the head inside its forward (its parameters are gathered only there), over the
     rows' response positions: rows x (response + 1) x vocab in the compute dtype, and as much again for
     their gradient in the backward; the fp32 softmax is then chunked (one chunk's worth on top)."""
     logits = rows * (response_len + 1) * d.vocab * compute_bytes
-    return logits * (2 if train else 1) + LOGITS_CHUNK_BYTES * (2 if train else 1)
+    return logits * (2 if train else 1) + chunk_bytes * (2 if train else 1)
 
 
 def kv_cache_bytes(d: ModelDims, rows: int, seq_len: int, compute_bytes: int) -> float:
@@ -255,6 +263,16 @@ def kv_cache_bytes(d: ModelDims, rows: int, seq_len: int, compute_bytes: int) ->
     CUDA decode (engines/rollout/static_decode.py) preallocates its buffers, which the same figure bounds."""
     full = 2 * d.layers * d.kv_dim * compute_bytes * rows * seq_len
     return full * (1 + 1 / (2 * d.layers))
+
+
+# the static decode's decoders kept per engine (engines/rollout/static_decode.py StaticDecoders.KEEP, read without
+# torch): a run's training and validation sampling
+STATIC_DECODERS_KEPT = 2
+
+
+def static_kv_bytes(d: ModelDims, rows: int, seq_len: int, compute_bytes: int) -> float:
+    """One static decoder's K/V buffers: rows x (prompt + response) columns for every layer, allocated whole."""
+    return 2 * d.layers * d.kv_dim * compute_bytes * rows * seq_len
 
 
 def decode_logits_bytes(d: ModelDims, rows: int) -> float:

@@ -88,10 +88,18 @@ class EngineSet:
                 model_path=path, model_kind=d.model_kind, dtype=d.dtype, device=device,
                 pad_token_id=self._pad_of(d, path, pad),
                 temperature=d.temperature, optim=optim if d.role == TRAIN_ROLE else None,
-                process_group=self.process_group if d.role == TRAIN_ROLE else None, seed=self.seed, options=d.options,
+                process_group=self.process_group if self._on_group(d) else None, seed=self.seed, options=d.options,
                 role=self.role, **d.features))
             (self.train if d.role == TRAIN_ROLE else self.infer)[d.model] = engine
         self.stop_ids = tuple(self._stop_token_ids()) if self.tokenizer is not None else ()
+
+    def _on_group(self, decl: EngineDecl) -> bool:
+        """Is this engine built over the worker group's DP ranks: a trained model, or an inference copy (a frozen
+        reference) on a backend that shards its weights, whose forwards are then collective like the trained
+        model's (each rank holds 1 / dp of it, not the whole)."""
+        from ..engines import memory_model as MM
+        return decl.role == TRAIN_ROLE or (decl.role != ROLLOUT_ROLE and not decl.base_of
+                                           and getattr(decl.backend, "memory", None) == MM.SHARDED)
 
     def _pad_of(self, decl: EngineDecl, path: str, pad: int) -> int:
         """The pad id an engine pads with: the run's tokenizer's, but a reward model's own (it may read other
@@ -123,9 +131,9 @@ class EngineSet:
 
     def on_dp_group(self, model: str) -> bool:
         """Does `model`'s engine here run over the worker group's DP ranks (their process group): trained here,
-        or the LoRA base (adapters off) of a model trained here, whose engine it is."""
-        return self.process_group is not None and (model in self.train
-                                                   or any(d.model == model and d.base_of for d in self.decls))
+        the LoRA base (adapters off) of a model trained here, whose engine it is, or sharded over them."""
+        return self.process_group is not None and (model in self.train or any(
+            d.model == model and (d.base_of or self._on_group(d)) for d in self.decls))
 
     def readers(self, model: str) -> list[Any]:
         """The engines here that read `model` without training it: its rollout, an inference copy."""

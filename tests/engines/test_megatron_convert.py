@@ -444,3 +444,23 @@ def test_real_megatron_gpt_model_matches_hf(overrides, tmp_path):
     results = W.run_procs([(_megatron_rank, (r, 2, port, overrides)) for r in range(2)], tmp_path, TIMEOUT_S)
     for r in results:
         torch.testing.assert_close(r["logits"], r["ref"], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_chunked_log_probs_equal_one_call_in_values_and_gradients(with_entropy):
+    """16-bit logits taken to fp32 two rows at a time (checkpointed) against one fp32 call, temperature 0.7."""
+    from mindspeed_rl.engines.train.megatron.tensors import chunked_vocab_parallel_log_probs
+    g = torch.Generator().manual_seed(7)
+    logits = (torch.randn(5, 6, 16, generator=g) * 3).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, 13, (5, 6), generator=g)
+    w = torch.randn(5, 6, generator=g)
+    got, ent = chunked_vocab_parallel_log_probs(logits, targets, chunk_rows=2, temperature=0.7, vocab_size=13,
+                                                with_entropy=with_entropy)
+    ((got * w).sum() + (ent.sum() if with_entropy else 0)).backward()
+    ref_in = logits.detach().clone().requires_grad_()
+    want, want_ent = vocab_parallel_log_probs(ref_in.float() / 0.7, targets, vocab_size=13, with_entropy=with_entropy)
+    ((want * w).sum() + (want_ent.sum() if with_entropy else 0)).backward()
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    if with_entropy:
+        torch.testing.assert_close(ent, want_ent, rtol=0, atol=1e-6)
+    torch.testing.assert_close(logits.grad.float(), ref_in.grad.float(), rtol=0, atol=1e-6)

@@ -14,7 +14,7 @@ import torch
 
 from mindspeed_rl.engines.base import RolloutSpec, SamplingParams
 from mindspeed_rl.engines.rollout.hf_rollout import HFRolloutEngine
-from mindspeed_rl.engines.rollout.static_decode import buckets
+from mindspeed_rl.engines.rollout.static_decode import buckets, widths
 
 
 def _tiny() -> torch.nn.Module:
@@ -146,3 +146,60 @@ def test_static_equals_eager_on_the_qwen25_05b_architecture_cut_to_two_layers():
         assert len({len(r) for r in want.responses}) > 2
         [moves] = _moves(static)
         assert moves and moves[0] < 6, moves
+
+
+def test_widths_are_multiples_of_the_step_then_the_length():
+    assert widths(600, 256) == [256, 512, 600]
+    assert widths(100, 256) == [100]
+    assert widths(512, 256) == [256, 512]
+
+
+@pytest.mark.parametrize("name", ["stop", "temperature_top_k_top_p", "greedy"])
+def test_static_equals_eager_across_width_and_batch_bucket_moves(tiny_engines, name):
+    """Width buckets of 8 columns: each call attends over 8, 16, ... columns as its rows grow, and moves to
+    smaller batch buckets as rows end; the tokens are the eager loop's."""
+    eager, _ = tiny_engines
+    static = HFRolloutEngine(eager.model, 0, cuda_graphs=True, max_seq_len=40)
+    static.width_step = 8
+    params, prompts = SETTINGS[name], _prompts(12, 14)
+    _assert_same(eager.generate(prompts, params, list(range(12))), static.generate(prompts, params, list(range(12))))
+    [decoder] = [d for free in static._decoders._free.values() for d in free]
+    assert decoder.widened and decoder.widened == sorted(decoder.widened) and decoder.moves, (decoder.widened,
+                                                                                               decoder.moves)
+
+
+def _gqa_model() -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                        tie_word_embeddings=True)).eval()
+
+
+def test_gqa_decode_attention_equals_repeated_kv():
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    from mindspeed_rl.engines.rollout.gqa_decode import gqa_decode_attention
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, h, n, 16, generator=g) for h, n in ((6, 1), (2, 9), (2, 9)))
+    mask = torch.zeros(3, 1, 1, 9).masked_fill_(torch.rand(3, 1, 1, 9, generator=g) < 0.3, torch.finfo(torch.float32).min)
+    want = torch.nn.functional.scaled_dot_product_attention(q, repeat_kv(k, 3), repeat_kv(v, 3), attn_mask=mask)
+    module = torch.nn.Module()
+    module.num_key_value_groups = 3
+    got, _ = gqa_decode_attention(module, q, k, v, mask)
+    torch.testing.assert_close(got, want.transpose(1, 2), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["stop", "temperature_top_k_top_p", "greedy"])
+def test_static_gqa_decode_equals_eager_on_a_grouped_query_model(name):
+    """4 query heads over 2 K/V heads: the static engine switches its model to the grouped decode attention,
+    the eager engine's copy keeps transformers' SDPA (K/V repeated per query head); same tokens."""
+    import copy
+    model = _gqa_model()
+    eager, static = HFRolloutEngine(model, 0), HFRolloutEngine(copy.deepcopy(model), 0, cuda_graphs=True,
+                                                               max_seq_len=40)
+    static.width_step = 8
+    assert static.model.config._attn_implementation == "mindspeed_gqa_decode"
+    assert eager.model.config._attn_implementation != "mindspeed_gqa_decode"
+    params, prompts = SETTINGS[name], _prompts(12, 300, seed=1)
+    _assert_same(eager.generate(prompts, params, list(range(12))), static.generate(prompts, params, list(range(12))))

@@ -120,9 +120,15 @@ def test_logits_kv_and_token_terms():
     assert M.tokens_per_forward(2, 100, 10_000) == 200
 
 
+def test_engines_source_the_static_decoders_kept():
+    from mindspeed_rl.engines.rollout.static_decode import StaticDecoders
+    assert M.STATIC_DECODERS_KEPT == StaticDecoders.KEEP
+
+
 def test_engines_source_the_chunk_size():
-    from mindspeed_rl.engines.train.log_probs import LOGITS_CHUNK_BYTES
-    assert M.LOGITS_CHUNK_BYTES == LOGITS_CHUNK_BYTES
+    from mindspeed_rl.engines.train.log_probs import logits_chunk_bytes
+    assert M.logits_chunk_bytes("cpu") == logits_chunk_bytes("cpu") == M.LOGITS_CHUNK_BYTES
+    assert M.logits_chunk_bytes("gpu") == logits_chunk_bytes("cuda") == M.ACCELERATOR_LOGITS_CHUNK_BYTES
 
 
 # ---------------------------------------------------------------------------- the plan
@@ -194,7 +200,11 @@ def test_hf_rollout_weights_and_kv_cache():
     terms = {t.name: t.bytes for t in dev.phases["actor_rollout"]}
     assert terms["rollout weights"] == d.params() * 2
     rows = 64                                       # generate_config.micro_batch_size_per_device, whole groups
-    assert terms["rollout KV cache"] == M.kv_cache_bytes(d, rows, 1024 + 2048, 2)
+    # on a GPU the static decode keeps its fixed buffers for two shapes (training's and validation's sampling)
+    assert terms["rollout KV cache"] == M.STATIC_DECODERS_KEPT * M.static_kv_bytes(d, rows, 1024 + 2048, 2)
+    eager = plan_of("grpo_qwen25_0p5b_1gpu", **{"generate_config.backend": "hf", "generate_config.cuda_graphs": False})
+    eager_terms = {t.name: t.bytes for t in eager.memory.devices[0].phases["actor_rollout"]}
+    assert eager_terms["rollout KV cache"] == M.kv_cache_bytes(d, rows, 1024 + 2048, 2)
 
 
 def test_lora_reference_is_the_base_and_only_adapters_train():

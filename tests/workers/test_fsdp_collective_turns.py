@@ -11,8 +11,8 @@ four log-prob calls (log_prob_micro_batch_size_per_device=2 of its 8 rows) and t
 after the first, so without the turns (`Worker._turn`) the two always overlap.
 
 Real parts only: two `Worker` Ray actors as the trainer starts them (threaded, FSDP over a gloo
-group of their own), the trainer's plan and dock, the real rollout, reference (a frozen FSDP copy on
-a group of its own, not in the turns), log-prob and train stages run through `run_stage` at once, and
+group of their own), the trainer's plan and dock, the real rollout, reference (a frozen FSDP copy sharded over
+the same ranks, so its forwards take their turn too), log-prob and train stages run through `run_stage` at once, and
 the weight sync between steps, as the driver calls them.
 """
 from __future__ import annotations
@@ -79,7 +79,9 @@ def test_fsdp_log_probs_and_training_take_turns_on_every_rank(ray_session, tmp_p
             reports = {(k, name): r for (k, name, _), r in
                        zip(calls, ray.get([ref for _, _, ref in calls], timeout=WAIT_S))}
             for k in range(DP):
-                lp, train = reports[(k, "actor_log_prob")], reports[(k, "actor_train")]
+                ref, lp, train = reports[(k, "ref_log_prob")], reports[(k, "actor_log_prob")], reports[(k, "actor_train")]
+                # the sharded reference's forwards are collective: its turn comes first, then the actor's
+                assert (ref["rows"], ref["micro_batches"]) == (8, 1) and lp["t_start"] >= ref["t_end"], (ref, lp)
                 # each rank its equal share of log-prob rows and of training rows, in 4 calls / 4 micro-batches
                 assert (lp["rows"], lp["micro_batches"]) == (8, 4), lp
                 assert (train["rows"], train["micro_batches"], train["metrics"]["updates"]) == (8, 4, 2), train

@@ -24,7 +24,7 @@ from ..base import (NamedTensors, Rollout, RolloutEngine, RolloutSpec, SamplingP
 from ..batching import left_pad, positions
 from ..rw_lock import ReadWriteLock
 from .sampling import filter_logits, row_uniforms, sample_next  # noqa: F401  (filter_logits: the engine's API)
-from .static_decode import StaticDecoder, StaticDecoders, sampling_key
+from .static_decode import WIDTH_STEP, StaticDecoder, StaticDecoders, sampling_key
 
 
 def default_check_every(device: torch.device) -> int:
@@ -140,8 +140,12 @@ class HFRolloutEngine(RolloutEngine):
         # elsewhere runs the same fixed-shape loop eagerly
         self.static = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
         self.max_seq_len = int(max_seq_len)   # the static buffers' length when a batch fits: shared by every call
+        self.width_step = WIDTH_STEP          # the static decode's width buckets (static_decode.py)
         self._decoders = StaticDecoders()
         self.model = model.to(self.device).eval()
+        if self.static:   # a decode step reads each K/V head once per group, not once per query head
+            from .gqa_decode import use_gqa_decode
+            use_gqa_decode(self.model)
         for p in self.model.parameters():
             p.requires_grad_(False)
         # one buffer, in HF order: a sync from a flattened trainer lands in one broadcast per bucket
@@ -213,7 +217,8 @@ class HFRolloutEngine(RolloutEngine):
         key = (B, length, sampling_key(params), weights)
         decoder = self._decoders.take(key, lambda: StaticDecoder(
             self.model, B, length, params, self.pad_token_id, self.device,
-            self.check_every or default_check_every(self.device), capture=self.device.type == "cuda"))
+            self.check_every or default_check_every(self.device), capture=self.device.type == "cuda",
+            width_step=self.width_step))
 
         def prefill():
             cache = DynamicCache()

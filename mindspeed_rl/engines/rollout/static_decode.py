@@ -6,8 +6,15 @@ touches is allocated once per (rows, cache length, sampling settings): per-layer
 [rows, kv_heads, prompt + max new, head_dim], the full-width 4D additive mask (a column opened per
 token, in place), the fed tokens, positions, cache column and token index as device tensors, and the
 responses' per-row state. One step (forward, sampler, stop bookkeeping) is then a function of fixed
-shapes per batch bucket, captured once per bucket on CUDA (`torch.cuda.CUDAGraph`) and replayed; on
-other devices it runs eagerly (what the CPU tests check against the eager path, token for token).
+shapes per (batch bucket, width bucket), captured once per pair on CUDA (`torch.cuda.CUDAGraph`) and
+replayed; on other devices it runs eagerly (what the CPU tests check against the eager path, token for
+token).
+
+A step attends over the cache's leading columns up to its width bucket (multiples of `WIDTH_STEP`
+columns: the first that holds the fed token's column), not over the whole buffer: a decode at column 300
+of a 3,072-column buffer reads 512 columns, so its work grows with the sequence as the eager loop's does.
+Columns past what a row has written are masked. Grouped-query attention reads each K/V head once per
+group (gqa_decode.py), not once per query head.
 
 Finished rows stay in the batch as padding (their tokens are discarded, as in the eager loop) until the
 running rows fit a smaller bucket (powers of two below the batch); the loop then selects the slots of
@@ -30,6 +37,14 @@ import torch
 
 from ..base import Rollout, SamplingParams
 from .sampling import sample_next
+
+
+WIDTH_STEP = 256   # columns between width buckets
+
+
+def widths(length: int, step: int = WIDTH_STEP) -> list[int]:
+    """The cache widths a decode attends over, ascending: multiples of `step` below `length`, then `length`."""
+    return sorted({min(length, w) for w in range(step, length + step, step)})
 
 
 def buckets(rows: int) -> list[int]:
@@ -95,14 +110,16 @@ class HostFlag:
 
 
 def sampling_key(params: SamplingParams) -> tuple:
-    """What a captured step bakes in: the sampler's branches and constants, and whether it tracks stops."""
+    """What a captured step bakes in: the sampler's branches and constants and the stop ids it compares with
+    (a tensor captured by the graph)."""
     return (bool(params.greedy), float(params.temperature), float(params.top_p), int(params.top_k),
-            bool(params.stop_token_ids), int(params.max_new_tokens))
+            tuple(sorted(int(t) for t in params.stop_token_ids)), int(params.max_new_tokens))
 
 
 @dataclass
 class _Bucket:
     rows: int
+    width: int
     cache: StaticKV
     graph: object | None = None   # torch.cuda.CUDAGraph once captured
 
@@ -114,7 +131,7 @@ class StaticDecoder:
     run's longest prompt + response)."""
 
     def __init__(self, model: torch.nn.Module, rows: int, length: int, params: SamplingParams, pad_token_id: int,
-                 device: torch.device, check_every: int, capture: bool):
+                 device: torch.device, check_every: int, capture: bool, width_step: int = WIDTH_STEP):
         cfg = model.config
         layers = cfg.num_hidden_layers
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -140,9 +157,12 @@ class StaticDecoder:
         self.running = torch.zeros((), dtype=torch.long, device=device)
         self.stop = torch.tensor(sorted(params.stop_token_ids), dtype=torch.long, device=device)
         self.flag = HostFlag(device)
-        self.buckets = {b: _Bucket(b, StaticKV([k[:b] for k in self.keys], [v[:b] for v in self.values], self.column))
-                        for b in buckets(rows)}
-        self.moves: list[int] = []   # the buckets the last `run` moved down to (what tests assert)
+        self.widths = widths(length, width_step)
+        self.buckets = {(b, w): _Bucket(b, w, StaticKV([k[:b, :, :w] for k in self.keys],
+                                                       [v[:b, :, :w] for v in self.values], self.column))
+                        for b in buckets(rows) for w in self.widths}
+        self.moves: list[int] = []   # the batch buckets the last `run` moved down to (what tests assert)
+        self.widened: list[int] = []   # the width buckets it moved up to
         self.pool = None
 
     # ------------------------------------------------------------------------------------------ the step
@@ -164,48 +184,42 @@ class StaticDecoder:
         self.fed[:b].copy_(tokens)
         self.t.add_(1)
 
-    def _step(self, b: int) -> None:
-        """One token for the `b` leading slots: open the fed token's mask column, forward it into the static
-        cache, sample, record. Fixed shapes and no host reads: what a CUDA graph captures."""
-        mask = self.mask[:b]
-        mask.index_fill_(-1, self.column, 0)
-        out = self.model(input_ids=self.fed[:b, None], attention_mask=mask, position_ids=self.pos[:b],
-                         past_key_values=self.buckets[b].cache, use_cache=True)
+    def _step(self, b: int, w: int) -> None:
+        """One token for the `b` leading slots over the cache's first `w` columns: open the fed token's mask
+        column, forward it into the static cache, sample, record. Fixed shapes and no host reads: what a CUDA
+        graph captures."""
+        self.mask[:b].index_fill_(-1, self.column, 0)
+        out = self.model(input_ids=self.fed[:b, None], attention_mask=self.mask[:b, :, :, :w],
+                         position_ids=self.pos[:b], past_key_values=self.buckets[(b, w)].cache, use_cache=True)
         uniforms = self.draws[:b].index_select(1, self.t).squeeze(1)
         self._record(b, *sample_next(out.logits[:, -1, :], self.params, uniforms))
         self.pos[:b].add_(1)
         self.column.add_(1)
 
-    def _run_step(self, b: int) -> None:
-        bucket = self.buckets[b]
+    def _run_step(self, b: int, w: int) -> None:
+        bucket = self.buckets[(b, w)]
         if bucket.graph is not None:
             bucket.graph.replay()
         elif not self.capture:
-            self._step(b)
+            self._step(b, w)
         else:
-            bucket.graph = self._capture(b)
+            bucket.graph = self._capture(b, w)
 
-    def _capture(self, b: int):
-        """Runs this step eagerly on a side stream (the warm-up CUDA graphs need: cuBLAS workspaces, the
-        allocator's pools; it is a real step of the decode), then records the step without running it."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._step(b)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()   # one memory pool for every bucket's graph
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):  # other generates may run
-            self._step(b)
+    def _capture(self, b: int, w: int):
+        """Runs this step eagerly, then records it (device/capture.py: one capture at a time per process)."""
+        from ...device.capture import capture_graph
+        graph, self.pool = capture_graph(lambda: self._step(b, w), self.pool)   # one pool for every graph
         return graph
 
-    def _move(self, b: int, to: int) -> None:
+    def _move(self, b: int, to: int, w: int) -> None:
         """Moves the decode from bucket `b` to the smaller bucket `to`: the running slots first (a stable
-        sort keeps their order; no host sync), gathered into the leading `to` rows of every per-slot buffer."""
+        sort keeps their order; no host sync), gathered into the leading `to` rows of every per-slot buffer
+        (of the K/V, the `w` columns written so far)."""
         keep = torch.argsort(self.finished.index_select(0, self.slot_rows[:b]).to(torch.uint8), stable=True)[:to]
-        for buf in (self.slot_rows, self.fed, self.pos, self.draws, self.mask, *self.keys, *self.values):
+        for buf in (self.slot_rows, self.fed, self.pos, self.draws, self.mask):
             buf[:to].copy_(buf[:b].index_select(0, keep))
+        for buf in (*self.keys, *self.values):
+            buf[:to, :, :w].copy_(buf[:b, :, :w].index_select(0, keep))
         self.moves.append(to)
 
     # ------------------------------------------------------------------------------------------- a batch
@@ -237,11 +251,15 @@ class StaticDecoder:
         self.column.fill_(P)
         self.t.zero_()
         self.flag.reset()
-        self.moves = []
+        self.moves, self.widened = [], []
         self._record(B, *sample_next(logits, self.params, draws[:, 0]))
-        order = list(self.buckets)
+        order = buckets(self.rows)
         b, t = B, 1
+        w = min(x for x in self.widths if x > P)
         while t < self.n:
+            if P + t > w:   # this step writes column P + t - 1
+                w = min(x for x in self.widths if x >= P + t)
+                self.widened.append(w)
             if self.stop.numel() and t % self.check_every == 0:
                 running = self.flag.exchange(self.running)
                 if running == 0:
@@ -249,10 +267,10 @@ class StaticDecoder:
                 if running is not None:
                     to = min((s for s in order if s >= running), default=b)
                     if to < b:
-                        self._move(b, to)
+                        self._move(b, to, w)
                         b = to
             with step_guard():
-                self._run_step(b)
+                self._run_step(b, w)
             t += 1
         resp, lp = self.tokens.cpu(), self.log_probs.cpu()
         n = self.lengths.cpu().numpy().tolist()

@@ -75,12 +75,12 @@ restores `torch.set_num_threads` and the torch.compile switch; the RNG state is 
 Keep train engines out of this process.
 
 Options (`spec.options`, the config's `generate_config.vllm` section; all optional)
-    kv_cache_gb             KV-cache size in GiB (vLLM's `kv_cache_memory_bytes`). Default on CPU:
-                            1.0 (vLLM's own default on CPU reserves `gpu_memory_utilization` of the
-                            machine's memory); on CUDA: unset, the cache is sized from
-                            `gpu_memory_utilization`.
-    gpu_memory_utilization  fraction of device memory vLLM may use (CUDA; vLLM's default 0.9). Set it
-                            below 1 - the trainer's share when colocated.
+    kv_cache_gb             CPU only: KV-cache size in GiB (vLLM's `kv_cache_memory_bytes`; default
+                            1.0: vLLM's own default on CPU reserves `gpu_memory_utilization` of the
+                            machine's memory). Ignored with a warning on an accelerator, where the
+                            cache is what `gpu_memory_utilization` leaves after the weights.
+    gpu_memory_utilization  fraction of device memory vLLM may use (accelerators only; vLLM's default
+                            0.9). Set it below 1 - the trainer's share when colocated.
     max_model_len           longest prompt + response in tokens (default: the model's
                             `max_position_embeddings`).
     max_num_seqs            rows decoded together (vLLM default).
@@ -190,6 +190,32 @@ def check_model(model_path: str, device_type: str) -> None:
         _check_cpu_head_size(Path(model_path))
 
 
+def llm_kwargs(spec: RolloutSpec, opts: dict, on_cpu: bool, tp: int) -> dict[str, Any]:
+    """`vllm.LLM`'s arguments from the engine's options (sleep mode, tensor-parallel executor and
+    `engine_kwargs` apart). The KV cache: on the CPU vLLM needs an explicit size (`kv_cache_gb`); on an
+    accelerator `kv_cache_memory_bytes` would override `gpu_memory_utilization` (a 1 GiB cache holds
+    about 6 full-length 7B sequences), so there the cache is what `gpu_memory_utilization` leaves after
+    the weights and `kv_cache_gb` is ignored, with a warning."""
+    kwargs: dict[str, Any] = dict(
+        model=str(spec.model_path), dtype=spec.dtype, seed=int(spec.seed),
+        enforce_eager=bool(opts.get("enforce_eager", on_cpu)),
+        tensor_parallel_size=tp,
+        logprobs_mode="processed_logprobs", skip_tokenizer_init=True,
+        generation_config="vllm",  # no sampling defaults from generation_config.json
+        disable_log_stats=True,
+    )
+    if on_cpu:
+        kwargs["kv_cache_memory_bytes"] = int(float(opts.get("kv_cache_gb", DEFAULT_CPU_KV_CACHE_GB)) * 2**30)
+    elif "kv_cache_gb" in opts:
+        logger.warning("vllm rollout on %s: generate_config.vllm.kv_cache_gb=%s is ignored (CPU only); "
+                       "gpu_memory_utilization=%s sizes the KV cache", spec.device, opts["kv_cache_gb"],
+                       opts.get("gpu_memory_utilization", "vLLM's default"))
+    for key in ("gpu_memory_utilization", "max_model_len", "max_num_seqs", "enable_prefix_caching"):
+        if key in opts:
+            kwargs[key] = opts[key]
+    return kwargs
+
+
 def _check_cpu_head_size(path: Path) -> None:
     """vLLM's CPU attention runs only some head sizes (not 16: it fails at the first generate, after a
     build of tens of seconds, with "Unsupported CPU attention configuration"); refuse the model up front."""
@@ -268,20 +294,7 @@ class VLLMRolloutEngine(RolloutEngine):
         if tp < 1:
             raise ValueError(f"generate_config.vllm: tensor_parallel_size={tp}; must be >= 1 (the rollout MFC's tp "
                              "in placement.mfcs sets it)")
-        kwargs: dict[str, Any] = dict(
-            model=str(spec.model_path), dtype=spec.dtype, seed=int(spec.seed),
-            enforce_eager=bool(opts.get("enforce_eager", on_cpu)),
-            tensor_parallel_size=tp,
-            logprobs_mode="processed_logprobs", skip_tokenizer_init=True,
-            generation_config="vllm",  # no sampling defaults from generation_config.json
-            disable_log_stats=True,
-        )
-        kv_gb = opts.get("kv_cache_gb", DEFAULT_CPU_KV_CACHE_GB if on_cpu else None)
-        if kv_gb is not None:
-            kwargs["kv_cache_memory_bytes"] = int(float(kv_gb) * 2**30)
-        for key in ("gpu_memory_utilization", "max_model_len", "max_num_seqs", "enable_prefix_caching"):
-            if key in opts:
-                kwargs[key] = opts[key]
+        kwargs = llm_kwargs(spec, opts, on_cpu, tp)
         sleep_mode = bool(opts.get("enable_sleep_mode", False))
         if sleep_mode and not current_platform.is_sleep_mode_available():
             # vLLM refuses the option where it cannot sleep ("Sleep mode is not supported on current

@@ -42,8 +42,8 @@ class MeshTrainStep:
             raise ValueError("train_step got no micro-batches")
         if self.fsdp and self.pp == 1 and not last_seen:
             self.optimizer.zero_grad(set_to_none=True)
-            raise RuntimeError("the last micro-batch of train_step had last=False: FSDP reduces gradients only on "
-                               "a micro-batch marked last")
+            raise RuntimeError("the last micro-batch of train_step had last=False: the step's micro-batches "
+                               "ended early, so its gradients were dropped")
         grad_norm = self._clip()
         if torch.isfinite(torch.tensor(grad_norm)):
             self.optimizer.step()
@@ -61,9 +61,7 @@ class MeshTrainStep:
         self.stage.with_entropy = True
         if self.pp == 1:
             out = []
-            for mb, b in zip(rnd, batches):
-                if self.fsdp:
-                    self.stage.set_requires_gradient_sync(bool(mb.last))
+            for mb, b in zip(rnd, batches):   # FSDP reduce-scatters each micro-batch's gradients
                 o, zero = self._local_output(mb, b)
                 loss, m = loss_fn(o, mb)
                 loss = loss * mb.loss_scale

@@ -49,7 +49,9 @@ How it runs:
   back before the loss.
 * Log-probs on the last PP stage from vocab-sharded logits (`vocab_parallel_log_probs`: max and
   sum-exp all-reduced over the TP group, the target logit taken on the rank that holds it, exact
-  gradients). Megatron's padded vocab rows are masked out, so the distribution is HF's.
+  gradients). Megatron's padded vocab rows are masked out, so the distribution is HF's. The model
+  hands over its 16-bit logits (`Float16Module(fp32_output=False)` where megatron-core takes it), and
+  they go to fp32 a chunk of rows at a time (`chunked_vocab_parallel_log_probs`, checkpointed with grad).
 * `train_step` runs `get_forward_backward_func()` (1F1B when pp > 1) with a loss that is the
   worker's `loss_fn` times `loss_scale * num_microbatches` (the schedule divides by
   num_microbatches); `finalize_model_grads` reduces over DP (and the tied embedding over the
@@ -93,7 +95,7 @@ from ...batching import forward_groups, join_groups, right_pad
 from . import convert as C
 from . import setup as S
 from .setup import DTYPES
-from .tensors import RightPadded, right_padded, vocab_parallel_log_probs
+from .tensors import RightPadded, chunked_vocab_parallel_log_probs, right_padded
 
 OPTIONS = {"tp": 1, "pp": 1, "dp": None, "layer_spec": C.LOCAL, "make_vocab_size_divisible_by": 128,
            "use_distributed_optimizer": True, "num_layers_in_first_pipeline_stage": None,
@@ -123,6 +125,14 @@ _PARALLEL_USERS = 0   # engines in this process sharing megatron's parallel_stat
 
 
 # ----------------------------------------------------------------------------------- the engine
+def _takes_fp32_output() -> bool:
+    """Does this megatron-core's Float16Module.forward take `fp32_output` (whether to convert its outputs)?"""
+    import inspect
+
+    from megatron.core.transformer.module import Float16Module
+    return "fp32_output" in inspect.signature(Float16Module.forward).parameters
+
+
 class MegatronTrainEngine(TrainEngine):
     """See the module doc. Built by `build(spec)`; requires CUDA (or NPU + MindSpeed) and megatron-core."""
     collective_forward = True   # sharded weights: every forward gathers them across the DP ranks
@@ -156,6 +166,9 @@ class MegatronTrainEngine(TrainEngine):
                                        opts["num_layers_in_first_pipeline_stage"],
                                        opts["num_layers_in_last_pipeline_stage"])
         self.own_group = own_group
+        # the last stage's logits stay 16-bit (Float16Module converts them to fp32 by default: a full-vocab
+        # fp32 tensor per micro-batch); log-probs are taken in fp32 a chunk of rows at a time
+        self._output_kwargs = {"fp32_output": False} if self.dtype != torch.float32 and _takes_fp32_output() else {}
         self.version = 0
         self._pending: dict[int, dict[str, torch.Tensor]] = {}
         from ..torch_train import check_token_budget
@@ -237,20 +250,24 @@ class MegatronTrainEngine(TrainEngine):
         return right_padded(prompts, responses, self.pad_token_id).to(self.device)
 
     def _token_log_probs(self, logits: torch.Tensor, rows: RightPadded, with_entropy: bool):
-        """[B, S, V/tp] logits of the last stage -> [B, R] log-probs (and entropies) of the responses."""
+        """[B, S, V/tp] logits of the last stage (16-bit when training in bf16) -> [B, R] log-probs (and
+        entropies) of the responses, in fp32 a chunk of rows at a time (at most ACCELERATOR_LOGITS_CHUNK_BYTES
+        of fp32 logits)."""
+        from ..log_probs import ACCELERATOR_LOGITS_CHUNK_BYTES
         logits = logits[:rows.rows]   # dummy rows of a pipeline-padded micro-batch take no part
-        if self.temperature not in (0.0, 1.0):
-            logits = logits.float() / self.temperature
-        logp, ent = vocab_parallel_log_probs(logits, rows.targets[:rows.rows], vocab_start=self.tp_rank * logits.shape[-1],
-                                             vocab_size=self.dims.vocab_size, group=self.tp_group,
-                                             with_entropy=with_entropy)
+        row_bytes = 4 * logits.shape[1] * logits.shape[-1]
+        logp, ent = chunked_vocab_parallel_log_probs(
+            logits, rows.targets[:rows.rows], chunk_rows=ACCELERATOR_LOGITS_CHUNK_BYTES // row_bytes,
+            temperature=self.temperature, vocab_start=self.tp_rank * logits.shape[-1],
+            vocab_size=self.dims.vocab_size, group=self.tp_group, with_entropy=with_entropy)
         logp = logp.gather(1, rows.index)
         return logp, (ent.gather(1, rows.index) if ent is not None else None)
 
     def _forward_step(self, on_output, data_iterator, model):
         """megatron's forward_step_func: the model's output and the loss function of it."""
         rows, payload = next(data_iterator)
-        output = model(input_ids=rows.tokens, position_ids=rows.position_ids, attention_mask=None)
+        output = model(input_ids=rows.tokens, position_ids=rows.position_ids, attention_mask=None,
+                       **self._output_kwargs)
         return output, partial(on_output, rows, payload)
 
     def _run(self, batches: list, on_output, forward_only: bool) -> None:

@@ -122,3 +122,29 @@ def vocab_parallel_log_probs(logits: torch.Tensor, targets: torch.Tensor, *, voc
         return logp, None
     ex = e * (x if valid is None else torch.where(valid, x, torch.zeros_like(x)))
     return logp, lse - _sum(ex.sum(-1), group) / s     # H = lse - sum(p x), sum(p x) = sum(e x) / sum(e)
+
+
+def chunked_vocab_parallel_log_probs(logits: torch.Tensor, targets: torch.Tensor, *, chunk_rows: int,
+                                     temperature: float = 1.0, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`vocab_parallel_log_probs` over `chunk_rows` rows of `logits` [B, S, V_local] at a time, each chunk's logits
+    divided by `temperature` and taken to fp32 only inside it: the model's 16-bit logits are the one full-size
+    tensor (at 16 rows x 3,072 x 76k a fp32 copy is 15 GB). With gradients each chunk is checkpointed (its fp32
+    working set freed after the forward, recomputed in the backward; the TP all-reduces run again there, on every
+    rank in the same order). The same values and gradients as one call."""
+    from torch.utils.checkpoint import checkpoint
+
+    def one(x: torch.Tensor, t: torch.Tensor):
+        x = x.float()
+        if temperature not in (0.0, 1.0):
+            x = x / temperature
+        return vocab_parallel_log_probs(x, t, **kwargs)
+
+    grad = torch.is_grad_enabled() and logits.requires_grad
+    chunk_rows = max(1, int(chunk_rows))
+    if logits.shape[0] <= chunk_rows:
+        return one(logits, targets)
+    outs = [checkpoint(one, logits[i:i + chunk_rows], targets[i:i + chunk_rows], use_reentrant=False) if grad
+            else one(logits[i:i + chunk_rows], targets[i:i + chunk_rows]) for i in range(0, logits.shape[0], chunk_rows)]
+    logp = torch.cat([o[0] for o in outs])
+    ent = torch.cat([o[1] for o in outs]) if outs[0][1] is not None else None
+    return logp, ent

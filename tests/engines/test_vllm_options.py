@@ -1,0 +1,36 @@
+"""The vLLM engine's arguments from its options (`vllm_rollout.llm_kwargs`), without building an engine:
+the KV cache is an explicit size on the CPU and what gpu_memory_utilization leaves on an accelerator."""
+from __future__ import annotations
+
+import logging
+
+from mindspeed_rl.engines.base import RolloutSpec
+from mindspeed_rl.engines.rollout.vllm_rollout import DEFAULT_CPU_KV_CACHE_GB, llm_kwargs
+
+
+def test_on_the_cpu_the_kv_cache_is_kv_cache_gb_or_the_default():
+    spec = RolloutSpec(model_path="/m", seed=3)
+    assert llm_kwargs(spec, {"kv_cache_gb": 0.5}, True, 1)["kv_cache_memory_bytes"] == 2**29
+    assert llm_kwargs(spec, {}, True, 1)["kv_cache_memory_bytes"] == int(DEFAULT_CPU_KV_CACHE_GB * 2**30)
+
+
+def test_on_cuda_gpu_memory_utilization_sizes_the_kv_cache_and_kv_cache_gb_is_ignored_with_a_warning(caplog):
+    spec = RolloutSpec(model_path="/m", seed=3, device="cuda:0")
+    with caplog.at_level(logging.WARNING):
+        kw = llm_kwargs(spec, {"kv_cache_gb": 1.0, "gpu_memory_utilization": 0.85}, False, 1)
+    assert "kv_cache_memory_bytes" not in kw and kw["gpu_memory_utilization"] == 0.85
+    assert "kv_cache_gb=1.0 is ignored" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert "kv_cache_memory_bytes" not in llm_kwargs(spec, {"gpu_memory_utilization": 0.85}, False, 1)
+    assert caplog.text == ""
+
+
+def test_the_one_gpu_configs_leave_kv_cache_gb_to_the_cpu():
+    from pathlib import Path
+
+    import yaml
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    for name in ("grpo_qwen25_0p5b_1gpu", "grpo_qwen25_7b", "grpo_qwen25_7b_lora_1gpu", "grpo_qwen25_7b_megatron"):
+        c = yaml.safe_load((configs / f"{name}.yaml").read_text())
+        assert c["generate_config"]["vllm"]["kv_cache_gb"] is None, name
