@@ -5,7 +5,8 @@
     python benchmarks/trl_side_by_side.py --rounds 1 --steps 6 --json docs/benchmarks/trl_side_by_side.json
 
 Both train SmolLM2-135M-Instruct (`builtin:smollm2-135m-instruct`, the same converted checkpoint) on
-`builtin:arith` with the same prompts in the same order (no shuffling), prompts x samples a step, new tokens,
+`builtin:arith` with the same prompts in the same order (the same `steps x prompts` records drawn with the
+round's seed, no shuffling), prompts x samples a step, new tokens,
 sampling (temperature, top-p), learning rate, compute dtype (bf16 autocast over fp32 weights where the config
 says bfloat16: TRL's `bf16=True`), clipped loss without a KL term (TRL `beta=0`), advantages
 normalized within each prompt's group, token-mean loss over the step's tokens (TRL `loss_type="dapo"`), one
@@ -63,7 +64,7 @@ def run_ours(s: dict, out: Path) -> dict:
            f"trainer.output_dir={out}", f"trainer.total_steps={s['steps']}", f"trainer.seed={s['seed']}",
            "trainer.val_before_train=false", "trainer.val_interval=0", "trainer.save_interval=0",
            "trainer.dashboard=false", "trainer.progress=false", "trainer.plot=false", "trainer.report=false",
-           "trainer.overwrite=true", "data.shuffle=false",
+           "trainer.overwrite=true", "data.shuffle=false", f"data.size={s['steps'] * s['prompts']}",
            f"rl_config.prompts_per_step={s['prompts']}", f"rl_config.n_samples_per_prompt={s['samples']}",
            f"actor_config.ppo_mini_batch_size={s['prompts']}", f"actor_config.lr={s['lr']}",
            f"generate_config.max_new_tokens={s['max_new_tokens']}", f"generate_config.temperature={s['temperature']}",

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from ..engines import memory_model as MM
 from ..engines.registry import rollout_backend, train_backend
 from .memory_terms import (CONTEXT_BYTES, DOCK_BYTES, DRIVER_BYTES, DTYPE_BYTES, GB, HOST_PROCESS_BYTES,
-                           RAY_PROCESSES_BYTES, SHIPPED, STATIC_DECODERS_KEPT, Layout, ModelDims,
-                           chunked_logits_bytes, decode_logits_bytes, full_logits_bytes, inference_activation_bytes,
+                           RAY_PROCESSES_BYTES, SHIPPED, SHORT_KV, STATIC_DECODERS_KEPT, Layout, ModelDims,
+                           attention_probs_bytes, chunked_logits_bytes, decode_logits_bytes, full_logits_bytes, inference_activation_bytes,
                            kv_cache_bytes, load_dims, log_prob_pass_bytes, logits_chunk_bytes, lora_params,
                            optimizer_step_bytes, recompute_bytes, state_bytes, static_kv_bytes, tokens_per_forward,
                            train_activation_bytes, vllm_bytes)
@@ -217,6 +217,11 @@ def _activations(d: ModelDims, lay: Layout, who: str, section: str, rows: int, n
         f"a smaller {section}.max_tokens_per_micro_batch (now {budget})" if budget else
         f"{section}.max_tokens_per_micro_batch (a token budget per forward)")
     out = [Term(f"{who} activations", b, how, knobs)]
+    if lay.kind == "cpu" and lay.compute_bytes < 4 and seq_len <= SHORT_KV and not checkpointing:
+        heads = d.heads
+        out.append(Term(f"{who} attention probabilities", attention_probs_bytes(rows, heads, seq_len, layers),
+                        f"{rows} rows x {heads} heads x {seq_len}^2 x 6 B x {layers} layers (the CPU's short 16-bit "
+                        "attention as matmuls, models/cpu_attention.py)", knobs))
     if checkpointing:
         layer = recompute_bytes(d, tokens, lay.compute_bytes, lay.autocast, lora_rank) / lay.tp
         out.append(Term(f"{who} recompute", max(0.0, layer - logits_bytes),

@@ -265,6 +265,17 @@ def kv_cache_bytes(d: ModelDims, rows: int, seq_len: int, compute_bytes: int) ->
     return full * (1 + 1 / (2 * d.layers))
 
 
+# keys up to which attention on the CPU in 16 bits runs as matmuls and keeps its probabilities for the backward
+# (models/cpu_attention.py SHORT_KV, read without torch)
+SHORT_KV = 128
+
+
+def attention_probs_bytes(rows: int, heads: int, seq_len: int, layers: int) -> float:
+    """The matmul attention's saved softmax: its fp32 output and the 16-bit probabilities the second matmul reads,
+    [rows, heads, seq, seq] per layer."""
+    return rows * heads * seq_len * seq_len * 6 * layers
+
+
 # the static decode's decoders kept per engine (engines/rollout/static_decode.py StaticDecoders.KEEP, read without
 # torch): a run's training and validation sampling
 STATIC_DECODERS_KEPT = 2

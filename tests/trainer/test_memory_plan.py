@@ -120,6 +120,11 @@ def test_logits_kv_and_token_terms():
     assert M.tokens_per_forward(2, 100, 10_000) == 200
 
 
+def test_engines_source_the_short_attention_length():
+    from mindspeed_rl.models.cpu_attention import SHORT_KV
+    assert M.SHORT_KV == SHORT_KV
+
+
 def test_engines_source_the_static_decoders_kept():
     from mindspeed_rl.engines.rollout.static_decode import StaticDecoders
     assert M.STATIC_DECODERS_KEPT == StaticDecoders.KEEP

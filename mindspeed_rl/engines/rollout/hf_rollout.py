@@ -146,6 +146,9 @@ class HFRolloutEngine(RolloutEngine):
         if self.static:   # a decode step reads each K/V head once per group, not once per query head
             from .gqa_decode import use_gqa_decode
             use_gqa_decode(self.model)
+        elif self.device.type == "cpu":   # short 16-bit attention as matmuls (models/cpu_attention.py)
+            from ...models.cpu_attention import use_cpu_attention
+            use_cpu_attention(self.model)
         for p in self.model.parameters():
             p.requires_grad_(False)
         # one buffer, in HF order: a sync from a flattened trainer lands in one broadcast per bucket

@@ -206,7 +206,11 @@ def load_model(spec: TrainSpec, stored: str) -> torch.nn.Module:
     if spec.model_kind == "reward":
         load = init_reward_model if spec.optim is not None else load_reward_model
         return load(spec.model_path, stored, pad_token_id=spec.pad_token_id)
-    return (load_value_model if spec.model_kind == "value" else load_causal_lm)(spec.model_path, stored)
+    model = (load_value_model if spec.model_kind == "value" else load_causal_lm)(spec.model_path, stored)
+    if torch.device(spec.device).type == "cpu":   # short 16-bit attention as matmuls (models/cpu_attention.py)
+        from ...models.cpu_attention import use_cpu_attention
+        use_cpu_attention(model)
+    return model
 
 
 def compute_dtype_of(dtype, model: torch.nn.Module) -> torch.dtype:
