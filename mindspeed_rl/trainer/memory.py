@@ -199,6 +199,17 @@ def _compute_copy(d: ModelDims, lay: Layout, who: str, head: str, trainable: int
     return []
 
 
+def _root_grads(d: ModelDims, lay: Layout, who: str, head: str, lora_rank: int) -> list[Term]:
+    """An FSDP2 mesh's root (embeddings, head) computes its 16-bit gradients whole in the backward, where they
+    live until the root's reduce-scatter at its end (a LoRA model's root is frozen: none)."""
+    c = lay.compute_bytes
+    if not lay.sharded or c >= 4 or lora_rank:
+        return []
+    root = d.params(head) - d.layers * d.layer_params()
+    return [Term(f"{who} root grads", root * c, f"root {root / 1e9:.2f}B x {c} B before its reduce-scatter",
+                 ("actor_config.lora.rank (a frozen 16-bit base, only adapters train)",))]
+
+
 def _activations(d: ModelDims, lay: Layout, who: str, section: str, rows: int, n_micro: int, seq_len: int,
                  budget: int | None, checkpointing: bool, lora_rank: int, rows_key: str,
                  logits_bytes: float) -> list[Term]:
@@ -350,7 +361,8 @@ def _model_load(cfg, d: ModelDims, lay: Layout, model: str, kind: str, mfcs: lis
             terms = weights + grads + opt + copy + _activations(
                 d, lay, who, section, micro_rows, n_micro, seq_len, budget,
                 bool(getattr(sec, "gradient_checkpointing", False)), lora_rank, rows_key,
-                logits.bytes if logits else 0.0) + ([logits] if logits else [])
+                logits.bytes if logits else 0.0) + ([logits] if logits else []) + _root_grads(
+                d, lay, who, head, lora_rank)
             busy[m.name] = _running(terms)
             if lay.memory != MM.MODEL_PARALLEL and not offload.get("fsdp_cpu_offload"):
                 busy[f"{m.name} (optimizer step)"] = _running(weights + grads + opt + [

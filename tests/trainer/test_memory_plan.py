@@ -296,3 +296,16 @@ def test_the_host_overlaps_a_workers_stages_when_the_step_does():
     assert "rollout KV cache" not in blocking and "rollout KV cache" in overlapped
     procs = lambda ts: sum(t.bytes for t in ts if t.name == "worker process")
     assert procs(terms(**{"placement.groups.integrated.dp": 2})) == 3 * M.HOST_PROCESS_BYTES
+
+
+def test_an_fsdp_root_counts_its_16_bit_gradients_in_the_backward():
+    """The 7B actor's root (embeddings and an untied head) computes bf16 gradients whole before their
+    reduce-scatter; LoRA freezes the root: none."""
+    d = dims("qwen2.5-7b")
+    root = d.params("lm") - d.layers * d.layer_params()
+    train = {t.name: t.bytes for t in next(x for x in plan_of("grpo_qwen25_7b").memory.devices
+                                           if "actor" in x.groups).phases["actor_train"]}
+    assert train["actor root grads"] == root * 2 and root == 2 * 152064 * 3584 + 3584
+    lora = next(x for x in plan_of("grpo_qwen25_7b", **{"actor_config.lora.rank": 64}).memory.devices
+                if "actor" in x.groups)
+    assert "actor root grads" not in {t.name for t in lora.phases["actor_train"]}
