@@ -190,17 +190,26 @@ def check_concurrent_capture(a, device, dtype) -> dict:
 
 def check_fsdp_memory(a, device, dtype) -> dict:
     """On CUDA the peak allocated memory of one step; elsewhere only that the step runs (gloo)."""
-    import os
+    import torch.distributed as dist
 
+    from mindspeed_rl.engines.sync.weight_sync import free_port
+    own_group = not dist.is_initialized()
+    if own_group:   # a one-rank group of its own, gone again when the check ends
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        return _fsdp_step_memory(a, device)
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+
+
+def _fsdp_step_memory(a, device) -> dict:
     import torch.distributed as dist
 
     from mindspeed_rl.engines import OptimConfig, TrainSpec
     from mindspeed_rl.engines.base import MicroBatch
     from mindspeed_rl.engines.train.fsdp_train import FSDPTrainEngine
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
     with tempfile.TemporaryDirectory() as d:
         qwen05b(a.layers, torch.float32, torch.device("cpu")).save_pretrained(d)
         engine = FSDPTrainEngine.build(TrainSpec(model_path=d, dtype="bfloat16" if device.type == "cuda" else "float32",

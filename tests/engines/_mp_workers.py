@@ -72,6 +72,10 @@ def _entry(fn, args, out: str) -> None:
     torch.set_num_threads(1)
     # a hung worker's stacks, on SIGUSR1 from run_procs: a hang is then a diagnosis, not a mystery
     faulthandler.register(signal.SIGUSR1, file=open(out + ".stack", "w"), all_threads=True)
+    # a worker that dies (an abort in gloo, a segfault) leaves its stderr and Python stacks behind
+    err = open(out + ".stderr", "w")
+    os.dup2(err.fileno(), 2)
+    faulthandler.enable(file=err, all_threads=True)
     try:
         result = {"ok": True, "value": fn(*args)}
     except BaseException:  # noqa: BLE001 - reported to the test, whatever it is
@@ -112,7 +116,8 @@ def run_procs(jobs, tmp_path: Path, timeout_s: float = 120.0) -> list:
     results, errors = [], []
     for i, (p, out) in enumerate(zip(procs, outs)):
         if not out.is_file():
-            errors.append(f"worker {i} exited with code {p.exitcode} and no result")
+            errors.append(f"worker {i} exited with code {p.exitcode} and no result; its stderr ends:\n"
+                          + _read(str(out) + ".stderr")[-4000:])
             continue
         r = torch.load(out, weights_only=False)
         if not r["ok"]:
