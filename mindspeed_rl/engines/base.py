@@ -89,6 +89,9 @@ class RolloutEngine(ReplicaRoles, abc.ABC):
     weight_version: int = 0
     concurrent_generate: bool = False   # may two threads call `generate` at once (rows of two steps in flight)?
     partial_rollout: bool = False       # can it take new weights while `generate` calls are in flight (`paused`)?
+    # micro-batches a generate stage keeps in flight at once: > 1 only for an engine that computes elsewhere
+    # and batches across calls (a server); an in-process engine's concurrent calls would share its cores
+    micro_batches_in_flight: int = 1
 
     @abc.abstractmethod
     def generate(self, prompts: Sequence[torch.Tensor], params: SamplingParams,

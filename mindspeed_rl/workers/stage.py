@@ -10,6 +10,7 @@ dock's own message).
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -176,6 +177,9 @@ def run_stage(dock, impl, roles: LoopRoles, *, stage: str, rank: int, step: int,
     cores = cores or CoreShare.of_calling_thread()
     units = (_mini_batches(dock, impl, roles, reading, before_optimizer_step, cores) if train else
              _micro_batches(dock, impl, roles, reading, get_n_samples))
+    in_flight = getattr(getattr(impl, "engine", None), "micro_batches_in_flight", 1)
+    if not train and in_flight > 1 and roles.share_group is None and not roles.collective_stop:
+        return _run_in_flight(dock, impl, roles, units, rep, in_flight)
     try:
         with _on_device(impl, train):   # the engine's state on the device for the stage
             for unit, rows in units:
@@ -206,6 +210,56 @@ def run_stage(dock, impl, roles: LoopRoles, *, stage: str, rank: int, step: int,
     if roles.reads or roles.writes:
         dock.flush()
     rep.put_s += time.perf_counter() - t4
+    rep.t_end = time.time()
+    rep.peak_rss_bytes = peak_resident_bytes()
+    return rep
+
+
+def _run_in_flight(dock, impl, roles: LoopRoles, units, rep: StageReport, in_flight: int) -> StageReport:
+    """A forward stage whose engine batches across calls elsewhere (a rollout server): `in_flight` threads each
+    take the next micro-batch, call the engine and push its outputs, so the rows of several micro-batches share
+    the engine's slots. The dock's micro-batches are handed out and the outputs pushed under one lock (the
+    dock client is one connection); the engine calls run outside it. `compute_s` is the stage's wall time
+    less its gets and puts (the calls overlap)."""
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def loop() -> None:
+        try:
+            while not errors:
+                with lock:
+                    item = next(units, None)
+                if item is None:
+                    return
+                unit, rows = item
+                out = impl.run(unit, rows)
+                t0 = time.perf_counter()
+                with lock:
+                    if roles.writes and out is not None:
+                        if out.columns and rows:
+                            dock.put_experience(out.columns, rows, producer=rep.stage, wait=False)
+                        add_metrics(rep.metrics, out.metrics)
+                        rep.samples.extend(getattr(out, "samples", [])[:max(0, MAX_SAMPLES - len(rep.samples))])
+                    rep.put_s += time.perf_counter() - t0
+                    rep.mb_put_s.append(time.perf_counter() - t0)
+        except BaseException as e:  # noqa: BLE001 - raised by the stage's own thread below
+            errors.append(e)
+
+    t_start = time.perf_counter()
+    with _on_device(impl, False):
+        threads = [threading.Thread(target=loop, name=f"{rep.stage}-in-flight-{i}", daemon=True)
+                   for i in range(in_flight)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    if errors:
+        raise errors[0]
+    t4 = time.perf_counter()
+    if roles.reads or roles.writes:
+        dock.flush()
+    rep.put_s += time.perf_counter() - t4
+    rep.compute_s += max(0.0, time.perf_counter() - t_start - rep.get_s - rep.put_s)
     rep.t_end = time.time()
     rep.peak_rss_bytes = peak_resident_bytes()
     return rep

@@ -185,3 +185,57 @@ def test_a_partial_rollout_sync_does_not_wait_for_the_rows_in_flight(server, bas
     out = got["out"]
     assert [int(v) for v in out.columns["weight_version"]] == [5] * 4
     assert out.metrics["partial_count"] == 4
+
+
+def test_a_generate_stage_keeps_several_micro_batches_in_flight_on_the_server(server, base_model, tmp_path):
+    """The worker's stage loop (workers/stage.py `run_stage`) with the real `Generate` over an in-process dock:
+    on the server the rows of several micro-batches are in flight together, and every row is taken once and
+    gets the tokens its per-row seed gives alone."""
+    from mindspeed_rl.config import config_from_dict
+    from mindspeed_rl.trainer.plan import make_plan
+    from mindspeed_rl.trainer.worker_specs import group_args
+    from mindspeed_rl.workers.engine_set import EngineSet
+    from mindspeed_rl.workers.impls import StageContext, build_impl
+    from mindspeed_rl.workers.stage import LoopRoles, run_stage
+    from mindspeed_rl.workers.compute import rollout_seed
+    from tests.workers.test_simulate import LocalDock
+
+    load(server, base_model, 7)
+    prompts_per_step, n = 4, 2
+    cfg = config_from_dict({"trainer": {"output_dir": str(tmp_path)}, "placement": {"mode": "disaggregated"},
+                            "generate_config": {"backend": "vllm", "vllm": {"serve": True}, "max_new_tokens": 24,
+                                                "micro_batch_size_per_device": 2},
+                            "rl_config": {"prompts_per_step": prompts_per_step, "n_samples_per_prompt": n}})
+    plan = make_plan(cfg)
+    [mfc] = [m for m in plan.order if m.name == "actor_rollout"]
+    args = group_args(cfg, plan, plan.groups["rollout"])[mfc.name]
+    assert args["count"] == 2 and server.micro_batches_in_flight > 1
+    engines = EngineSet([], seed=0, device="cpu", process_group=None, tokenizer_path="", stop_tokens=[])
+    engines.rollout["actor"] = server
+    rows = prompts_per_step * n
+    dock = LocalDock(plan.columns, plan.consumers, prompts_per_step, n, guarantee_order=False, default_timeout=30)
+    prompts = [p for p in random_rows(prompts_per_step, [3, 5, 2, 4], seed=4) for _ in range(n)]
+    dock.put_experience({"prompts": prompts, "prompt_length": [torch.tensor([len(p)]) for p in prompts]},
+                        list(range(rows)))
+    most = [0]
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            most[0] = max(most[0], len(server.rows_in_flight()))
+            time.sleep(0.001)
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    impl = build_impl(StageContext(mfc=mfc, step=0, policy_version=7, kl_coef=0.0, args=args, host=engines))
+    try:
+        rep = run_stage(dock, impl, LoopRoles(), stage=mfc.name, rank=0, step=0, input_keys=mfc.input_keys,
+                        get_n_samples=False, timeout_s=60)
+    finally:
+        done.set()
+        watcher.join()
+    assert rep.rows == rows and rep.micro_batches == rows // 2 and dock.all_consumed(mfc.name)
+    assert most[0] > 2, most[0]   # more than one micro-batch's rows at once
+    got, taken = dock.get_experience("rule_reward", ["responses"], rows)
+    assert sorted(taken) == list(range(rows))
+    alone = server.generate(prompts, impl.params, [rollout_seed(args["seed"], 0, r) for r in range(rows)])
+    assert all(torch.equal(r, alone.responses[i]) for r, i in zip(got["responses"], taken))

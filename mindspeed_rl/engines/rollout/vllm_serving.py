@@ -45,6 +45,7 @@ from .vllm_weights import SHM_DIR, SHM_PREFIX, muted, write_weight_file
 logger = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 300.0   # a pause, a reload or a shutdown on the engine core
+IN_FLIGHT = 8            # micro-batches a generate stage keeps in flight on the server
 SETTLE_S = 0.02          # a paused engine's rows hold still this long before their counts are read
 
 
@@ -53,6 +54,9 @@ class VLLMServingEngine(VLLMRolloutEngine):
 
     concurrent_generate = True
     partial_rollout = True
+    # a stage's micro-batches in flight together: their rows share the scheduler's slots, so a micro-batch's
+    # long row no longer holds back the next micro-batch's start
+    micro_batches_in_flight = IN_FLIGHT
 
     def __init__(self, llm: Any, loop: asyncio.AbstractEventLoop, thread: threading.Thread, spec: RolloutSpec,
                  restore: dict | None = None):
