@@ -239,3 +239,41 @@ def test_a_generate_stage_keeps_several_micro_batches_in_flight_on_the_server(se
     assert sorted(taken) == list(range(rows))
     alone = server.generate(prompts, impl.params, [rollout_seed(args["seed"], 0, r) for r in range(rows)])
     assert all(torch.equal(r, alone.responses[i]) for r, i in zip(got["responses"], taken))
+
+
+def test_a_prompt_vllm_refuses_fails_its_row_by_index(server, base_model):
+    load(server, base_model, 8)
+    prompts = random_rows(3, [4, 3, 5], seed=5)
+    prompts[1] = torch.arange(3, 200)   # longer than max_model_len (128)
+    with pytest.raises(RuntimeError, match=r"row 1 of this generate call \(prompt of 197 tokens\) failed"):
+        server.generate(prompts, SamplingParams(max_new_tokens=8, temperature=1.0), seeds_for(3, 9))
+    out = server.generate(prompts[:1], SamplingParams(max_new_tokens=8, temperature=1.0), seeds_for(1, 9))
+    assert len(out.responses[0]) == 8   # the engine goes on
+
+
+def test_zz_a_dead_engine_core_fails_the_call_naming_it(server, base_model):
+    """Last in the module (it kills the module's engine): the engine core killed while rows are in flight."""
+    import signal
+
+    from mindspeed_rl.engines.rollout.vllm_serving import VLLMEngineDied
+    load(server, base_model, 9)
+    prompts = random_rows(4, [4, 3, 5, 2], seed=6)
+    got = {}
+
+    def call():
+        try:
+            server.generate(prompts, SamplingParams(max_new_tokens=64, temperature=1.0), seeds_for(4, 10))
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            got["error"] = e
+    thread = threading.Thread(target=call)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not (len(rows := server.rows_in_flight()) == 4 and min(rows.values()) >= 2):
+        assert time.monotonic() < deadline and thread.is_alive(), rows
+        time.sleep(0.002)
+    pid = server.engine_pids()[0]
+    os.kill(pid, signal.SIGKILL)
+    thread.join(60)
+    assert not thread.is_alive(), "the call ended once the engine core died"
+    assert isinstance(got.get("error"), VLLMEngineDied), got
+    assert f"pid {pid}" in str(got["error"])

@@ -49,6 +49,11 @@ IN_FLIGHT = 8            # micro-batches a generate stage keeps in flight on the
 SETTLE_S = 0.02          # a paused engine's rows hold still this long before their counts are read
 
 
+class VLLMEngineDied(RuntimeError):
+    """The serving engine's engine core process died: nothing it had in flight finishes, nothing more runs.
+    One line naming the process, since the trainer quotes the last line of a worker's error."""
+
+
 class VLLMServingEngine(VLLMRolloutEngine):
     """`AsyncLLM` behind the rollout engine's interface; see the module docstring."""
 
@@ -68,6 +73,7 @@ class VLLMServingEngine(VLLMRolloutEngine):
         self._paused_at: dict[str, int] | None = None    # request id -> tokens, while paused
         super().__init__(llm, spec, restore=restore, tensor_parallel_size=1)
         self._workers_elsewhere = True   # the engine core's worker: weights through /dev/shm
+        self._engine_pid = (self.engine_pids() or [None])[0]
 
     # ---- construction
     @classmethod
@@ -146,8 +152,14 @@ class VLLMServingEngine(VLLMRolloutEngine):
                         lps.extend(c.logprobs[j][tok].logprob for j, tok in enumerate(new))
                     tokens.extend(new)
             except Exception as e:
+                from vllm.v1.engine.exceptions import EngineDeadError
+                if isinstance(e, EngineDeadError):
+                    raise VLLMEngineDied(f"the vLLM engine core process of this rollout worker (pid "
+                                         f"{self._engine_pid}) died: its rows cannot finish and the engine cannot be "
+                                         f"used any more") from e
                 raise RuntimeError(f"vllm serving rollout: row {index} of this generate call (prompt of "
-                                   f"{len(prompt['prompt_token_ids'])} tokens) failed: {e}") from e
+                                   f"{len(prompt['prompt_token_ids'])} tokens) failed: "
+                                   f"{str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}") from e
             finally:
                 with self._rows_lock:
                     self._rows.pop(rid, None)
