@@ -156,7 +156,8 @@ class ActorConfig:
     model_config: Optional[str] = None   # the memory plan's model dimensions when the weights are not on this
                                          # machine: a config.json path or a shipped architecture (qwen2.5-7b, ...);
                                          # null: model_path's config.json, else the name of model_path
-    off_policy_correction: str = "none"  # none, tis (verl's truncated IS), decoupled (AReaL's decoupled PPO)
+    off_policy_correction: Optional[str] = None  # none, tis (verl's truncated IS), decoupled (AReaL's decoupled
+                                         # PPO); null: tis with rl_config.partial_rollout (its rows mix versions), else none
     tis_cap: float = 2.0                 # cap of the behaviour importance weight (tis, decoupled)
     recompute_log_prob: Optional[bool] = None  # the old log-probs by a forward before the update; null: only when
                                          # a step's rows feed more than one optimizer step or older weights made

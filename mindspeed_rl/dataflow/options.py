@@ -96,7 +96,17 @@ def on_policy_update(cfg) -> bool:
     a, rl = cfg.actor_config, cfg.rl_config
     one_step = not a.ppo_mini_batch_size or a.ppo_mini_batch_size >= rl.prompts_per_step
     return (one_step and rl.max_weight_staleness == 0 and not getattr(rl, "dynamic_sampling", False)
-            and getattr(a, "off_policy_correction", "none") == "none")
+            and off_policy_correction(cfg) == "none")
+
+
+def off_policy_correction(cfg) -> str:
+    """`actor_config.off_policy_correction`, with null meaning: tis when rl_config.partial_rollout is on (a row's
+    tokens then come from two versions, so neither is its behaviour policy: each token's own log-prob is), else
+    none."""
+    chosen = getattr(cfg.actor_config, "off_policy_correction", None)
+    if chosen is not None:
+        return chosen
+    return "tis" if getattr(getattr(cfg, "rl_config", None), "partial_rollout", False) else "none"
 
 
 def recomputes_log_prob(cfg) -> bool:
@@ -116,7 +126,7 @@ def options_from_config(cfg) -> AlgorithmOptions:
     rm = getattr(cfg, "reward_model", None)
     rl = getattr(cfg, "rl_config", None)
     return AlgorithmOptions(use_reference=uses_kl_loss(a.use_kl_loss, a.kl_loss_coef),
-                            off_policy_correction=getattr(a, "off_policy_correction", "none") != "none",
+                            off_policy_correction=off_policy_correction(cfg) != "none",
                             reward_model=bool(getattr(rm, "enable", False)),
                             rule_reward=bool(getattr(rl, "reward_fn", "digits")),
                             agent=bool(getattr(getattr(getattr(cfg, "generate_config", None), "agent", None), "enable",

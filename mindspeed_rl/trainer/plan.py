@@ -13,7 +13,7 @@ import networkx as nx
 from ..config import Config, ConfigError, validate_config
 from ..dataflow import (MFCDef, algorithm_graph, dock_columns, dock_consumers, get_algorithm, options_from_config,
                         same_step_readers, train_time_mfcs, topological_order, trained_models, weight_sync_targets)
-from ..dataflow.options import on_policy_update
+from ..dataflow.options import off_policy_correction, on_policy_update
 from ..engines.registry import Backend
 from ..parallel import PlacementPlan
 from .memory import plan_memory
@@ -73,9 +73,9 @@ def _algorithm(cfg: Config) -> tuple[nx.DiGraph, list[MFCDef], tuple[str, ...]]:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     from ..algorithms import OFF_POLICY_CORRECTIONS
-    if cfg.actor_config.off_policy_correction not in OFF_POLICY_CORRECTIONS:
+    if off_policy_correction(cfg) not in OFF_POLICY_CORRECTIONS:
         raise ConfigError(f"actor_config.off_policy_correction={cfg.actor_config.off_policy_correction!r}: must be one "
-                          f"of {list(OFF_POLICY_CORRECTIONS)} (docs/async.md)")
+                          f"of {list(OFF_POLICY_CORRECTIONS)} or null (docs/async.md)")
     if cfg.actor_config.recompute_log_prob is False and not on_policy_update(cfg):
         raise ConfigError("actor_config.recompute_log_prob=false: this config's rows feed several optimizer steps or "
                           "come from older weights (ppo_mini_batch_size < rl_config.prompts_per_step, "
@@ -118,6 +118,10 @@ def _run_notes(cfg: Config, graph: nx.DiGraph, order: list[MFCDef]) -> list[str]
         late = train_time_mfcs(graph)
         notes.append(f"max_weight_staleness={rl.max_weight_staleness}: {[m.name for m in order if m.name not in late]} "
                      f"run up to {rl.max_weight_staleness} steps ahead of training, {late} at their step's turn")
+    if rl.partial_rollout and cfg.actor_config.off_policy_correction == "none":
+        notes.append("WARNING: rl_config.partial_rollout=true with actor_config.off_policy_correction=none: rows whose "
+                     "tokens came from two weight versions are trained as if one policy sampled them; null (tis) "
+                     "weighs each token by its own behaviour log-prob")
     if cfg.trainer.simulate_cost_s_per_row:
         notes.append("sleeping compute (trainer.simulate_cost_s_per_row): the simulate backend's engines and the "
                      "compute stages sleep per row; no models are loaded")

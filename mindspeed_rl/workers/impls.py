@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..dataflow.mfc import MFCDef
+from ..dataflow.options import off_policy_correction
 from . import compute as C
 
 # An implementation's kind (`Impl.kind`): a forward over micro-batches, or optimizer steps.
@@ -269,7 +270,7 @@ class PolicyTrain(Impl):
         return {**cls.sizes(cfg, info), "loss": {
             "clip_low": o.clip_ratio_low, "clip_high": o.clip_ratio_high, "clip_c": o.clip_ratio_c,
             "agg": o.loss_agg_mode, "use_kl_loss": o.use_kl_loss, "kl_type": o.kl_loss_type,
-            "entropy_coeff": o.entropy_coeff, "off_policy_correction": o.off_policy_correction, "tis_cap": o.tis_cap}}
+            "entropy_coeff": o.entropy_coeff, "off_policy_correction": off_policy_correction(cfg), "tis_cap": o.tis_cap}}
 
     def loss_fn(self):
         return C.policy_loss_fn(C.PolicyLossConfig(**self.args["loss"]), self.ctx.kl_coef)

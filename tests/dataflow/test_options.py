@@ -149,3 +149,23 @@ def test_the_loss_without_old_log_probs_takes_the_updates_own():
     loss.backward()
     assert float(loss.detach()) == pytest.approx(-2.0) and m["pg_clipfrac"] == 0.0 and m["ppo_kl"] == 0.0
     assert logp.grad.tolist() == [[-1.0, -1.0, 0.0]]   # -A / tokens on the real tokens
+
+
+@pytest.mark.parametrize("overrides, correction", [
+    ({}, "none"),
+    ({"rl_config.max_weight_staleness": 1, "rl_config.guarantee_order": False, "rl_config.partial_rollout": True},
+     "tis"),
+    ({"rl_config.max_weight_staleness": 1, "rl_config.guarantee_order": False, "rl_config.partial_rollout": True,
+      "actor_config.off_policy_correction": "none"}, "none"),
+    ({"actor_config.off_policy_correction": "decoupled"}, "decoupled"),
+])
+def test_a_null_correction_is_tis_with_partial_rollouts_only(overrides, correction, tmp_path):
+    from mindspeed_rl.dataflow.options import off_policy_correction
+    from mindspeed_rl.trainer.plan import make_plan
+    from tests.config.helpers import with_overrides
+    cfg = config_from_dict(with_overrides({**overrides, "trainer.output_dir": str(tmp_path)}))
+    assert off_policy_correction(cfg) == correction
+    assert options_from_config(cfg).off_policy_correction is (correction != "none")
+    warned = any(n.startswith("WARNING: rl_config.partial_rollout=true with actor_config.off_policy_correction=none")
+                 for n in make_plan(cfg).notes)
+    assert warned is (overrides.get("actor_config.off_policy_correction") == "none")
