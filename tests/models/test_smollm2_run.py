@@ -53,8 +53,7 @@ def test_the_real_model_validates_as_transformers_and_trains(ray_session, tmp_pa
     overrides = [f"trainer.output_dir={tmp_path}", "trainer.total_steps=2", "trainer.val_interval=0",
                  "trainer.dashboard=false", "trainer.progress=false", "trainer.report=false", "trainer.plot=false",
                  "trainer.save_interval=0", "trainer.logger=[jsonl]", "rl_config.prompts_per_step=2",
-                 "actor_config.ppo_mini_batch_size=2", f"data.val_size={VAL_SIZE}", "actor_config.dtype=float32",
-                 "placement.groups.integrated.torch_threads=1"]
+                 "actor_config.ppo_mini_batch_size=2", f"data.val_size={VAL_SIZE}", "actor_config.dtype=float32"]
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
         cfg = config_from_dict(compose("grpo_smollm2_arith", overrides=overrides))
     assert cfg.actor_config.recompute_log_prob is None and cfg.data.chat_template
