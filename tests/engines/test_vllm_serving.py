@@ -68,6 +68,14 @@ def running(pid: int) -> bool:
         return False
 
 
+def in_flight(server, thread, rows: int, tokens: int) -> None:
+    """Wait until `rows` rows are in flight on `server`, each with at least `tokens` tokens (`thread`: the call)."""
+    deadline = time.monotonic() + 60
+    while not (len(now := server.rows_in_flight()) == rows and min(now.values()) >= tokens):
+        assert time.monotonic() < deadline and thread.is_alive(), now
+        time.sleep(0.002)
+
+
 def load(engine, model, version):
     engine.update_weights(list(hf_named_weights(model)), version)
     assert engine.weight_version == version and engine.pending_weight_names() == []
@@ -131,10 +139,7 @@ def test_a_weight_update_lands_between_two_tokens_of_the_rows_in_flight(server, 
     got = {}
     thread = threading.Thread(target=lambda: got.setdefault("out", server.generate(prompts, params, seeds_for(6, 5))))
     thread.start()
-    deadline = time.monotonic() + 60
-    while not (len(rows := server.rows_in_flight()) == 6 and min(rows.values()) >= 4):
-        assert time.monotonic() < deadline and thread.is_alive(), rows
-        time.sleep(0.002)
+    in_flight(server, thread, rows=6, tokens=4)
     with server.paused():
         load(server, new, 4)
     thread.join(120)
@@ -175,10 +180,7 @@ def test_a_partial_rollout_sync_does_not_wait_for_the_rows_in_flight(server, bas
             got["out"] = C.generate({"prompts": prompts}, [0, 1, 2, 3], engine=server, params=params, seed=5, step=0)
     thread = threading.Thread(target=micro_batch)
     thread.start()
-    deadline = time.monotonic() + 60
-    while not (len(rows := server.rows_in_flight()) == 4 and min(rows.values()) >= 4):
-        assert time.monotonic() < deadline and thread.is_alive(), rows
-        time.sleep(0.002)
+    in_flight(server, thread, rows=4, tokens=4)
     host.sync_weights("actor", 6)
     assert "out" not in got and server.weight_version == 6   # the sync did not wait for the micro-batch
     thread.join(120)
@@ -267,10 +269,7 @@ def test_zz_a_dead_engine_core_fails_the_call_naming_it(server, base_model):
             got["error"] = e
     thread = threading.Thread(target=call)
     thread.start()
-    deadline = time.monotonic() + 60
-    while not (len(rows := server.rows_in_flight()) == 4 and min(rows.values()) >= 2):
-        assert time.monotonic() < deadline and thread.is_alive(), rows
-        time.sleep(0.002)
+    in_flight(server, thread, rows=4, tokens=2)
     pid = server.engine_pids()[0]
     os.kill(pid, signal.SIGKILL)
     thread.join(60)
