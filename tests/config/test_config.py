@@ -64,6 +64,21 @@ def test_hydra_overrides_compose_as_documented():
             compose("grpo_tiny", overrides=["trainer.total_step=3"])
 
 
+@pytest.mark.parametrize("name", sorted(p.stem for p in (REPO / "configs").glob("*.yaml")))
+def test_a_configs_vllm_section_lists_every_vllm_key(name):
+    """docs/engines.md's `generate_config.vllm.serve=true` (and every other vllm key) is a plain Hydra override
+    on every config with a vllm section: Hydra refuses a key the YAML does not list unless it is given with `+`."""
+    from hydra import compose, initialize_config_dir
+
+    from mindspeed_rl.config.schema import VLLMConfig
+
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+        section = OmegaConf.to_container(compose(name)).get("generate_config", {}).get("vllm")
+    if section is None:
+        pytest.skip("no vllm section")
+    assert [f.name for f in dataclasses.fields(VLLMConfig) if f.name not in section] == []
+
+
 def test_ints_widen_to_floats_and_whole_floats_narrow_to_ints():
     cfg = config_from_dict(with_overrides({"actor_config.lr": 1, "trainer.total_steps": 3.0,
                                            "placement.groups.integrated.num_cpus": 2}))
@@ -213,6 +228,10 @@ VALIDATE_ERRORS = {
     "negative npus": ({"placement.groups.rule.num_npus": -1}, ["placement.groups.rule.num_npus=-1.0: must be >= 0"]),
     "zero threads": ({"placement.groups.rule.torch_threads": 0},
                      ["placement.groups.rule.torch_threads=0: must be > 0"]),
+    "a negative core": ({"placement.groups.rule.cpu_affinity": [-1]},
+                        ["placement.groups.rule.cpu_affinity=[-1]", "a non-empty list of core ids such as [0]"]),
+    "a core not here": ({"placement.groups.rule.cpu_affinity": [0, 4096]},
+                        ["placement.groups.rule.cpu_affinity=[0, 4096]", "cores [4096] are not among this machine's"]),
     "dual clip bound": ({"actor_config.clip_ratio_c": 1.0},
                         ["actor_config.clip_ratio_c=1.0", "must be > 1", "3.0 is usual"]),
     "one beta": ({"actor_config.betas": [0.9]}, ["actor_config.betas=[0.9]", "two betas", "[0.9, 0.999]"]),
