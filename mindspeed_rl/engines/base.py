@@ -122,6 +122,12 @@ class RolloutEngine(ReplicaRoles, abc.ABC):
         return None
 
     @classmethod
+    def refusal(cls, options: dict, tp: int) -> str | None:
+        """Why the engine this backend builds from `options` cannot run at tensor-parallel size `tp`, or None:
+        asked by the plan, so a combination the engine cannot build stops before any worker starts."""
+        return None
+
+    @classmethod
     def takes_partial_rollout(cls, options: dict) -> bool:
         """Whether the engine this backend builds from `options` implements `paused` (rl_config.partial_rollout)."""
         return cls.partial_rollout

@@ -79,6 +79,22 @@ def check_partial_rollout(cfg: Config, groups: dict[str, GroupPlan]) -> None:
                               f"{able} (with tp 1 and pp 1)")
 
 
+def check_rollout_refusals(cfg: Config, groups: dict[str, GroupPlan]) -> None:
+    """Each group's rollout engine can be built with its options at its tensor-parallel size
+    (`RolloutEngine.refusal`), checked here so that it fails before any worker starts."""
+    from ..engines.registry import backend_options
+    for g, p in groups.items():
+        row = p.rollout_row
+        if row is None:
+            continue
+        try:
+            why = row.load().refusal(backend_options(cfg, row), p.tp)
+        except ImportError:   # a plugin's engine that does not import here: its install check says so
+            continue
+        if why:
+            raise ConfigError(f"worker group '{g}': {why}")
+
+
 def _partial(row: Backend, options: dict) -> bool:
     try:
         return bool(row.load().takes_partial_rollout(options))

@@ -3,6 +3,7 @@ the KV cache is an explicit size on the CPU and what gpu_memory_utilization leav
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from mindspeed_rl.engines.base import RolloutSpec
 from mindspeed_rl.engines.rollout.vllm_rollout import DEFAULT_CPU_KV_CACHE_GB, llm_kwargs
@@ -53,3 +54,24 @@ def test_partial_rollout_on_vllm_is_planned_with_serve_only(tmp_path):
     with pytest.raises(ConfigError, match="or generate_config.vllm.serve=true"):
         plan(False)
     assert plan(True).groups["rollout"].rollout_row.name == "vllm"
+
+
+def test_the_serving_engine_is_refused_with_tensor_parallelism_or_sleep_mode_before_any_worker_starts(tmp_path):
+    """What the serving engine does not run stops at the plan (exit 2 from the CLI), naming the key and the fix."""
+    import pytest
+    import yaml
+
+    from mindspeed_rl.config import ConfigError, config_from_dict
+    from mindspeed_rl.trainer.plan import make_plan
+
+    tp2 = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "grpo_tiny_tp2.yaml").read_text())
+    tp2["trainer"]["output_dir"] = str(tmp_path / "tp2")
+    tp2["generate_config"]["vllm"]["serve"] = True
+    with pytest.raises(ConfigError, match=r"serve=true with tensor parallelism \(tp=2\) is not built.*serve=false"):
+        make_plan(config_from_dict(tp2), check_files=False)
+    sleeping = {"trainer": {"output_dir": str(tmp_path / "sleep")}, "placement": {"mode": "disaggregated"},
+                "generate_config": {"backend": "vllm", "vllm": {"serve": True, "enable_sleep_mode": True}}}
+    with pytest.raises(ConfigError, match="worker group 'rollout'.*enable_sleep_mode=true is not built"):
+        make_plan(config_from_dict(sleeping), check_files=False)
+    sleeping["generate_config"]["vllm"]["enable_sleep_mode"] = False
+    assert make_plan(config_from_dict(sleeping), check_files=False).groups["rollout"].rollout_row.name == "vllm"

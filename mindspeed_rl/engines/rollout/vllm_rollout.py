@@ -346,6 +346,13 @@ class VLLMRolloutEngine(RolloutEngine):
                    restore=restore, tensor_parallel_size=tp, shm_recorder=recorder)
 
     @classmethod
+    def refusal(cls, options: dict, tp: int) -> str | None:
+        if options.get("serve"):
+            from .vllm_serving import serving_refusal
+            return serving_refusal(options, tp)
+        return None
+
+    @classmethod
     def takes_partial_rollout(cls, options: dict) -> bool:
         """Only the serving engine pauses generation for a weight update (vLLM's pause_generation)."""
         return bool(options.get("serve"))

@@ -49,6 +49,20 @@ IN_FLIGHT = 8            # micro-batches a generate stage keeps in flight on the
 SETTLE_S = 0.02          # a paused engine's rows hold still this long before their counts are read
 
 
+def serving_refusal(options: dict, tp: int) -> str | None:
+    """What the serving engine does not run. Tensor parallelism: its engine core would start the TP ranks as
+    processes of its own, which the weight file in /dev/shm, the shared-memory records and the reaper's clean-up
+    do not reach yet. Sleep mode: a sleeping server drops the KV cache of the requests it holds in flight."""
+    if tp > 1:
+        return (f"generate_config.vllm.serve=true with tensor parallelism (tp={tp}) is not built: the engine core's "
+                "own TP worker processes are out of reach of the weight loading and clean-up; serve at tp 1, or "
+                "set generate_config.vllm.serve=false for a tensor-parallel rollout")
+    if options.get("enable_sleep_mode"):
+        return ("generate_config.vllm.serve=true with generate_config.vllm.enable_sleep_mode=true is not built: a "
+                "sleeping server would drop the KV cache of the requests in flight; set one of them false")
+    return None
+
+
 class VLLMEngineDied(RuntimeError):
     """The serving engine's engine core process died: nothing it had in flight finishes, nothing more runs.
     One line naming the process, since the trainer quotes the last line of a worker's error."""
@@ -79,12 +93,9 @@ class VLLMServingEngine(VLLMRolloutEngine):
     @classmethod
     def build(cls, spec: RolloutSpec) -> "VLLMServingEngine":
         kwargs, opts, restore, tp, sleep_mode = engine_setup(spec, workers_elsewhere=True)
-        if tp > 1:
-            raise ValueError("generate_config.vllm.serve with tensor_parallel_size > 1 is not built yet; serve "
-                             "at tp 1 or use the offline engine (serve: false) for tensor parallelism")
-        if sleep_mode:
-            raise ValueError("generate_config.vllm.serve with enable_sleep_mode is not built yet (a sleeping server "
-                             "would drop the requests in flight); set one of them false")
+        refused = serving_refusal({**opts, "enable_sleep_mode": sleep_mode}, tp)
+        if refused:
+            raise ValueError(refused)
         kwargs.setdefault("enable_prefix_caching", bool(opts.get("enable_prefix_caching", False)))
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"   # the engine core in a process of its own
         from vllm.engine.arg_utils import AsyncEngineArgs
