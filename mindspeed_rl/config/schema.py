@@ -337,6 +337,8 @@ class GroupConfig:
     dp: int = 1                          # data-parallel actors in the group
     torch_threads: int = 1               # torch.set_num_threads inside each actor
     device: str = "cpu"                  # one of device.WORKER_DEVICES: cpu, cuda, npu, auto
+    cpu_affinity: Optional[list] = None  # Linux core ids every thread of the group's actors (and the processes they
+                                         # start, vLLM's engine core among them) is bound to; null: not bound
 
 
 @dataclass

@@ -6,6 +6,7 @@ graph and the Ray cluster) run in `mindspeed_rl.trainer.plan`, still before any 
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import Collection
 
 from ..device import DEVICE_KINDS, RAY_RESOURCES, WORKER_DEVICES
@@ -416,6 +417,23 @@ def _groups(e: list[str], groups: dict) -> None:
             _positive(e, f"{k}.{field}", getattr(grp, field), allow_zero=True)
         _positive(e, f"{k}.torch_threads", grp.torch_threads)
         _one_of(e, f"{k}.device", grp.device, WORKER_DEVICES)
+        _cores(e, f"{k}.cpu_affinity", grp.cpu_affinity)
+
+
+def _cores(e: list[str], key: str, cores) -> None:
+    """Core ids a group is bound to: whole numbers this machine lets the trainer run on."""
+    if cores is None:
+        return
+    if (not isinstance(cores, (list, tuple)) or not cores
+            or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in cores)):
+        e.append(f"{key}={cores!r}: give a non-empty list of core ids such as [0] or [2, 3] (or null: not bound)")
+        return
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    if allowed is None:
+        e.append(f"{key}={list(cores)}: binding to cores needs Linux (os.sched_setaffinity); set it to null")
+    elif set(cores) - set(allowed):
+        e.append(f"{key}={list(cores)}: cores {sorted(set(cores) - set(allowed))} are not among this machine's "
+                 f"{allowed}; choose from those")
 
 
 def _validation(e: list[str], cfg: Config) -> None:

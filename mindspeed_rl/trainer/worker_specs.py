@@ -135,5 +135,6 @@ def worker_specs(cfg: Config, plan: Plan, gp: GroupPlan, docks: list, env_of) ->
                        stage_timeout_s=t.stage_timeout_s, weight_sync=dataclasses.replace(cfg.weight_sync),
                        partial_rollout=cfg.rl_config.partial_rollout,
                        same_step_outputs=plan.same_step_outputs, rows_per_step=plan.rows_per_step,
-                       plugins=list(t.plugins), torch_threads=r.torch_threads, device=r.device, env=env_of(k))
+                       plugins=list(t.plugins), torch_threads=r.torch_threads,
+                       cpu_affinity=list(r.cpu_affinity) if r.cpu_affinity else None, device=r.device, env=env_of(k))
             for k, role in enumerate(dep.roles())]

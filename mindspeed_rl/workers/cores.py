@@ -10,6 +10,7 @@ for none), set when its micro-batch starts.
 """
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -42,3 +43,14 @@ class CoreShare:
         """The calling stage waits (for the dock's next micro-batch, or its stage is over): it counts for none."""
         with self._lock:
             self._computing.discard(threading.get_ident())
+
+
+def bind_process(cores: list[int]) -> None:
+    """Every thread of this process to `cores` (placement.groups.<g>.cpu_affinity), so that two groups on
+    disjoint cores never share one. sched_setaffinity binds one thread: Ray's and gRPC's threads, started before
+    the actor's constructor runs, are bound one by one; threads and processes started later inherit the mask."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
+            pass

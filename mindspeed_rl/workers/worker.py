@@ -30,7 +30,7 @@ from ..dataflow import MFCDef
 from ..dataflow.mfc import InterfaceType
 from ..device.host_memory import bound_kernel_caches, release_free_memory, resident_bytes
 from . import compute as C
-from .cores import CoreShare
+from .cores import CoreShare, bind_process
 from .engine_set import EngineDecl, EngineSet
 from ..engines.deployment import RankRole
 from .impls import OPTIMIZER_STEP, StageContext, build_impl
@@ -59,6 +59,7 @@ class WorkerSpec:
     rows_per_step: int = 0
     plugins: list = field(default_factory=list)  # trainer.plugins, imported before any engine is built
     torch_threads: int = 1
+    cpu_affinity: list | None = None            # cores every thread of this process is bound to (null: not bound)
     device: str = "cpu"
     env: dict = field(default_factory=dict)
     tp: int = 1                                 # the tensor- and pipeline-parallel sizes over the group's actors
@@ -77,6 +78,8 @@ class Worker:
             os.environ[k] = str(v)
         for dock in spec.docks:
             dock.worker = f"{spec.group}/{spec.rank}"  # this process's lane in the dock's event log
+        if spec.cpu_affinity:
+            bind_process(spec.cpu_affinity)
         torch.set_num_threads(spec.torch_threads)
         self.cores = CoreShare(spec.torch_threads)
         from ..engines.registry import import_plugins

@@ -38,3 +38,29 @@ def test_a_stage_computing_beside_another_takes_half_and_alone_takes_all():
     cores.computing()   # both waiting again: the next micro-batch has them all
     assert torch.get_num_threads() == 2
     cores.waiting()
+
+
+def test_bind_process_binds_every_thread_and_what_the_process_starts_later():
+    """placement.groups.<g>.cpu_affinity: a thread started before the binding (as Ray's are before an actor's
+    constructor) is bound too, and a process started after it (vLLM's engine core) inherits the cores."""
+    import os
+    import subprocess
+    import sys
+
+    script = """
+import os, threading, time, subprocess, sys
+from mindspeed_rl.workers.cores import bind_process
+stop = threading.Event()
+earlier = threading.Thread(target=stop.wait); earlier.start()
+bind_process([0])
+tasks = {int(t): os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task")}
+child = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+                       capture_output=True, text=True).stdout.strip()
+stop.set(); earlier.join()
+print(len(tasks), all(c == {0} for c in tasks.values()), child)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    threads, all_bound, child = out.stdout.split(maxsplit=2)
+    assert int(threads) >= 2 and all_bound == "True" and child.strip() == "[0]", out.stdout
+    assert len(os.sched_getaffinity(0)) >= 1  # the test's own process is left as it was
