@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 300.0   # a pause, a reload or a shutdown on the engine core
 IN_FLIGHT = 8            # micro-batches a generate stage keeps in flight on the server
-SETTLE_S = 0.02          # a paused engine's rows hold still this long before their counts are read
+SETTLE_S = 0.005         # a paused engine's rows hold still this long before their counts are read
 
 
 def serving_refusal(options: dict, tp: int) -> str | None:
