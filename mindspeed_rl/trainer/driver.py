@@ -42,6 +42,7 @@ from .run_dashboard import DashboardError, finish_dashboard, start_dashboard
 from .run_dir import RunDirectory
 from .run_log import MetricsFileError, RunInfo, RunLog, plot_curve
 from .samples import SampleLog
+from .shared_dir import with_absolute_output_dir
 from .signals import SignalTrap
 from .stage_watch import StageWatch, collect
 from .step_metrics import step_record
@@ -57,6 +58,7 @@ class Trainer:
     sync, logs, validation, checkpoints and exports, and a clean end however the run ends."""
 
     def __init__(self, cfg: Config):
+        cfg = with_absolute_output_dir(cfg)   # not each node's `ray start` directory (trainer/shared_dir.py)
         self.cfg = cfg
         self.plan: Plan = make_plan(cfg, check_files=not cfg.trainer.dry_run)
         self.workers: dict[str, list[Any]] = {}

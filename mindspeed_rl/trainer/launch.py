@@ -15,6 +15,7 @@ from ..config import Config
 from ..device import ACCELERATOR_OPTION_KEYS, group_actor_options
 from ..workers.worker import Worker
 from .plan import Plan
+from .shared_dir import check_seen, write_token
 from .worker_specs import worker_specs
 
 
@@ -38,6 +39,12 @@ def launch_workers(cfg: Config, plan: Plan, docks: list, placement_groups: Mappi
     all_workers = [w for ws in workers.values() for w in ws]
     infos = get([w.ping.remote() for w in all_workers], "starting workers")
     info_of = {id(w): info for w, info in zip(all_workers, infos)}
+    # before any model loads: every node sees the run's directory (trainer/shared_dir.py)
+    token = write_token(cfg.trainer.output_dir)
+    named = [(f"{name}/{rank}", w) for name, ws in workers.items() for rank, w in enumerate(ws)]
+    seen = get([w.sees_output_dir.remote(cfg.trainer.output_dir, token) for _, w in named],
+               "checking that every node sees trainer.output_dir")
+    check_seen(cfg.trainer.output_dir, [(who, {**info_of[id(w)], "seen": s}) for (who, w), s in zip(named, seen)])
     worker_nodes: dict[str, list[str]] = {}
     worker_info: dict[tuple[str, int], dict] = {}
     for name, ws in workers.items():

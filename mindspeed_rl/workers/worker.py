@@ -97,6 +97,11 @@ class Worker:
         return {"pid": os.getpid(), "host": ray.util.get_node_ip_address(), "group": self.spec.group,
                 "rank": self.spec.rank, "node_id": ray.get_runtime_context().get_node_id()}
 
+    def sees_output_dir(self, output_dir: str, token: str) -> bool:
+        """Whether this worker's node reads the driver's token in the run's directory (trainer/shared_dir.py)."""
+        from ..trainer.shared_dir import sees_token
+        return sees_token(output_dir, token)
+
     def free_port(self) -> int:
         from ..engines.sync.weight_sync import free_port
         return free_port()
