@@ -7,6 +7,7 @@ driver's to end, so it is only checked (a TCP connect first: ray.init would retr
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,9 +32,11 @@ class RaySession:
         if not ray.is_initialized():
             kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True,
                                       "logging_level": "ERROR", "configure_logging": True}
+            token = None
             if p.ray_address:
                 check_ray_address(p.ray_address)
                 kwargs["address"] = p.ray_address
+                token = use_auth_token()
             elif p.ray_num_cpus is not None:
                 kwargs["num_cpus"] = int(p.ray_num_cpus)
             self.started = True  # before ray.init: an interrupted ray.init is shut down too
@@ -42,6 +45,8 @@ class RaySession:
             try:
                 ray.init(**kwargs)
             except Exception as e:  # e.g. "The current node timed out during startup" on an overloaded machine
+                if p.ray_address:
+                    raise ConfigError(join_error(p.ray_address, e, token)) from None
                 raise TrainingError(f"Ray did not start ({type(e).__name__}: {first_line(e)}); is the machine "
                                     "overloaded or /tmp full? see /tmp/ray/session_latest/logs") from None
         check_cluster(plan, ray.available_resources())
@@ -95,6 +100,52 @@ def stop_workers(workers: dict[str, list], plan, worker_info: dict, placement_gr
             remove_placement_groups(placement_groups)
         except Exception:
             pass
+
+
+def auth_token_source() -> str | None:
+    """Where Ray would read its authentication token from (its own order), or None where there is none."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return "RAY_AUTH_TOKEN"
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if path:
+        return f"RAY_AUTH_TOKEN_PATH={path}" if os.path.isfile(path) else None
+    default = os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
+    return default if os.path.isfile(default) else None
+
+
+def use_auth_token() -> str | None:
+    """Joining a cluster: token authentication on when a token is at hand and RAY_AUTH_MODE is unset, as Ray
+    does for a cluster it starts itself (`ray start --head` of Ray 2.60 turns it on, and a client without it is
+    refused with a bare ConnectionError). Returns where the token comes from, None when it is not used."""
+    mode = os.environ.get("RAY_AUTH_MODE")
+    source = auth_token_source()
+    if mode is None and source is not None:
+        os.environ["RAY_AUTH_MODE"] = "token"   # this process and the workers it starts
+        try:   # Ray caches its config at import: refresh it as Ray does for a cluster it starts itself
+            from ray._private.authentication.authentication_token_setup import _enable_token_auth
+            _enable_token_auth()
+        except ImportError:
+            pass
+        return source
+    return source if (mode or "").lower() == "token" else None
+
+
+def join_error(address: str, error: BaseException, token: str | None) -> str:
+    """One line for a cluster that answers at `address` but would not be joined: a Ray or Python version that is
+    not the cluster's, or (what Ray reports only as a ConnectionError) an authentication token missing or wrong."""
+    text = str(error)
+    if "Version mismatch" in text:
+        versions = " ".join(line.strip() for line in text.splitlines()[1:] if line.strip())
+        return (f"placement.ray_address={address!r}: the cluster runs another Ray or Python ({versions}); install "
+                "the cluster's Ray and Python versions where the trainer runs")
+    if token is None:
+        return (f"placement.ray_address={address!r}: the cluster refused to connect, and this machine has no Ray "
+                "authentication token (Ray 2.60's `ray start --head` turns token authentication on): copy the "
+                "head's token (`ray get-auth-token` there) to ~/.ray/auth_token or RAY_AUTH_TOKEN, or start the "
+                f"head with RAY_AUTH_MODE=disabled ({type(error).__name__}: {first_line(error)})")
+    return (f"placement.ray_address={address!r}: the cluster refused to connect with the authentication token from "
+            f"{token}: use the head's token (`ray get-auth-token` there), or check the Ray logs of the head "
+            f"({type(error).__name__}: {first_line(error)})")
 
 
 def check_ray_address(address: str) -> None:
