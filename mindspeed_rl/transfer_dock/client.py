@@ -456,6 +456,11 @@ def create_transfer_dock(columns: Sequence[str], consumers: Sequence[str], promp
         tag = f"{os.getpid()}x{uuid.uuid4().hex[:10]}"
     cls = remote_actor_class(num_cpus)
     options = {"name": name} if name else {}
+    # on the caller's node, never elsewhere: its shared memory and local channel are made for the caller's node
+    # (a dock asking for no CPU would otherwise land on any node of a cluster)
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                                                    soft=False)
     actor = cls.options(**options).remote(columns, consumers, prompts_num, n_samples_per_prompt,
                                           shm_tag=tag if use_shm else None,
                                           channel_tag=tag if use_channel else None,

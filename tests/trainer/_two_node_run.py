@@ -28,13 +28,23 @@ def main(out_dir: str) -> None:
                       # devices of node 1, as DDP over gloo
                       "mfcs": {"actor_rollout": {"mesh": "node0:0"}, "ref_log_prob": {"mesh": "node0:1"},
                                "actor_log_prob": {"mesh": "node1", "dp": 2}, "actor_train": {"mesh": "node1"}}}})
+    import mindspeed_rl.transfer_dock.client as dock_client
+    create, dock_nodes = dock_client.create_transfer_dock, []
+
+    def recording(*args, **kwargs):   # where each dock landed, before the run ends it
+        client = create(*args, **kwargs)
+        dock_nodes.append(ray.get(client.actor.__ray_call__.remote(
+            lambda self: ray.get_runtime_context().get_node_id())))
+        return client
+    dock_client.create_transfer_dock = recording
     trainer = Trainer(cfg)
     try:
         history = trainer.run()
         result = {"head": head, "nodes": [n["NodeID"] for n in ray.nodes() if n["Alive"]],
                   "worker_nodes": trainer.worker_nodes, "device_nodes": {str(k): v for k, v in trainer.device_nodes.items()},
                   "groups": {g: [m.name for m in p.mfcs] for g, p in trainer.plan.groups.items()},
-                  "rewards": [r["reward/mean"] for r in history], "versions": [r["weight_version"] for r in history]}
+                  "dock_nodes": dock_nodes, "rewards": [r["reward/mean"] for r in history],
+                  "versions": [r["weight_version"] for r in history]}
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -28,6 +28,7 @@ def test_two_node_cluster_places_mfcs_on_their_planned_nodes(tmp_path):
     node0, node1 = r["device_nodes"]["0"], r["device_nodes"]["2"]
     assert node0 != node1 and r["device_nodes"]["1"] == node0 and r["device_nodes"]["3"] == node1
     assert node0 == r["head"]  # plan node 0 asks for the head node
+    assert r["dock_nodes"] and set(r["dock_nodes"]) == {r["head"]}, "the dock on the driver's node"
     groups = r["groups"]
     assert groups["actor@node0:0"] == ["actor_rollout"] and groups["ref@node0:1"] == ["ref_log_prob"]
     assert groups["actor@node1"] == ["actor_log_prob", "actor_train"]
