@@ -262,3 +262,6 @@ class VLLMServingEngine(VLLMRolloutEngine):
             with contextlib.suppress(OSError):
                 f.unlink()
         _restore_process(self._restore)
+        # shut down once: AsyncLLM.__del__ would do it again whenever the object goes, at interpreter exit too,
+        # where vLLM's module globals are gone and it raises
+        llm.shutdown = lambda *args, **kwargs: None
