@@ -231,7 +231,8 @@ def _merge(into: dict, over: dict) -> dict:
 def make_real_config(workload: str, mode: str, steps: int, out: str) -> dict:
     """configs/grpo_tiny.yaml with the workload's and the mode's overrides (module docstring)."""
     _, k, blocking, partial = next(m for m in MODES if m[0] == mode)
-    base = yaml.safe_load(open(os.path.join(os.path.dirname(__file__), "..", "configs", "grpo_tiny.yaml")))
+    with open(os.path.join(os.path.dirname(__file__), "..", "configs", "grpo_tiny.yaml")) as f:
+        base = yaml.safe_load(f)
     groups = {g: {"num_cpus": 0.5, "torch_threads": 1, "cpu_affinity": cores} for g, cores in REAL_CORES.items()}
     return _merge(_merge(base, copy.deepcopy(REAL_WORKLOADS[workload])), {
         "trainer": {"total_steps": steps, "output_dir": out, "progress": False, "logger": [], "plot": False,
@@ -250,7 +251,9 @@ def measure_real(workload: str, mode: str, steps: int) -> dict:
         history = Trainer(config_from_dict(make_real_config(workload, mode, steps, tmp))).run()
         wall = time.perf_counter() - t0
     rows = steady(history, k)
-    mean = lambda key: statistics.mean(r.get(key, 0.0) for r in rows)  # noqa: E731
+
+    def mean(key: str) -> float:
+        return statistics.mean(r.get(key, 0.0) for r in rows)
     times = [r["timing/step"] for r in rows]
     return {"step_s": statistics.mean(times), "step_min_s": min(times), "step_max_s": max(times),
             "run_step_s": sum(r["timing/step"] for r in history) / len(history),

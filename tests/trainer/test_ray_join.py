@@ -30,7 +30,7 @@ def test_the_token_comes_from_where_ray_reads_it(tmp_path, monkeypatch):
     (tmp_path / ".ray" / "auth_token").write_text("t" * 32)
     assert auth_token_source() == str(tmp_path / ".ray" / "auth_token")
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "missing"))
-    assert auth_token_source() is None   # the path Ray was told to read has no token
+    assert auth_token_source() is None   # the path Ray is told to read holds no token
     monkeypatch.setenv("RAY_AUTH_TOKEN", "t" * 32)
     assert auth_token_source() == "RAY_AUTH_TOKEN"
 

@@ -13,7 +13,7 @@ def test_a_relative_output_dir_is_resolved_on_the_driver(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = config_from_dict({"trainer": {"output_dir": "outputs/run"}})
     assert with_absolute_output_dir(cfg).trainer.output_dir == str(tmp_path / "outputs" / "run")
-    assert cfg.trainer.output_dir == "outputs/run"   # the caller's config is left as it was
+    assert cfg.trainer.output_dir == "outputs/run"   # the caller's config keeps its relative path
     assert Trainer(cfg).cfg.trainer.output_dir == str(tmp_path / "outputs" / "run")
     absolute = config_from_dict({"trainer": {"output_dir": str(tmp_path / "x")}})
     assert with_absolute_output_dir(absolute) is absolute
