@@ -33,7 +33,9 @@ micro-batches of their longest row, computed from the same seeds); k=0 non-block
 micro-batch pipeline's critical path (`ideal_pipeline`); k >= 1 = max(rollout work, train side)
 per step in steady state (longtail: rollout work = the rows' total cost over the slots).
 Measured: the mean of `timing/step` over the steady steps, those after the first k + 2 (the pipeline
-filling) and before the last k (no rollout left to overlap with: they only train). The mean, not
+filling) and before the last k (no rollout left to overlap with: they only train); beside it the mean over
+all of a run's steps (`run_step_s`: the window holds all the work the run did, so rows generated before a
+window cannot make it read above its bound). The mean, not
 the median: with k > 0 step times alternate (a step whose rows were generated while the one before
 it trained is short), and only the mean is bound by the rollout's work per step.
 
@@ -101,7 +103,8 @@ def make_config(workload: str, k: int, blocking: bool, steps: int, out: str, par
                       "partial_rollout": partial},
         "generate_config": {"micro_batch_size_per_device": MICRO},
         "actor_config": {"ppo_micro_batch_size_per_device": MICRO, "ppo_mini_batch_size": None,
-                         "log_prob_micro_batch_size_per_device": MICRO, "kl_loss_coef": 0.0},
+                         "log_prob_micro_batch_size_per_device": MICRO, "kl_loss_coef": 0.0,
+                         "recompute_log_prob": True},   # the workloads' old log-probs stage, in every mode
         "placement": {"mode": "disaggregated"},
     }
 
@@ -150,6 +153,7 @@ def measure(workload: str, k: int, blocking: bool, partial: bool, steps: int) ->
         wall = time.perf_counter() - t0
     times = steady([r["timing/step"] for r in history], k)
     return {"step_s": statistics.mean(times), "step_median_s": statistics.median(times),
+            "run_step_s": sum(r["timing/step"] for r in history) / len(history),
             "step_min_s": min(times), "step_max_s": max(times), "steady_steps": len(times), "wall_s": wall,
             "staleness_max": max(r.get("async/staleness_max", 0.0) for r in history),
             "partial_fraction": statistics.mean(r.get("async/partial_fraction", 0.0) for r in history)}
@@ -173,6 +177,7 @@ def run(steps: int, workloads=tuple(WORKLOADS), modes=tuple(m[0] for m in MODES)
         for name in [m[0] for m in MODES[1:]]:
             if base is not None and name in res:
                 res[name]["speedup"] = base["step_s"] / res[name]["step_s"]
+                res[name]["run_speedup"] = base["run_step_s"] / res[name]["run_step_s"]
                 res[name]["ideal_speedup"] = base["ideal_s"] / res[name]["ideal_s"]
         out["workloads"][workload] = res
     out["machine"]["load_after"] = os.getloadavg()
@@ -193,13 +198,14 @@ def run(steps: int, workloads=tuple(WORKLOADS), modes=tuple(m[0] for m in MODES)
 def print_table(res: dict) -> None:
     print(f"\nCross-step asynchrony: simulated GRPO through the real driver, dock, stage loops and sync "
           f"({res['rows_per_step']} rows/step, micro-batch {res['micro_batch']}, mean time of the steady steps)\n")
-    print(f"{'workload':10s} {'mode':12s} {'step s':>8s} {'ideal s':>8s} {'speedup':>8s} {'ideal':>7s}")
+    print(f"{'workload':10s} {'mode':12s} {'step s':>8s} {'run s':>7s} {'ideal s':>8s} {'speedup':>8s} {'run':>6s} "
+          f"{'ideal':>7s}")
     for workload, modes in res["workloads"].items():
         for name, m in modes.items():
             none = "1.00x" if name == "k0_blocking" else "-"
-            sp = f"{m['speedup']:.2f}x" if "speedup" in m else none
-            isp = f"{m['ideal_speedup']:.2f}x" if "ideal_speedup" in m else none
-            print(f"{workload:10s} {name:12s} {m['step_s']:8.3f} {m['ideal_s']:8.3f} {sp:>8s} {isp:>7s}")
+            sp, rs, isp = (f"{m[k]:.2f}x" if k in m else none for k in ("speedup", "run_speedup", "ideal_speedup"))
+            print(f"{workload:10s} {name:12s} {m['step_s']:8.3f} {m['run_step_s']:7.3f} {m['ideal_s']:8.3f} {sp:>8s} "
+                  f"{rs:>6s} {isp:>7s}")
     r = res["ratios"]
     load = res["machine"]
     print(f"\nload average (1, 5, 15 min) before: {' '.join(f'{x:.1f}' for x in load['load'])}, after: "

@@ -48,3 +48,13 @@ def test_the_real_targets_compare_the_modes_the_issue_names(monkeypatch):
     assert res["ratios"]["speedup_k2_partial_over_k2_longtail_real"] == pytest.approx(1.25)
     assert res["workloads"]["balanced"]["k1"]["bound"] == pytest.approx(2.0)  # blocking / max(rollout, train)
     assert res["commit"] and res["placement"]["rollout"]["cores"] == bench.REAL_CORES["rollout"]
+
+
+@pytest.mark.parametrize("workload", list(bench.WORKLOADS))
+@pytest.mark.parametrize("mode", [m[0] for m in bench.MODES])
+def test_every_simulated_run_is_a_plan_with_a_stage_for_each_cost(workload, mode, tmp_path):
+    """Every stage the workload puts a cost on is in the graph (the old log-probs' stage in every mode)."""
+    _, k, blocking, partial = next(m for m in bench.MODES if m[0] == mode)
+    cfg = config_from_dict(bench.make_config(workload, k, blocking, 4, str(tmp_path), partial))
+    plan = make_plan(cfg, check_files=False)
+    assert set(bench.WORKLOADS[workload]) <= {m.name for m in plan.order}
