@@ -253,6 +253,7 @@ def _weight_sync(e: list[str], ws) -> None:
 
 
 VLLM_SECTION = "generate_config.vllm"   # the options section of the rollout backend that takes max_model_len
+SLEEP_LEVELS = (1, 2)                   # vLLM's LLM.sleep levels: 1 keeps the weights on the host, 2 drops them
 
 
 def _vllm(e: list[str], cfg: Config, read: bool) -> None:
@@ -263,6 +264,12 @@ def _vllm(e: list[str], cfg: Config, read: bool) -> None:
         e.append(f"{VLLM_SECTION}.gpu_memory_utilization={v.gpu_memory_utilization}: must be in (0, 1]")
     if v.kv_cache_gb is not None:
         _positive(e, f"{VLLM_SECTION}.kv_cache_gb", v.kv_cache_gb, "the CPU's KV-cache size in GiB, or null (1.0)")
+    _one_of(e, f"{VLLM_SECTION}.sleep_level", v.sleep_level, SLEEP_LEVELS)
+    if read and v.enable_sleep_mode and v.sleep_level == 2 and cfg.rl_config.max_weight_staleness:
+        e.append(f"{VLLM_SECTION}.sleep_level=2 with rl_config.max_weight_staleness="
+                 f"{cfg.rl_config.max_weight_staleness}: level 2 drops the weights while vLLM sleeps and only a sync "
+                 "writes them back, but with staleness a rollout may wake before the next sync; use sleep_level=1 "
+                 "(weights kept on the host) or max_weight_staleness=0")
     if v.max_model_len is None:
         return
     _positive(e, f"{VLLM_SECTION}.max_model_len", v.max_model_len, "or null for prompt + response lengths")

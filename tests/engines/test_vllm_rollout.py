@@ -266,6 +266,38 @@ def test_sleep_wake_up_are_no_ops_on_cpu_and_checksum_is_none(engine, base_model
     assert engine.state_checksum() is None
 
 
+def test_sleep_level_2_generates_only_after_a_sync_wrote_every_weight(engine, base_model, prompts, monkeypatch):
+    """Level 2 frees the weights' memory (its contents are gone on wake_up). vLLM's CPU build has no sleep
+    mode, so the real engine's parameters are zeroed at sleep instead, which is what a sync must undo."""
+    load(engine, base_model)
+    params = SamplingParams(max_new_tokens=6, temperature=1.0)
+    ref = engine.generate(prompts, params, seeds_for(5, 11))
+
+    def drop(level):
+        assert level == 2
+        engine.llm.apply_model(lambda m: [p.data.zero_() for p in m.parameters()])
+
+    monkeypatch.setattr(engine, "sleep_mode", True)
+    monkeypatch.setattr(engine, "_sleep_level", 2)
+    monkeypatch.setattr(engine.llm, "sleep", drop, raising=False)
+    monkeypatch.setattr(engine.llm, "wake_up", lambda tags=None: None, raising=False)
+    monkeypatch.setattr(engine.llm, "reset_prefix_cache", engine.llm.reset_prefix_cache)
+    engine.sleep()
+    engine.wake_up()
+    assert engine.llm.apply_model(lambda m: sum(float(p.abs().sum()) for p in m.parameters())) == [0.0]
+    with pytest.raises(RuntimeError, match="sleep level 2 dropped the weights"):
+        engine.generate(prompts, params, seeds_for(5, 11))
+    named = list(hf_named_weights(base_model))
+    engine.update_weights(named[: len(named) // 2], _version[0] + 1)   # half a sync: still refused
+    with pytest.raises(RuntimeError, match="not written back by a sync"):
+        engine.generate(prompts, params, seeds_for(5, 11))
+    load(engine, base_model)
+    assert engine.unwritten == set()
+    out = engine.generate(prompts, params, seeds_for(5, 11))
+    assert all(torch.equal(a, b) for a, b in zip(ref.responses, out.responses))
+    engine.asleep = set()
+
+
 def test_unknown_option_is_refused(ckpt):
     from mindspeed_rl.engines.rollout.vllm_rollout import VLLMRolloutEngine
     with pytest.raises(ValueError, match="kv_cache_gib"):

@@ -32,7 +32,8 @@ Weights (`update_weights`)
 Sleep mode (`sleep` / `wake_up(tags)`)
     With `enable_sleep_mode: true` (CUDA): `LLM(enable_sleep_mode=True)`, `llm.sleep(level)` (level
     1 offloads the weights to CPU memory and drops the KV cache; level 2 drops the weights too, so
-    the next `update_weights` must send all of them) and `llm.wake_up(tags)`, one tag at a time as
+    the next `update_weights` must send all of them: `unwritten` holds the names not sent since, and
+    `generate` refuses while any is) and `llm.wake_up(tags)`, one tag at a time as
     vLLM's colocation example does: a sync wakes "weights" before it writes them, a generate stage
     then wakes "kv_cache" (workers/engine_set.py). `asleep` holds the tags that sleep;
     `update_weights` refuses to run while the weights sleep, `generate` while anything does (vLLM
@@ -122,6 +123,7 @@ OPTIONS = ("kv_cache_gb", "gpu_memory_utilization", "max_model_len", "max_num_se
            "enforce_eager", "disable_torch_compile", "enable_prefix_caching", "enable_sleep_mode",
            "sleep_level", "tensor_parallel_size", "engine_kwargs", "serve")
 DEFAULT_CPU_KV_CACHE_GB = 1.0
+DROPPED = "<every weight>"   # what sleep level 2 drops where the checkpoint's weight names are unknown
 # LLM() warms up a chat template, which fails with a traceback when no tokenizer is loaded
 _BUILD_LOGGERS = ("vllm.renderers.base",)
 
@@ -308,6 +310,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.sleep_mode = sleep_mode
         self._sleep_level = int(sleep_level)
         self.asleep: set[str] = set()   # WAKE_TAGS that sleep now
+        self.unwritten: set[str] = set()  # names sleep level 2 dropped that no sync has written back since
         self._restore = restore or {}
         self._closed = False
         path = Path(spec.model_path)
@@ -435,8 +438,11 @@ class VLLMRolloutEngine(RolloutEngine):
         if ready:
             with self._tp_guard(f"update_weights (version {version})"):
                 self._reload([(n, self._pending.pop(n)) for n in ready])
+            self.unwritten.difference_update(ready)
         if not self._pending:
             self.weight_version = version
+            if self._expected is None:          # names unknown: a whole version written counts as all of them
+                self.unwritten.clear()
 
     def _reload(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         # a reload warns about modules without weights (rotary embeddings) every time, and, when
@@ -525,6 +531,8 @@ class VLLMRolloutEngine(RolloutEngine):
         if self.sleep_mode and not self.asleep:
             self.llm.sleep(level=self._sleep_level)
             self.asleep = set(WAKE_TAGS)
+            if self._sleep_level == 2:
+                self.unwritten = set(self._expected or {DROPPED})
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """vLLM's `wake_up(tags)` for what of `tags` (None: all) sleeps; a fresh KV cache starts with
@@ -542,12 +550,18 @@ class VLLMRolloutEngine(RolloutEngine):
             self.llm.reset_prefix_cache()
 
     def _awake_for(self, what: str, tags: Sequence[str]) -> None:
-        """Refuse `what` while memory it needs sleeps (vLLM would write into memory it gave away)."""
+        """Refuse `what` while memory it needs sleeps (vLLM would write into memory it gave away), and
+        generation while weights sleep level 2 dropped are unwritten (it would sample from garbage)."""
         sleeping = [t for t in tags if t in self.asleep]
         if sleeping:
             raise RuntimeError(f"vllm rollout: {what} while its {' and '.join(sleeping)} sleep(s); wake_up(tags="
                                f"{sleeping}) first (EngineSet.awake around generate stages, wake_weights before a "
                                f"sync)")
+        if what == "generate" and self.unwritten:
+            raise RuntimeError(f"vllm rollout: generate after sleep level 2 dropped the weights, {len(self.unwritten)} "
+                               f"of them not written back by a sync since (e.g. {sorted(self.unwritten)[:3]}); "
+                               "generate_config.vllm.sleep_level=2 needs a weight sync between a sleep and the next "
+                               "generate stage: use sleep_level=1 where a rollout can start before the sync")
 
     def close(self) -> None:
         if self._closed:
