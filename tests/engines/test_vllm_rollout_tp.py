@@ -147,6 +147,7 @@ def test_a_killed_tp_worker_is_named_and_its_shared_memory_removed(ckpt):
 
     from mindspeed_rl.engines.sync.shm_cleanup import record_path, remove_vllm_shm, same_process_alive
     t0 = time.time()
+    before = set(os.listdir("/dev/shm"))
     proc = subprocess.Popen([sys.executable, "-c", KILLED_WORKER_ENGINE, ckpt,
                              json.dumps({**OPTIONS, "tensor_parallel_size": 2})],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
@@ -189,6 +190,7 @@ def test_a_killed_tp_worker_is_named_and_its_shared_memory_removed(ckpt):
         assert sorted(os.path.basename(p) for p in removed) == sorted(left)
         assert not any(os.path.exists(f"/dev/shm/{n}") for n in record["files"])
         assert not record_path(proc.pid).exists()
+        assert set(os.listdir("/dev/shm")) <= before, "every object the engine left is removed"
         assert not any(same_process_alive(w["pid"], None) for w in workers)
     finally:
         if proc.poll() is None:

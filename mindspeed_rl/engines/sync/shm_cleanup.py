@@ -4,8 +4,10 @@ Why this exists: vLLM's multi-process mode (tensor_parallel_size > 1 on CPU, `mp
 its TP worker processes through POSIX shared memory it creates itself: `psm_<random hex>` segments
 (its message queues: one the engine writes, one per worker that the worker writes, and the TP
 group's own broadcast buffer; up to ~251 MB apparent each) and `sem.mp-<random>` named semaphores
-(multiprocessing locks of the spawn context). A clean `close()` unlinks them, and so does Python's
-multiprocessing resource tracker when the process that created them exits. An abnormal end (SIGTERM
+(multiprocessing locks of the spawn context); on the CPU the TP group's all-reduce buffers too
+(`vllm_dist_<hex>-tp:0-[0-1]-cpushm_<rank>`, 4 MiB each, from its CPU communicator). A clean
+`close()` unlinks them, and so does Python's multiprocessing resource tracker when the process that
+created them exits. An abnormal end (SIGTERM
 or SIGINT to the whole process group, kill -9 of the rollout actor or of a TP worker, a crash) kills
 the resource tracker too, or leaves a dead worker's segment behind, and the names carry no pid and
 no run: nothing else can tell whose they are.
@@ -41,7 +43,7 @@ SHM_DIR = "/dev/shm"
 RECORD_PREFIX = "mindspeed_rl-shm-record-"
 # the objects vLLM's mp executor and multiprocessing create; the trainer's own files (the dock's
 # msrl-*, the engine's pid-named weight files) have their own cleanup and are not recorded
-RECORDED_PREFIXES = ("psm_", "sem.")
+RECORDED_PREFIXES = ("psm_", "sem.", "vllm_dist_")   # vllm_dist_*-cpushm_<rank>: the CPU TP group's all-reduce
 WEIGHT_FILE_PREFIX = "mindspeed_rl-vllm-weights-"  # vllm_weights.SHM_PREFIX (pid-named, removed by pid)
 # the processes a record lists (and a cleanup may SIGKILL): vLLM's workers name themselves so
 # (`VLLM::Worker_TP0`, multiprocessing's `VllmWorker-0` before the title is set); other children of
