@@ -34,7 +34,7 @@ from .dynamic_sampling import DynamicSampling
 from .errors import Interrupted, TrainingError
 from .launch import LaunchError, launch_workers
 from .pipeline import StepPipeline, close_docks, open_docks
-from .plan import Plan, format_plan, make_plan, write_plan_json
+from .plan import Plan, format_plan, landed_dict, make_plan, write_plan_json
 from .ray_session import RaySession, stop_workers
 from .preflight import layouts, preflight
 from .reward_modeling import save_final, trains_reward_model
@@ -310,6 +310,7 @@ class Trainer:
             raise TrainingError(str(e)) from None
         self.workers, self.worker_nodes = launched.workers, launched.worker_nodes
         self.worker_info, self._sync_members = launched.worker_info, launched.sync_members
+        write_plan_json(plan, cfg.trainer.output_dir, landed_dict(self.worker_info, self.device_nodes))
         self._versions = {m: 0 for m in plan.trained}
         a = cfg.actor_config
         self.kl_ctrl = make_kl_controller(a.kl_ctrl, kl_coef=a.kl_loss_coef, target_kl=a.kl_target,

@@ -45,6 +45,8 @@ def launch_workers(cfg: Config, plan: Plan, docks: list, placement_groups: Mappi
     seen = get([w.sees_output_dir.remote(cfg.trainer.output_dir, token) for _, w in named],
                "checking that every node sees trainer.output_dir")
     check_seen(cfg.trainer.output_dir, [(who, {**info_of[id(w)], "seen": s}) for (who, w), s in zip(named, seen)])
+    if cfg.placement.ray_address:   # a cluster the driver joined: no reaper of its own (trainer/node_sweeper.py)
+        _sweep_nodes(all_workers, infos, docks, get)
     worker_nodes: dict[str, list[str]] = {}
     worker_info: dict[tuple[str, int], dict] = {}
     for name, ws in workers.items():
@@ -72,6 +74,24 @@ def launch_workers(cfg: Config, plan: Plan, docks: list, placement_groups: Mappi
         if remote:
             _connect_weight_sync(cfg, model, workers[train_group][0], remote, info_of, get)
     return Launched(workers, worker_nodes, worker_info, sync_members)
+
+
+def _sweep_nodes(workers: list, infos: list[dict], docks: list, get: Callable) -> None:
+    """A /dev/shm sweeper on each node of the workers and docks, for their pids, started by one of them there."""
+    from .node_sweeper import start_node_sweepers
+    on_node: dict[str, tuple[Any, list[int]]] = {}
+    for w, info in zip(workers, infos):
+        on_node.setdefault(info["node_id"], (w, []))[1].append(info["pid"])
+    for d, (node, pid) in zip(docks, get([d.actor.__ray_call__.remote(_where) for d in docks], "locating the docks")):
+        on_node.setdefault(node, (d.actor, []))[1].append(pid)
+    start_node_sweepers(on_node, get)
+
+
+def _where(_actor) -> tuple[str, int]:
+    import os
+
+    import ray
+    return ray.get_runtime_context().get_node_id(), os.getpid()
 
 
 def _start_group(cfg: Config, plan: Plan, gp, docks: list, placement_groups: Mapping, env: dict) -> list[Any]:

@@ -22,12 +22,12 @@ from .plan_backends import (check_group_backends, check_installed, check_own_pro
                             deploy_groups)
 from .plan_checks import (check_cluster, check_dataset, check_dynamic_sampling_groups, check_lora_targets,
                           check_model_paths, check_names, check_sizes, check_stages, check_tokenizer, model_paths_of)
-from .plan_format import format_plan, plan_dict, write_plan_json
+from .plan_format import format_plan, landed_dict, plan_dict, write_plan_json
 from .plan_groups import mesh_groups, preset_groups, worker_groups
 from .plan_types import MODEL_ENGINES, GroupPlan, Plan, generates, model_mfc
 
 __all__ = ["GroupPlan", "MODEL_ENGINES", "Plan", "check_cluster", "format_plan", "make_plan", "mesh_groups",
-           "plan_dict", "preset_groups", "write_plan_json"]
+           "landed_dict", "plan_dict", "preset_groups", "write_plan_json"]
 
 
 def make_plan(cfg: Config, check_files: bool = True) -> Plan:

@@ -4,10 +4,11 @@ from __future__ import annotations
 from .plan_types import Plan, role_names
 
 
-def plan_dict(plan: Plan) -> dict:
+def plan_dict(plan: Plan, landed: dict | None = None) -> dict:
     """What the plan decided, as plan.json holds it: per worker group its MFCs, backends, dp/tp/pp, devices,
-    actors and which ranks read the dock and write results; the stage order, columns and weight syncs."""
-    return {"groups": {g: p.as_dict() for g, p in plan.groups.items()},
+    actors and which ranks read the dock and write results; the stage order, columns and weight syncs; once the
+    workers run, where each landed (`landed`: see `landed_dict`)."""
+    return {**({"landed": landed} if landed else {}), "groups": {g: p.as_dict() for g, p in plan.groups.items()},
             "stage_order": [m.name for m in plan.order], "columns": list(plan.columns),
             "consumers": list(plan.consumers), "rows_per_step": plan.rows_per_step,
             "weight_sync": {model: {"trained_by": plan.trained[model], "readers": targets}
@@ -16,7 +17,15 @@ def plan_dict(plan: Plan) -> dict:
             "memory": plan.memory.as_dict() if plan.memory is not None else None}
 
 
-def write_plan_json(plan: Plan, directory: str) -> str:
+def landed_dict(worker_info: dict, device_nodes: dict) -> dict:
+    """Where the run's actors are: per "group/rank" its Ray node, host and pid; per planned device (mode mesh)
+    the node its placement group bundle is on."""
+    return {"workers": {f"{g}/{r}": {k: info.get(k) for k in ("node_id", "host", "pid")}
+                        for (g, r), info in sorted(worker_info.items())},
+            "devices": {str(d): n for d, n in sorted(device_nodes.items())}}
+
+
+def write_plan_json(plan: Plan, directory: str, landed: dict | None = None) -> str:
     """plan.json in `directory` (a dry run's and a real run's output_dir), written whole or not at all."""
     import json
     import os
@@ -24,7 +33,7 @@ def write_plan_json(plan: Plan, directory: str) -> str:
     path = os.path.join(directory, "plan.json")
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(plan_dict(plan), f, indent=1, default=str)
+        json.dump(plan_dict(plan, landed), f, indent=1, default=str)
     os.replace(tmp, path)
     return path
 

@@ -85,11 +85,13 @@ def _cells(block: ColumnBlock | RefBlock | ShmBlock) -> list[Cell]:
     return [Cell(block, i, block.row_numel(i), block.row_numel(i) * itemsize) for i in range(len(block))]
 
 
-def reply_parts(cells: Sequence[Cell], refs: list) -> list[tuple[list[int], Any, list[int] | None]]:
+def reply_parts(cells: Sequence[Cell], refs: list,
+                inline_shm: bool = False) -> list[tuple[list[int], Any, list[int] | None]]:
     """Group a column's cells by source: (output positions, inline block or ref slot, source positions).
 
     Referenced blocks are appended to `refs` (once each) and named by their slot in it; a
-    shared-memory block travels as its descriptor.
+    shared-memory block travels as its descriptor, or, for a caller on another node (`inline_shm`),
+    which cannot map the segment, as its rows read here (the dock shares the producer's node).
     """
     groups: dict[int, tuple[Any, list[int], list[int]]] = {}
     for out_pos, cell in enumerate(cells):
@@ -104,8 +106,10 @@ def reply_parts(cells: Sequence[Cell], refs: list) -> list[tuple[list[int], Any,
                 slot = len(refs)
                 refs.append(source.ref)
             parts.append((out_pos, (slot, source.column), src_pos))
-        elif isinstance(source, ShmBlock):
+        elif isinstance(source, ShmBlock) and not inline_shm:
             parts.append((out_pos, source, src_pos))
+        elif isinstance(source, ShmBlock):
+            parts.append((out_pos, shm.reader().block(source).take(src_pos), None))
         else:
             parts.append((out_pos, source.take(src_pos), None))
     return parts
@@ -239,15 +243,16 @@ class TransferDockActor:
                                  producer=producer, kinds=kinds, worker=worker[0] if worker else None)
             self._changed_now()
 
-    async def get(self, blob: bytes):
-        """Answers the pickled `(parts_by_column, rows)`, with the list of refs they name if any."""
-        reply, refs = await self._reply(pickle.loads(blob))
+    async def get(self, blob: bytes, off_node: bool = False):
+        """Answers the pickled `(parts_by_column, rows)`, with the list of refs they name if any;
+        `off_node`: the caller is not on this node, so rows in shared memory go as bytes."""
+        reply, refs = await self._reply(pickle.loads(blob), inline_shm=off_node)
         return (reply, refs) if refs else reply
 
-    async def _reply(self, request: tuple) -> tuple[bytes, list]:
+    async def _reply(self, request: tuple, inline_shm: bool = False) -> tuple[bytes, list]:
         data, rows = await self._get(*request)
         refs: list = []
-        reply = pickle.dumps(({c: reply_parts(cells, refs) for c, cells in data.items()}, rows),
+        reply = pickle.dumps(({c: reply_parts(cells, refs, inline_shm) for c, cells in data.items()}, rows),
                              protocol=pickle.HIGHEST_PROTOCOL)
         return reply, refs
 

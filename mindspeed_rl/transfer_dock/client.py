@@ -271,7 +271,8 @@ class TransferDockClient:
             return PendingGet(self, ("channel", (conn, conn.send("get", (request,)))), limit, copy)
         self._check_pending(before="ray")
         blob = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
-        return PendingGet(self, ("ray", self.actor.get.remote(blob)), limit, copy)
+        off_node = self.shm_info is not None and _this_node_id() != self.shm_info["node_id"]
+        return PendingGet(self, ("ray", self.actor.get.remote(blob, off_node)), limit, copy)
 
     def all_consumed(self, consumer: str) -> bool:
         return self._call("all_consumed", consumer)
@@ -428,9 +429,12 @@ def create_transfer_dock(columns: Sequence[str], consumers: Sequence[str], promp
     2-core machine a whole CPU for it would starve the workers.
 
     `data_plane` says how columns of `inline_bytes` or more travel: `"shm"` through shared memory
-    on the dock's node (producers elsewhere fall back to Ray objects), `"ray"` as Ray object
-    references, `"auto"` (default) shared memory when the Ray cluster is one node and `/dev/shm`
-    is writable. Call `client.close()` when done, to free the shared memory.
+    between callers on the dock's node, `"ray"` as Ray object references, `"auto"` (default) shared
+    memory where `/dev/shm` is writable. Which path a call takes is decided per call, from where the
+    caller runs, so workers may land on any node and a cluster may grow: with shared memory, a
+    producer on another node puts Ray objects, and a consumer on another node gets the rows that
+    are in shared memory as bytes read by the dock (which runs on the node that wrote them). Call
+    `client.close()` when done, to free the shared memory.
 
     `local_channel` (default True, where `/dev/shm` is writable): callers on the dock's node call
     it over a Unix socket instead of through Ray (`channel.py`); False makes every call a Ray call.
@@ -444,8 +448,7 @@ def create_transfer_dock(columns: Sequence[str], consumers: Sequence[str], promp
     """
     if data_plane not in DATA_PLANES:
         raise DockValueError(f"create_transfer_dock: data_plane={data_plane!r}; use one of {', '.join(DATA_PLANES)}")
-    use_shm = shm.available() and (data_plane == "shm" or (
-        data_plane == "auto" and sum(1 for n in ray.nodes() if n.get("Alive")) == 1))
+    use_shm = shm.available() and data_plane in ("shm", "auto")
     if data_plane == "shm" and not use_shm:
         raise DockValueError(f"create_transfer_dock: data_plane='shm' needs a writable {shm.SHM_DIR}; "
                              "use data_plane='ray' (or 'auto') on this machine")

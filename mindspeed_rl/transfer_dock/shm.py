@@ -16,8 +16,8 @@ Lifetime, which Ray's reference counting would otherwise decide:
 - A put made in an older generation is refused by the dock (it would read overwritten bytes).
 - `close()` on the dock removes its files; a new dock removes files of docks whose process died.
 
-Only for producers and consumers on the dock's node; `data_plane="auto"` picks it when the Ray
-cluster has one node, otherwise large columns go as Ray object references.
+Only for producers and consumers on the dock's node: a producer elsewhere puts Ray objects, and a
+consumer elsewhere gets these rows as bytes the dock reads for it (`create_transfer_dock`).
 """
 from __future__ import annotations
 

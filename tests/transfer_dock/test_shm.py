@@ -193,6 +193,33 @@ def test_steps_through_the_actor_reuse_one_arena_and_close_frees_it(ray_session,
 
 
 @pytest.mark.slow
+def test_a_consumer_on_another_node_gets_shared_memory_rows_as_bytes(ray_session, shm_dock, monkeypatch):
+    """A consumer whose node is not the dock's cannot map the segments: its get says so and the dock
+    reads the rows for it. Another node is this process with the dock's node id changed in its copy of
+    the client (no local channel or claims there either), and shared-memory reads made unusable here."""
+    import copy
+
+    import mindspeed_rl.transfer_dock.client as client_mod
+    dock = shm_dock(["x"], ["c"], 4)
+    producer = Producer.remote()
+    try:
+        ray.get(producer.put_step.remote(dock, 3, 4, 64 * 1024))
+        elsewhere = copy.copy(dock)
+        elsewhere.shm_info = {**dock.shm_info, "node_id": "another-node"}
+        elsewhere.channel_info = elsewhere.claims_info = None
+
+        def no_segments():
+            raise AssertionError("a consumer on another node mapped a segment")
+        monkeypatch.setattr(client_mod.shm, "reader", no_segments)
+        for copy_rows in (False, True):
+            out, got = elsewhere.get_experience("c", ["x"], 2, copy=copy_rows)
+            assert all(torch.equal(v, rows(3, 4, 64 * 1024)[r]) for r, v in zip(got, out["x"]))
+        assert dock.all_consumed("c")
+    finally:
+        ray_session.kill(producer)
+
+
+@pytest.mark.slow
 def test_a_put_written_before_clear_is_refused_and_changes_nothing(ray_session, shm_dock):
     dock = shm_dock(["x"], ["c"], 2)
     info = dock.shm_info
