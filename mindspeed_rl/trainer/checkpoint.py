@@ -1,9 +1,16 @@
-"""Driver-side checkpoint state, the `latest` pointer, and pruning old checkpoints.
+"""Driver-side checkpoint state, the manifest, the `latest` pointer, and pruning old checkpoints.
 
-A checkpoint directory is complete before `latest` points at it (the pointer is written last,
-atomically), so a crash while saving leaves the previous checkpoint the one a resume uses.
-Pruning (`trainer.keep_checkpoints`) runs only after that, and deletes only complete directories
-older than the one `latest` points to: never the pointed-to one, never one still being written.
+A checkpoint is every training rank's part (engine state or its shards, RNG states; written by the
+workers, on their nodes, into the shared run directory) and the driver's state. It is complete when its
+`manifest.json` exists: written by the driver after every rank has reported its part and the driver state
+is written, it lists each rank's files with the size and modification time its writer read right after
+writing them, and the id of the run. `latest` points at a complete checkpoint only (it is written after the
+manifest, atomically), so a crash while saving leaves the previous checkpoint the one a resume uses. A
+resume checks every listed file: present, the same size and modification time (a part another run left at
+that path, even of the same size, as DCP shards of one model are, is refused naming the file and the rank
+and run that wrote the one listed), readable. Pruning (`trainer.keep_checkpoints`) runs
+only after that, and deletes only complete directories older than the one `latest` points to: never the
+pointed-to one, never one still being written.
 """
 from __future__ import annotations
 
@@ -27,6 +34,67 @@ def checkpoint_dir(output_dir: str, step: int) -> Path:
 def save_driver_state(directory: Path, state: dict) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     save_file(state, str(directory / "trainer_state.pt"))
+
+
+MANIFEST = "manifest.json"
+
+
+def part_records(directory: str, paths: list[str]) -> list[dict]:
+    """What a rank wrote into checkpoint `directory`, as its manifest entry: each file relative to the
+    directory, with its size and modification time (read by the writer, on its node)."""
+    records = []
+    for p in paths:
+        st = os.stat(p)
+        records.append({"file": os.path.relpath(p, directory), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns})
+    return records
+
+
+def write_manifest(directory: Path, run_id: str, step: int, parts: dict[str, list[dict]]) -> None:
+    """The checkpoint's list of parts (`parts`: "group/rank" -> its `part_records`), written whole or not at
+    all, after every part and the driver state: from then on the checkpoint is complete."""
+    path = directory / MANIFEST
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(json.dumps({"run_id": run_id, "step": step, "parts": parts}, indent=1))
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointFileError(f"cannot write {path} ({e.strerror or e}): free space on that disk or point "
+                                  "trainer.output_dir elsewhere; the previous checkpoint stays the latest") from None
+
+
+def check_manifest(directory: Path) -> dict:
+    """The manifest of a complete checkpoint whose every listed part is there as written; CheckpointFileError
+    naming the first missing or changed file and the rank that wrote it."""
+    path = directory / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+        parts = manifest["parts"]
+        str(manifest["run_id"])
+    except FileNotFoundError:
+        raise CheckpointFileError(f"checkpoint {directory} is not complete (no {MANIFEST}: a save that did not "
+                                  "finish, or a checkpoint of a version without manifests)") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointFileError(f"{path} is unreadable ({type(e).__name__}: {e}); delete its checkpoint "
+                                  "directory to resume from the previous one") from None
+    for who, records in parts.items():
+        for r in records:
+            f = directory / r["file"]
+            try:
+                size = f.stat().st_size
+            except OSError:
+                raise CheckpointFileError(f"{f} is missing: rank {who} wrote it (run {manifest['run_id']}); was it "
+                                          "written on a disk this machine does not see? Delete its checkpoint "
+                                          "directory to resume from the previous one") from None
+            if size != r["bytes"]:
+                raise CheckpointFileError(f"{f} is {size} bytes where rank {who} of run {manifest['run_id']} wrote "
+                                          f"{r['bytes']}: another run's file, or a changed one; delete its "
+                                          "checkpoint directory to resume from the previous one")
+            if f.stat().st_mtime_ns != r["mtime_ns"]:
+                raise CheckpointFileError(f"{f} was written after rank {who} of run {manifest['run_id']} wrote the "
+                                          "one the manifest lists: another run's file, or a changed one; delete its "
+                                          "checkpoint directory to resume from the previous one")
+    return manifest
 
 
 def mark_latest(output_dir: str, directory: Path, step: int) -> None:
@@ -55,13 +123,15 @@ class ResumePoint:
 
 
 def check_checkpoint(directory: Path, models: list[str]) -> dict:
-    """The driver state of a complete, readable checkpoint; CheckpointFileError naming the first bad file.
+    """The driver state of a complete, readable checkpoint, with its manifest's `run_id`; CheckpointFileError
+    naming the first bad file.
 
-    Cheap: the driver state is loaded (it is small and needed anyway); each trained model's
+    Cheap: every part its manifest lists is there as written (size, time); the driver state is loaded (it is small and needed anyway); each trained model's
     directory must exist with its `rng.pt`, and every `*.pt` in it passes `check_file` (zip directory and
     CRCs) without being loaded. Sharded formats (DCP's `.metadata` and shards) are checked for presence."""
     if not directory.is_dir():
         raise CheckpointFileError(f"checkpoint directory {directory} is missing")
+    manifest = check_manifest(directory)
     state = load_file(str(directory / "trainer_state.pt"), what="driver state")
     if not isinstance(state, dict) or "step" not in state:
         raise CheckpointFileError(f"driver state {directory / 'trainer_state.pt'} holds no step: it is not a "
@@ -75,7 +145,7 @@ def check_checkpoint(directory: Path, models: list[str]) -> dict:
         for f in sorted(where.glob("*.pt")):
             if f.name != "rng.pt":
                 check_file(str(f), what=f"{model} engine state")
-    return state
+    return {**state, "run_id": manifest["run_id"]}
 
 
 def resume_point(output_dir: str, models: list[str]) -> ResumePoint | None:
@@ -140,7 +210,7 @@ def prune_checkpoints(output_dir: str, keep: int) -> list[Path]:
 
     Called after `mark_latest`, so the newest checkpoint is complete before an older one goes.
     Only directories older than the one `latest.json` points to are candidates, and only complete
-    ones (`trainer_state.pt` is written last): a newer directory may still be being written, and an
+    ones (with their manifest, written last): a newer directory may still be being written, and an
     incomplete older one is not counted as a checkpoint one could resume from.
     """
     if keep <= 0:
@@ -151,7 +221,7 @@ def prune_checkpoints(output_dir: str, keep: int) -> list[Path]:
         return []
     pointed = Path(latest["path"]).name
     complete = sorted((int(m.group(1)), d) for d in root.iterdir() if d.is_dir()
-                      for m in [STEP_DIR.match(d.name)] if m and (d / "trainer_state.pt").is_file())
+                      for m in [STEP_DIR.match(d.name)] if m and (d / MANIFEST).is_file())
     newest_first = [d for step, d in reversed(complete) if step <= latest["step"]]
     kept = [d for d in newest_first if d.name == pointed] + [d for d in newest_first if d.name != pointed]
     deleted = []

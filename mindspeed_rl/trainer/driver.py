@@ -28,7 +28,8 @@ from typing import Any
 
 from ..config import Config
 from ..models.files import CheckpointFileError
-from .checkpoint import ResumePoint, checkpoint_dir, mark_latest, prune_checkpoints, read_latest, save_driver_state
+from .checkpoint import (ResumePoint, checkpoint_dir, mark_latest, prune_checkpoints, read_latest, save_driver_state,
+                         write_manifest)
 from .dock_calls import DockCalls, DockSilent
 from .dynamic_sampling import DynamicSampling
 from .errors import Interrupted, TrainingError
@@ -75,6 +76,7 @@ class Trainer:
         self.validation = None             # trainer/validation.py Validation (data.val_dataset), set at start
         self.samples = None                # trainer/samples.py SampleLog: what the model answers, set at start
         self.worker_info: dict[tuple[str, int], dict] = {}  # (group, rank) -> its ping: pid, host, node id
+        self.run_id = ""                              # set at launch: the run's token, carried by its checkpoints
         self.step = 0             # the step running (or about to), for an interrupted run's message
         self.steps_done = 0
         self.signals = SignalTrap()      # SIGINT/SIGTERM raise at once in the main thread (signals.py)
@@ -310,6 +312,7 @@ class Trainer:
             raise TrainingError(str(e)) from None
         self.workers, self.worker_nodes = launched.workers, launched.worker_nodes
         self.worker_info, self._sync_members = launched.worker_info, launched.sync_members
+        self.run_id = launched.run_id
         write_plan_json(plan, cfg.trainer.output_dir, landed_dict(self.worker_info, self.device_nodes))
         self._versions = {m: 0 for m in plan.trained}
         a = cfg.actor_config
@@ -335,14 +338,19 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def save(self, step: int) -> None:
         directory = checkpoint_dir(self.cfg.trainer.output_dir, step)
+        parts: dict[str, list[dict]] = {}
         for model, train_mfc in self.plan.trained.items():  # every rank: a sharded engine writes its shards
-            self.collect([w.save_checkpoint.remote(str(directory))
-                          for w in self.workers[self.plan.group_of(train_mfc)]], "saving a checkpoint")
+            group = self.plan.group_of(train_mfc)
+            written = self.collect([w.save_checkpoint.remote(str(directory))
+                                    for w in self.workers[group]], "saving a checkpoint")
+            for rank, records in enumerate(written):
+                parts.setdefault(f"{group}/{rank}", []).extend(records)
         try:  # the loader's position first: the steps in flight are let finish below (pipeline.state_dict)
             save_driver_state(directory, {"step": step, "loader": self.pipeline.loader.state_dict(),
                                           "kl_coef": float(self.kl_ctrl.value), "versions": dict(self._versions),
                                           "config": self.cfg, "layouts": layouts(self.plan),
                                           **self.pipeline.state_dict(step)})
+            write_manifest(directory, self.run_id, step, parts)   # last: the checkpoint is complete
             mark_latest(self.cfg.trainer.output_dir, directory, step)
         except CheckpointFileError as e:
             raise TrainingError(f"saving the checkpoint of step {step}: {e}") from None

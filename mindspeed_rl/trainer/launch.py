@@ -29,6 +29,7 @@ class Launched:
     worker_nodes: dict[str, list[str]] = field(default_factory=dict)   # group -> each rank's Ray node id
     worker_info: dict[tuple[str, int], dict] = field(default_factory=dict)  # (group, rank) -> pid, host, actor id
     sync_members: dict[str, list[Any]] = field(default_factory=dict)   # model -> the actors of its weight sync
+    run_id: str = ""       # this run's token in output_dir (shared_dir.py), also the id its checkpoints carry
 
 
 def launch_workers(cfg: Config, plan: Plan, docks: list, placement_groups: Mapping, env: dict,
@@ -73,7 +74,7 @@ def launch_workers(cfg: Config, plan: Plan, docks: list, placement_groups: Mappi
         sync_members[model] = list(workers[train_group]) + remote
         if remote:
             _connect_weight_sync(cfg, model, workers[train_group][0], remote, info_of, get)
-    return Launched(workers, worker_nodes, worker_info, sync_members)
+    return Launched(workers, worker_nodes, worker_info, sync_members, token)
 
 
 def _sweep_nodes(workers: list, infos: list[dict], docks: list, get: Callable) -> None:

@@ -273,8 +273,10 @@ class Worker:
         return self.weights.sync_weights(model, version)
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, directory: str) -> list[str]:
-        return self.engines.save_checkpoint(directory, self.spec.rank)
+    def save_checkpoint(self, directory: str) -> list[dict]:
+        """This rank's part of the checkpoint, as its manifest entry (trainer/checkpoint.py)."""
+        from ..trainer.checkpoint import part_records
+        return part_records(directory, self.engines.save_checkpoint(directory, self.spec.rank))
 
     def load_checkpoint(self, directory: str) -> list[str]:
         return self.engines.load_checkpoint(directory)

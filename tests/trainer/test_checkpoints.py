@@ -12,7 +12,8 @@ import pytest
 from mindspeed_rl.config import ConfigError, config_from_dict
 from mindspeed_rl.config.validate import validate_config
 from mindspeed_rl.trainer import Trainer, TrainingError
-from mindspeed_rl.trainer.checkpoint import checkpoint_dir, mark_latest, prune_checkpoints, save_driver_state
+from mindspeed_rl.trainer.checkpoint import (checkpoint_dir, mark_latest, part_records, prune_checkpoints,
+                                             save_driver_state, write_manifest)
 from mindspeed_rl.trainer.run_log import MetricsFileError, RunLog
 
 
@@ -22,6 +23,7 @@ def fake_checkpoint(out: Path, step: int, complete: bool = True) -> Path:
     (d / "actor.pt").write_bytes(b"weights")
     if complete:
         save_driver_state(d, {"step": step})
+        write_manifest(d, "run", step, {"actor/0": part_records(str(d), [str(d / "actor.pt")])})
     return d
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mindspeed_rl.config import config_from_dict
+from mindspeed_rl.config import ConfigError, config_from_dict
 from mindspeed_rl.trainer import Trainer, TrainingError
 
 pytestmark = pytest.mark.ray
@@ -85,6 +85,17 @@ def test_disaggregated_syncs_weights_across_processes(matrix):
 def test_resume_continues_exactly(ray_session, tmp_path):
     full = run(tmp_path, "full", trainer={"total_steps": 6, "save_interval": 3})
     run(tmp_path, "split", trainer={"total_steps": 3, "save_interval": 3})
+    # a part of the same size at the same path, written by another run: refused by name, before any worker starts
+    import shutil
+    shutil.copytree(tmp_path / "split", tmp_path / "stale")
+    step_dir = tmp_path / "stale" / "checkpoints" / "step_000003"
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    assert "actor/rng.pt" in [r["file"] for records in manifest["parts"].values() for r in records]
+    rng = step_dir / "actor" / "rng.pt"
+    rng.write_bytes(rng.read_bytes())    # the same bytes, written later
+    with pytest.raises(ConfigError, match=r"stale/checkpoints/step_000003/actor/rng.pt was written after rank "
+                                          r"\S+/0 of run " + manifest["run_id"]):
+        run(tmp_path, "stale", trainer={"total_steps": 6, "save_interval": 3, "resume": True})
     resumed = run(tmp_path, "split", trainer={"total_steps": 6, "save_interval": 3, "resume": True})
     assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4, 5]
     keys = ("actor/pg_loss", "reward/mean", "actor/grad_norm", "weight_version", "weight_sync/actor_checksum")

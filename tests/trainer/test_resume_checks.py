@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 import subprocess
 
 import pytest
@@ -11,7 +12,8 @@ import torch
 
 from mindspeed_rl.config import ConfigError, config_from_dict
 from mindspeed_rl.models.files import CheckpointFileError, check_file, load_file, save_file
-from mindspeed_rl.trainer.checkpoint import checkpoint_dir, mark_latest, resume_point, save_driver_state
+from mindspeed_rl.trainer.checkpoint import (checkpoint_dir, mark_latest, part_records, resume_point, save_driver_state,
+                                             write_manifest)
 from mindspeed_rl.trainer.resume import check_resume, config_changes, staleness_problem
 
 
@@ -57,15 +59,41 @@ def test_a_staleness_change_is_carried_out_when_the_steps_in_flight_fit_the_dock
         check_resume(_cfg(max_weight_staleness=saved_k), _cfg(max_weight_staleness=new_k), 11, in_flight, "c")
 
 
-def _checkpoint(root, step, models=("actor",)):
+def _checkpoint(root, step, models=("actor",), manifest=True):
     d = checkpoint_dir(str(root), step)
+    written = []
     for m in models:
         (d / m).mkdir(parents=True)
-        save_file({"w": torch.arange(4096.0)}, str(d / m / "engine.pt"))
-        save_file({"torch": torch.get_rng_state()}, str(d / m / "rng.pt"))
+        written.append(save_file({"w": torch.arange(4096.0)}, str(d / m / "engine.pt")))
+        written.append(save_file({"torch": torch.get_rng_state()}, str(d / m / "rng.pt")))
     save_driver_state(d, {"step": step})
+    if manifest:
+        write_manifest(d, "run-a", step, {"actor/0": part_records(str(d), written)})
     mark_latest(str(root), d, step)
     return d
+
+
+def test_a_checkpoint_is_complete_only_with_its_manifest_and_every_part_it_lists(tmp_path):
+    _checkpoint(tmp_path, 2)
+    _checkpoint(tmp_path, 4, manifest=False)      # a save that did not finish
+    found = resume_point(str(tmp_path), ["actor"])
+    assert found.step == 2 and found.state["run_id"] == "run-a"
+    assert "step_000004 is not complete (no manifest.json" in found.skipped[0]
+    six = _checkpoint(tmp_path, 6)
+    (six / "actor" / "engine.pt").unlink()          # a rank's part that never reached this disk
+    found = resume_point(str(tmp_path), ["actor"])
+    assert found.step == 2 and "step_000006/actor/engine.pt is missing: rank actor/0 wrote it" in found.skipped[0]
+    eight = _checkpoint(tmp_path, 8)
+    save_file({"w": torch.arange(8.0)}, str(eight / "actor" / "engine.pt"))   # another run's file at that path
+    found = resume_point(str(tmp_path), ["actor"])
+    assert found.step == 2 and "step_000008/actor/engine.pt is" in found.skipped[0]
+    assert "another run's file" in found.skipped[0]
+    ten = _checkpoint(tmp_path, 10)
+    rng = ten / "actor" / "rng.pt"
+    time.sleep(0.01)
+    rng.write_bytes(rng.read_bytes())               # the same size, written later
+    found = resume_point(str(tmp_path), ["actor"])
+    assert found.step == 2 and "step_000010/actor/rng.pt was written after rank actor/0 of run run-a" in found.skipped[0]
 
 
 def test_resume_uses_the_newest_checkpoint_when_it_is_sound(tmp_path):
