@@ -15,6 +15,7 @@ from ..config import Config
 from ..device import ACCELERATOR_OPTION_KEYS, group_actor_options
 from ..workers.worker import Worker
 from .plan import Plan
+from .landing import landing_errors
 from .shared_dir import check_seen, write_token
 from .worker_specs import worker_specs
 
@@ -54,6 +55,10 @@ def launch_workers(cfg: Config, plan: Plan, docks: list, placement_groups: Mappi
         worker_nodes[name] = [info_of[id(w)]["node_id"] for w in ws]
         for rank, w in enumerate(ws):  # named in the message if it dies
             worker_info[(name, rank)] = {**info_of[id(w)], "actor_id": _actor_id(w)}
+    from ..parallel import placement_group_nodes
+    errors = landing_errors(plan, worker_info, placement_group_nodes(placement_groups) if placement_groups else {})
+    if errors:
+        raise LaunchError("the workers did not land where the plan put them: " + "; ".join(errors))
     for name, ws in workers.items():
         if plan.groups[name].deployment.joins_default_process_group:
             # the default group over a model's ranks, where its deployment says so (DDP, FSDP; all dp*tp*pp of

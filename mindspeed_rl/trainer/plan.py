@@ -20,8 +20,9 @@ from .memory import plan_memory
 from .plan_backends import (check_group_backends, check_installed, check_own_process, check_partial_rollout,
                             check_rollout_model, check_rollout_refusals, check_rollout_split, choose_backends,
                             deploy_groups)
-from .plan_checks import (check_cluster, check_dataset, check_dynamic_sampling_groups, check_lora_targets,
-                          check_model_paths, check_names, check_sizes, check_stages, check_tokenizer, model_paths_of)
+from .plan_checks import (check_cluster, check_collective_devices, check_dataset, check_dynamic_sampling_groups,
+                          check_lora_targets, check_model_paths, check_names, check_sizes, check_stages, check_tokenizer,
+                          model_paths_of)
 from .plan_format import format_plan, landed_dict, plan_dict, write_plan_json
 from .plan_groups import mesh_groups, preset_groups, worker_groups
 from .plan_types import MODEL_ENGINES, GroupPlan, Plan, generates, model_mfc
@@ -103,6 +104,7 @@ def _deploy(cfg: Config, groups: dict[str, GroupPlan], model_kinds: dict[str, st
     if cfg.rl_config.dynamic_sampling:
         check_dynamic_sampling_groups(cfg, groups, model_kinds)
     notes = deploy_groups(cfg, groups, model_kinds, rollout, train, check_files)
+    check_collective_devices(groups)
     check_partial_rollout(cfg, groups)
     check_rollout_refusals(cfg, groups)
     check_group_backends(cfg, groups, model_kinds, model_paths, train, check_files)

@@ -232,6 +232,30 @@ def check_dataset(cfg: Config) -> None:
         raise ConfigError(f"data.dataset={spec!r}: {e}") from None
 
 
+def check_collective_devices(groups: dict[str, GroupPlan]) -> None:
+    """Refuse a group whose ranks share torch's process group over NCCL or HCCL and could land two on one
+    device: NCCL refuses two ranks of a communicator on one GPU (and HCCL one NPU) when the group first
+    talks. Outside mode mesh Ray places each actor by its share of a device, so a share below one may pack two
+    ranks onto one device; in mode mesh each rank's devices are its own by construction, checked here too."""
+    from ..device import accelerator_share
+    for g, p in groups.items():
+        if p.deployment is None or not p.deployment.joins_default_process_group or p.world < 2:
+            continue
+        share = accelerator_share(p.resources)
+        if p.devices:
+            held = [set(p.actor_devices(k)) for k in range(p.world)]
+            shared = sorted({d for a in range(len(held)) for b in range(a) for d in held[a] & held[b]})
+            if shared and share:
+                raise ConfigError(f"placement.mfcs: group '{g}' puts two of its ranks on device(s) {shared}; its "
+                                  "collectives (NCCL/HCCL) need one device per rank: give its MFCs as many devices "
+                                  "as dp * tp * pp")
+        elif 0 < share < 1:
+            field_ = "num_gpus" if p.resources.num_gpus else "num_npus"
+            raise ConfigError(f"placement.groups.{g}.{field_}={share:g} with {p.world} ranks in one process group: "
+                              f"Ray may place two of them on one device, which NCCL/HCCL refuse; give each rank a "
+                              f"whole device ({field_}: 1), or place the MFCs by mesh (placement.mode=mesh)")
+
+
 def check_cluster(plan: Plan, available: dict[str, float]) -> None:
     """Fail fast, naming the groups and the numbers, when the plan does not fit the Ray cluster."""
     from ..device import RAY_RESOURCES

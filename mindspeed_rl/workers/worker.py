@@ -94,8 +94,10 @@ class Worker:
 
     def ping(self) -> dict:
         import ray
+        ctx = ray.get_runtime_context()
+        accelerators = sorted(f"{kind}:{i}" for kind, ids in ctx.get_accelerator_ids().items() for i in ids)
         return {"pid": os.getpid(), "host": ray.util.get_node_ip_address(), "group": self.spec.group,
-                "rank": self.spec.rank, "node_id": ray.get_runtime_context().get_node_id()}
+                "rank": self.spec.rank, "node_id": ctx.get_node_id(), "accelerators": accelerators}
 
     def sees_output_dir(self, output_dir: str, token: str) -> bool:
         """Whether this worker's node reads the driver's token in the run's directory (trainer/shared_dir.py)."""

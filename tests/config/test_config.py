@@ -266,6 +266,11 @@ VALIDATE_ERRORS = {
 }
 
 PLAN_ERRORS = {
+    "two NCCL ranks may share a GPU": ({"placement.groups.integrated.device": "cuda",
+                                        "placement.groups.integrated.num_gpus": 0.5,
+                                        "placement.groups.integrated.dp": 2},
+                                       ["placement.groups.integrated.num_gpus=0.5 with 2 ranks in one process group",
+                                        "which NCCL/HCCL refuse", "num_gpus: 1"]),
     "bad train backend": ({"actor_config.backend": "deepspeed"},
                           ["actor_config.backend='deepspeed'", "must be one of ['torch', 'fsdp', 'megatron']"]),
     "megatron on cpu": ({"actor_config.backend": "megatron"},
