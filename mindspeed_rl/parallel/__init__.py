@@ -14,8 +14,9 @@ functions, checked before any worker starts. Layer 2: it imports no trainer, wor
 """
 from .broadcast import broadcast_micro_batch
 from .mesh import DeviceMesh, format_ids
-from .placement import (ClusterSpec, MFCPlacement, PlacementPlan, create_placement_groups, placement_group_nodes,
-                        plan_placement, remove_placement_groups, scheduling_strategy)
+from .placement import (ClusterSpec, MFCPlacement, PlacementPlan, create_group_placement_groups,
+                        create_placement_groups, placement_group_nodes, plan_placement, remove_placement_groups,
+                        scheduling_strategy)
 from .topology import (Coord, ParallelGroups, ProcessTopology, dock_reader_ranks, dock_writer_ranks, parallel_groups,
                        replica_members)
 
@@ -24,6 +25,6 @@ __all__ = [
     "Coord", "ParallelGroups", "ProcessTopology", "dock_reader_ranks", "dock_writer_ranks", "parallel_groups",
     "replica_members",
     "broadcast_micro_batch",
-    "ClusterSpec", "MFCPlacement", "PlacementPlan", "create_placement_groups", "placement_group_nodes", "plan_placement",
-    "remove_placement_groups", "scheduling_strategy",
+    "ClusterSpec", "MFCPlacement", "PlacementPlan", "create_group_placement_groups", "create_placement_groups",
+    "placement_group_nodes", "plan_placement", "remove_placement_groups", "scheduling_strategy",
 ]

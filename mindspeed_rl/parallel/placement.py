@@ -16,6 +16,7 @@ Nothing here starts a worker; ray is imported only inside the functions that tal
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -405,6 +406,37 @@ def scheduling_strategy(placement_groups: Mapping[int, tuple[Any, int]], device:
                          f"(devices {format_ids(list(placement_groups))})")
     pg, index = placement_groups[device]
     return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
+
+
+def create_group_placement_groups(bundles: Mapping[str, list[dict]], timeout_s: float = 60.0) -> dict[str, Any]:
+    """Outside mode mesh: one PACK placement group per worker group (`bundles`: group -> one resource bundle per
+    actor), so a group's actors are reserved all at once or not at all, on as few nodes as fit them, and actor k
+    runs on bundle k. A group that asks for no resource gets none. Waits up to `timeout_s` for all of them; on
+    timeout removes what it made and raises TimeoutError naming the group, its bundles and what Ray has free."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    made: dict[str, Any] = {}
+    try:
+        for name, group_bundles in bundles.items():
+            kept = [{k: v for k, v in b.items() if v} for b in group_bundles]
+            if kept and all(kept):
+                made[name] = placement_group(kept, strategy="PACK", name=f"mindspeed_rl-{name}-{uuid.uuid4().hex[:8]}")
+        deadline = time.monotonic() + timeout_s
+        for name, pg in made.items():
+            try:
+                ray.get(pg.ready(), timeout=max(0.0, deadline - time.monotonic()))
+            except ray.exceptions.GetTimeoutError:
+                raise TimeoutError(
+                    f"placement group of worker group '{name}' ({len(bundles[name])} bundle(s) of "
+                    f"{_resources_text(bundles[name][0])}) was not placed within {timeout_s:g}s; Ray has "
+                    f"{_resources_text(ray.available_resources())} free of {_resources_text(ray.cluster_resources())}; "
+                    "free those resources or lower placement.groups.<name>.num_*") from None
+    except BaseException:
+        for pg in made.values():
+            remove_placement_group(pg)
+        raise
+    return made
 
 
 def remove_placement_groups(placement_groups: Mapping[int, tuple[Any, int]]) -> None:

@@ -33,7 +33,7 @@ from .checkpoint import (ResumePoint, checkpoint_dir, mark_latest, prune_checkpo
 from .dock_calls import DockCalls, DockSilent
 from .dynamic_sampling import DynamicSampling
 from .errors import Interrupted, TrainingError
-from .launch import LaunchError, launch_workers
+from .launch import LaunchError, group_bundles, launch_workers
 from .pipeline import StepPipeline, close_docks, open_docks
 from .plan import Plan, format_plan, landed_dict, make_plan, write_plan_json
 from .ray_session import RaySession, stop_workers
@@ -67,6 +67,7 @@ class Trainer:
         self.pipeline: StepPipeline | None = None  # the steps in flight (pipeline.py), set at start
         self.ray = RaySession()
         self.placement_groups: dict = {}   # placement.mode=mesh: device -> (Ray placement group, bundle)
+        self.group_placement_groups: dict = {}  # other groups: group -> its placement group (bundle k: actor k)
         self.worker_nodes: dict[str, list[str]] = {}  # group -> the Ray node id of each rank
         self.device_nodes: dict[int, str] = {}        # mode mesh: device -> the Ray node it was placed on
         self.dashboard = None  # DashboardState while a run with trainer.dashboard or trainer.report goes
@@ -297,16 +298,20 @@ class Trainer:
         self.dock_calls = DockCalls(timeout_s=max(10.0, cfg.trainer.stage_timeout_s))
         sampling = DynamicSampling(cfg)  # rl_config.dynamic_sampling (a no-op when off)
         self.docks = open_docks(cfg, plan, sampling)
+        from ..parallel import create_group_placement_groups, create_placement_groups, placement_group_nodes
         if plan.placement is not None:
-            from ..parallel import create_placement_groups, placement_group_nodes
             try:
                 self.placement_groups = create_placement_groups(plan.placement, cfg.placement.cpus_per_device,
                                                                 timeout_s=STARTUP_TIMEOUT_S)
                 self.device_nodes = placement_group_nodes(self.placement_groups)
             except (ValueError, TimeoutError) as e:
                 raise TrainingError(f"placement.mfcs: {e}") from None
+        try:   # the groups outside a mesh: reserved all at once per group, or not at all
+            self.group_placement_groups = create_group_placement_groups(group_bundles(plan), STARTUP_TIMEOUT_S)
+        except TimeoutError as e:
+            raise TrainingError(f"placement.groups: {e}") from None
         try:
-            launched = launch_workers(cfg, plan, self.docks, self.placement_groups,
+            launched = launch_workers(cfg, plan, self.docks, self.placement_groups, self.group_placement_groups,
                                       {"MINDSPEED_RL_CACHE": _cache_env()}, self.collect)
         except LaunchError as e:
             raise TrainingError(str(e)) from None
@@ -398,8 +403,9 @@ class Trainer:
 
     def shutdown(self) -> None:
         """Stop the workers, free the docks, end Ray: after a finished run, an error or a signal alike."""
-        stop_workers(self.workers, self.plan, self.worker_info, self.placement_groups, started_after=self._t_start)
-        self.workers, self.placement_groups = {}, {}
+        stop_workers(self.workers, self.plan, self.worker_info, self.placement_groups, started_after=self._t_start,
+                     group_placement_groups=self.group_placement_groups)
+        self.workers, self.placement_groups, self.group_placement_groups = {}, {}, {}
         close_docks(self.docks)
         self.docks = []
         if self.validation is not None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from ..config import Config
-from ..device import ACCELERATOR_OPTION_KEYS, group_actor_options
+from ..device import ACCELERATOR_OPTION_KEYS, group_actor_options, group_resources
 from ..workers.worker import Worker
 from .plan import Plan
 from .landing import landing_errors
@@ -33,11 +33,18 @@ class Launched:
     run_id: str = ""       # this run's token in output_dir (shared_dir.py), also the id its checkpoints carry
 
 
-def launch_workers(cfg: Config, plan: Plan, docks: list, placement_groups: Mapping, env: dict,
-                   get: Callable) -> Launched:
+def group_bundles(plan: Plan) -> dict[str, list[dict]]:
+    """Per worker group outside a mesh, one Ray resource bundle per actor (what the actor asks for)."""
+    return {name: [group_resources(gp.resources)] * gp.world for name, gp in plan.groups.items() if not gp.devices}
+
+
+def launch_workers(cfg: Config, plan: Plan, docks: list, placement_groups: Mapping, group_placement_groups: Mapping,
+                   env: dict, get: Callable) -> Launched:
     """Start every group's actors, build their engines and connect them; `get` is the driver's bounded,
-    interruptible ray.get."""
-    workers = {name: _start_group(cfg, plan, gp, docks, placement_groups, env) for name, gp in plan.groups.items()}
+    interruptible ray.get. `placement_groups`: mode mesh's, by device; `group_placement_groups`: the other
+    groups', by group (actor k on bundle k)."""
+    workers = {name: _start_group(cfg, plan, gp, docks, placement_groups, group_placement_groups.get(name), env)
+               for name, gp in plan.groups.items()}
     all_workers = [w for ws in workers.values() for w in ws]
     infos = get([w.ping.remote() for w in all_workers], "starting workers")
     info_of = {id(w): info for w, info in zip(all_workers, infos)}
@@ -100,7 +107,8 @@ def _where(_actor) -> tuple[str, int]:
     return ray.get_runtime_context().get_node_id(), os.getpid()
 
 
-def _start_group(cfg: Config, plan: Plan, gp, docks: list, placement_groups: Mapping, env: dict) -> list[Any]:
+def _start_group(cfg: Config, plan: Plan, gp, docks: list, placement_groups: Mapping, group_pg: Any,
+                 env: dict) -> list[Any]:
     """The actors of one worker group, in rank order (started, not yet answering)."""
     import ray
     r = gp.resources
@@ -114,8 +122,12 @@ def _start_group(cfg: Config, plan: Plan, gp, docks: list, placement_groups: Map
     # starts its own ranks there)
     def pinned(k: int):
         devices = gp.actor_devices(k)
-        if not devices:
+        if not devices and group_pg is None:
             return ray.remote(Worker).options(**opts)
+        if not devices:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+            return ray.remote(Worker).options(**opts, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=group_pg, placement_group_bundle_index=k))
         if len(devices) > 1:
             return ray.remote(Worker).options(**multi_device_actor_options(placement_groups, devices, opts))
         from ..parallel import scheduling_strategy

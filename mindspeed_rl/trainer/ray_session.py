@@ -69,11 +69,12 @@ class RaySession:
 
 
 def stop_workers(workers: dict[str, list], plan, worker_info: dict, placement_groups: dict,
-                 started_after: float) -> None:
+                 started_after: float, group_placement_groups: dict | None = None) -> None:
     """End the run's worker actors and free what they held outside themselves: an engine-split rollout
     closes its engines first (vLLM's worker processes end with the actor, but only a close removes their
     /dev/shm queues), what vLLM's tensor-parallel engines recorded in /dev/shm is removed (also when they
-    died), and the placement groups go. Never raises: a shutdown must not hide the run's own error."""
+    died), and the placement groups (the mesh's and the other groups') go. Never raises: a shutdown must not
+    hide the run's own error."""
     import sys
 
     import ray
@@ -98,6 +99,11 @@ def stop_workers(workers: dict[str, list], plan, worker_info: dict, placement_gr
         from ..parallel import remove_placement_groups
         try:
             remove_placement_groups(placement_groups)
+        except Exception:
+            pass
+    for pg in (group_placement_groups or {}).values():
+        try:
+            ray.util.remove_placement_group(pg)
         except Exception:
             pass
 

@@ -74,6 +74,20 @@ def test_blocking_and_overlap_give_identical_losses(matrix):
 
 
 @pytest.mark.slow
+def test_each_groups_actors_were_reserved_as_one_placement_group_and_given_back(matrix):
+    """Outside mode mesh each worker group's actors sit on one PACK placement group, bundle k for actor k with
+    what the actor asks for, removed at the end of its run."""
+    import ray
+    groups = [v for v in ray.util.placement_group_table().values() if v["name"].startswith("mindspeed_rl-")]
+    by_group: dict[str, list] = {}
+    for v in groups:
+        by_group.setdefault(v["name"].split("-")[1], []).append(v)
+    assert set(by_group) >= {"integrated", "rollout", "actor", "rule"}, sorted(by_group)
+    assert all(v["state"] == "REMOVED" and v["strategy"] == "PACK" for v in groups)
+    assert all(v["bundles"] and all(b.get("CPU", 0) > 0 for b in v["bundles"].values()) for v in groups)
+
+
+@pytest.mark.slow
 def test_disaggregated_syncs_weights_across_processes(matrix):
     history, _ = matrix[("disaggregated", False)]
     # rollout lives in another process: the trainer broadcast to it and both checksums matched
