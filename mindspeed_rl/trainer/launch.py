@@ -14,8 +14,8 @@ from typing import Any, Callable, Mapping
 from ..config import Config
 from ..device import ACCELERATOR_OPTION_KEYS, group_actor_options, group_resources
 from ..workers.worker import Worker
-from .plan import Plan
 from .landing import landing_errors
+from .plan import Plan
 from .shared_dir import check_seen, write_token
 from .worker_specs import worker_specs
 
