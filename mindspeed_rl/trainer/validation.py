@@ -40,6 +40,7 @@ from ..algorithms.pass_at_k import PASS_THRESHOLD, mean_pass_at_k
 from ..config import Config, ConfigError
 from ..dataflow import dock_columns, dock_consumers, topological_order
 from ..dataflow.validation import READ_COLUMNS, READER, REWARD_COLUMN, validation_graph
+from .errors import TrainingError, cause_of
 from .step_metrics import step_record
 
 VAL_SEED_TAG = 0x76616C69   # validation's sampling seed: SeedSequence([trainer.seed, VAL_SEED_TAG])
@@ -212,7 +213,6 @@ class Validation:
                             list(READ_COLUMNS), self.rows, blocking=True, timeout=tr.cfg.trainer.stage_timeout_s,
                             context=context)
         if sorted(idx) != list(range(self.rows)):
-            from .driver import TrainingError
             raise TrainingError(f"{context}: the reader got {len(idx)} of {self.rows} rows of {list(READ_COLUMNS)}")
         tr._dock("clear()", self.dock.clear, context=context)
         score = {i: float(torch.as_tensor(s).reshape(-1)[0]) for i, s in zip(idx, got[REWARD_COLUMN])}
@@ -221,7 +221,6 @@ class Validation:
                              sync={}, kl_coef=0.0, policy_version=version)
         versions = {int(r["metrics"]["weight_version_min"]) for r in reports if "weight_version_min" in r["metrics"]}
         if versions != {version}:
-            from .driver import TrainingError
             raise TrainingError(f"{context}: the responses came from weight versions {sorted(versions)}")
         tr.samples.validation(tr.steps_done, version, reports)
         out = val_metrics(record, by_prompt, self.n)
@@ -236,7 +235,6 @@ class Validation:
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
-        from .errors import TrainingError, cause_of as _cause
         from .stage_watch import POLL_S, describe_stall, lanes as stage_lanes
         tr = self.tr
         context = f"validation at weight version {version}"
@@ -253,7 +251,7 @@ class Validation:
                 try:
                     reports.append(ray.get(ref))
                 except RayTaskError as e:
-                    raise TrainingError(f"{context}: {_cause(e)}") from None
+                    raise TrainingError(f"{context}: {cause_of(e)}") from None
                 except RayActorError as e:
                     died = tr.pipeline.watch.worker_died(where_of[ref], stage_of[ref], e)
                     raise TrainingError(f"{context}: {died}") from None

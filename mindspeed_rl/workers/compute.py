@@ -388,5 +388,3 @@ def _rows_to_matrix(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
         out[i, :n] = torch.as_tensor(r[:n], dtype=torch.float32)
     return out
 
-
-from . import impls  # noqa: E402,F401  the built-in steps register as their classes are defined

@@ -344,5 +344,3 @@ def build_impl(ctx: StageContext) -> Impl:
         return StandIn(ctx)
     return impl_class(ctx.mfc)(ctx)
 
-
-from . import agent_impls, reward_impls  # noqa: E402,F401  their steps register as their classes are defined

@@ -42,9 +42,9 @@ def test_partial_rollout_on_vllm_is_planned_with_serve_only(tmp_path):
     import pytest
 
     from mindspeed_rl.config import ConfigError, config_from_dict
-    from mindspeed_rl.engines.rollout.vllm_rollout import VLLMRolloutEngine
+    from mindspeed_rl.engines.rollout.vllm_engine import VLLMEngine
     from mindspeed_rl.trainer.plan import make_plan
-    assert not VLLMRolloutEngine.takes_partial_rollout({}) and VLLMRolloutEngine.takes_partial_rollout({"serve": True})
+    assert not VLLMEngine.takes_partial_rollout({}) and VLLMEngine.takes_partial_rollout({"serve": True})
 
     def plan(serve: bool):
         return make_plan(config_from_dict({

@@ -326,10 +326,7 @@ class VLLMRolloutEngine(RolloutEngine):
     # ---- construction
     @classmethod
     def build(cls, spec: RolloutSpec) -> "VLLMRolloutEngine":
-        """The offline engine, or with the `serve` option the serving one (`vllm_serving.py`)."""
-        if spec.options.get("serve"):
-            from .vllm_serving import VLLMServingEngine
-            return VLLMServingEngine.build(spec)
+        """The offline engine (`vllm_engine.py` picks it or the serving one by the `serve` option)."""
         kwargs, opts, restore, tp, sleep_mode = engine_setup(spec, workers_elsewhere=False)
         vllm = _import_vllm()
         # tp > 1: record the /dev/shm objects vLLM and its workers create, from the start of the build
@@ -347,18 +344,6 @@ class VLLMRolloutEngine(RolloutEngine):
             recorder.stop()
         return cls(llm, spec, sleep_level=int(opts.get("sleep_level", 1)), sleep_mode=sleep_mode,
                    restore=restore, tensor_parallel_size=tp, shm_recorder=recorder)
-
-    @classmethod
-    def refusal(cls, options: dict, tp: int) -> str | None:
-        if options.get("serve"):
-            from .vllm_serving import serving_refusal
-            return serving_refusal(options, tp)
-        return None
-
-    @classmethod
-    def takes_partial_rollout(cls, options: dict) -> bool:
-        """Only the serving engine pauses generation for a weight update (vLLM's pause_generation)."""
-        return bool(options.get("serve"))
 
     # ---- generation
     def _sampling_params(self, params: SamplingParams, seed: int):

@@ -91,6 +91,10 @@ class VLLMServingEngine(VLLMRolloutEngine):
 
     # ---- construction
     @classmethod
+    def refusal(cls, options: dict, tp: int) -> str | None:
+        return serving_refusal(options, tp)
+
+    @classmethod
     def build(cls, spec: RolloutSpec) -> "VLLMServingEngine":
         kwargs, opts, restore, tp, sleep_mode = engine_setup(spec, workers_elsewhere=True)
         refused = serving_refusal({**opts, "enable_sleep_mode": sleep_mode}, tp)

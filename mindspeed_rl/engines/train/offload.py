@@ -56,6 +56,15 @@ ON_DEVICE, OFFLOADED = "on_device", "offloaded"
 PARAMS, OPTIMIZER = "params", "optimizer"
 
 
+def is_fsdp(model) -> bool:
+    """Whether `model` is sharded by FSDP2 (its parameters are DTensors: moving one moves the local shard)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return False
+    return isinstance(model, FSDPModule)
+
+
 @dataclass(frozen=True)
 class OffloadOptions:
     """`TrainSpec.offload` (config.schema.OffloadConfig's fields), checked for a backend."""
@@ -236,10 +245,9 @@ class Offloader:
         nbytes = 0
         if self.real:
             if part == PARAMS:
-                from .torch_train import _is_fsdp
                 target = self.device if to == ON_DEVICE else torch.device("cpu")
                 module = self._module()
-                if _is_fsdp(module):
+                if is_fsdp(module):
                     module.to(target)
                     nbytes = sum(p.to_local().numel() * p.element_size() for p in module.parameters())
                 else:

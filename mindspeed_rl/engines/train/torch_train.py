@@ -38,6 +38,7 @@ from ..base import (Bucket, LossFn, MicroBatch, ModelOutput, NamedTensors, Optim
                    cast_buckets, flatten_parameters, hf_named_weights, load_named)
 from ..batching import SequenceBatch, collate, forward_groups, join_groups, right_pad, unpad_rows
 from .log_probs import head_log_probs, logits_log_probs
+from .offload import is_fsdp
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -72,14 +73,6 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model.lm if isinstance(model, ResponseStates) else model
 
 
-def _is_fsdp(model) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
-        return False
-    return isinstance(model, FSDPModule)
-
-
 def response_states(model: torch.nn.Module, batch: SequenceBatch) -> torch.Tensor:
     """Final hidden states [B, R, H] where each response token is predicted (an HF model, or DDP
     around `ResponseStates`)."""
@@ -109,7 +102,7 @@ def response_log_probs(model: torch.nn.Module, batch: SequenceBatch, temperature
     parameters, the head's included, are gathered only inside its own forward: there the head runs
     in the forward on the R response positions via `logits_to_keep`, and the fp32 softmax is
     chunked by `logits_log_probs`)."""
-    if _is_fsdp(model):
+    if is_fsdp(model):
         out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                     position_ids=batch.position_ids, use_cache=False, logits_to_keep=predicting(batch))
         return logits_log_probs(out.logits, batch.responses, temperature, with_entropy,
@@ -143,7 +136,7 @@ def response_values(model: torch.nn.Module, batch: SequenceBatch) -> torch.Tenso
     which token t is chosen (verl's `values[:, -response_length - 1:-1]`). The 1-wide head runs on
     those positions only (an FSDP2 root: inside its forward, over all positions)."""
     p, r = batch.prompt_width, batch.responses.shape[1]
-    if _is_fsdp(model):
+    if is_fsdp(model):
         out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                     position_ids=batch.position_ids, use_cache=False)
         return out.logits[:, p - 1:p + r - 1, 0].float()
@@ -169,7 +162,7 @@ def sequence_scores(model: torch.nn.Module, batch: SequenceBatch) -> torch.Tenso
     which a response that holds the pad token fools). An FSDP2 root, whose head's parameters are
     gathered only in its own forward, runs that forward and hands the head's per-position output over
     through a hook."""
-    if _is_fsdp(model):
+    if is_fsdp(model):
         head = getattr(model, "score", None) or getattr(model, "classifier")
         seen: list[torch.Tensor] = []
         hook = head.register_forward_hook(lambda _m, _i, out: seen.append(out))
