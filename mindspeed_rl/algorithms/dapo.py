@@ -27,7 +27,7 @@ from typing import Hashable, Sequence
 
 import torch
 
-from .grpo import GroupIndex, _group_keys
+from .grpo import GroupIndex, group_keys
 
 
 def overlong_penalty(lengths: torch.Tensor | Sequence[int], max_len: int, buffer_len: int,
@@ -64,7 +64,7 @@ def constant_groups(rewards: torch.Tensor, group_index: GroupIndex, atol: float 
     """
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [batch] (one scalar per response), got shape {tuple(rewards.shape)}")
-    keys = _group_keys(group_index)
+    keys = group_keys(group_index)
     if len(keys) != rewards.shape[0]:
         raise ValueError(f"group_index has {len(keys)} entries but rewards has {rewards.shape[0]} rows")
     if atol < 0:

@@ -27,7 +27,7 @@ import torch
 GroupIndex = Union[torch.Tensor, Sequence[Hashable]]
 
 
-def _group_keys(group_index: GroupIndex) -> list:
+def group_keys(group_index: GroupIndex) -> list:
     """The group label of each row as a plain Python list (tensor ints, numpy values, uid strings)."""
     if isinstance(group_index, torch.Tensor):
         return group_index.reshape(-1).tolist()
@@ -58,7 +58,7 @@ def grpo_advantages(
     """
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [batch] (one scalar per response), got shape {tuple(rewards.shape)}")
-    keys = _group_keys(group_index)
+    keys = group_keys(group_index)
     if len(keys) != rewards.shape[0]:
         raise ValueError(f"group_index has {len(keys)} entries but rewards has {rewards.shape[0]} rows")
 

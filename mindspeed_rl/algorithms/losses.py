@@ -17,7 +17,7 @@ from .functional import masked_mean, masked_sum
 LOG_RATIO_CLAMP = 20.0
 
 
-def _check_agg_mode(mode: str) -> None:
+def check_agg_mode(mode: str) -> None:
     if mode not in AGG_MODES:
         raise ValueError(f"unknown loss aggregation mode {mode!r}; expected one of {list(AGG_MODES)}")
 
@@ -45,7 +45,7 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Ten
     Raises:
         ValueError: ``mode`` is not one of ``AGG_MODES``, or the shapes differ / are not 2-D.
     """
-    _check_agg_mode(mode)
+    check_agg_mode(mode)
     if loss_mat.shape != mask.shape or loss_mat.dim() != 2:
         raise ValueError(
             f"loss_mat and mask must both be [batch, len]; got {tuple(loss_mat.shape)} and {tuple(mask.shape)}"
@@ -107,7 +107,7 @@ def policy_loss(
     Raises:
         ValueError: ``clip_c <= 1``, an unknown ``agg`` mode, or mismatched shapes.
     """
-    _check_policy_loss_inputs(clip_c, agg, log_prob, old_log_prob, advantages, mask)
+    check_policy_loss_inputs(clip_c, agg, log_prob, old_log_prob, advantages, mask)
     terms = policy_loss_terms(log_prob, old_log_prob, advantages, clip_low, clip_high, clip_c)
     loss = agg_loss(terms.per_token, mask, agg)
     return loss, policy_loss_metrics(terms, advantages, mask)
@@ -129,11 +129,11 @@ class PolicyLossTerms(NamedTuple):
     clip_pg_losses1: torch.Tensor  # max(pg_losses1, pg_losses2)
 
 
-def _check_policy_loss_inputs(clip_c: float, agg: str, *tensors: torch.Tensor) -> None:
+def check_policy_loss_inputs(clip_c: float, agg: str, *tensors: torch.Tensor) -> None:
     """``policy_loss``'s argument checks: clip_c > 1, a known ``agg``, one shared shape."""
     if not clip_c > 1.0:
         raise ValueError(f"clip_c (dual-clip lower bound of the ratio) must be > 1.0, got {clip_c}")
-    _check_agg_mode(agg)
+    check_agg_mode(agg)
     shapes = {t.shape for t in tensors}
     if len(shapes) != 1:
         raise ValueError(

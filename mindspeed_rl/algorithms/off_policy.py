@@ -33,7 +33,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from .functional import float_dtype, masked_mean
-from .losses import LOG_RATIO_CLAMP, _check_policy_loss_inputs, agg_loss, policy_loss_metrics, policy_loss_terms
+from .losses import LOG_RATIO_CLAMP, agg_loss, check_policy_loss_inputs, policy_loss_metrics, policy_loss_terms
 
 # (raw weights [B, R], real-token mask [B, R] bool, cap) -> (weights, keep, changed): the weights
 # to multiply the per-token loss by (0 off ``keep``), the tokens that still carry a gradient, and the
@@ -199,7 +199,7 @@ def corrected_policy_loss(
     Raises:
         ValueError: as ``policy_loss`` and ``behaviour_weights``.
     """
-    _check_policy_loss_inputs(clip_c, agg, log_prob, old_log_prob, advantages, mask)
+    check_policy_loss_inputs(clip_c, agg, log_prob, old_log_prob, advantages, mask)
     weights, _keep, off_metrics = behaviour_weights(old_log_prob, rollout_log_prob, mask, mode, cap)
     terms = policy_loss_terms(log_prob, old_log_prob, advantages, clip_low, clip_high, clip_c)
     loss = agg_loss(terms.per_token * weights.to(terms.per_token.device), mask, agg)

@@ -21,7 +21,7 @@ from typing import Dict, Tuple
 import torch
 
 from .functional import float_dtype, masked_mean, masked_whiten
-from .losses import _check_agg_mode, agg_loss
+from .losses import agg_loss, check_agg_mode
 
 
 def _check_unit_interval(name: str, value: float, meaning: str) -> None:
@@ -142,7 +142,7 @@ def value_loss(
             f"must be >= 0, got {clip_value}; pass e.g. 0.5 (verl's cliprange_value), or float('inf') "
             "for no clipping"
         )
-    _check_agg_mode(agg)
+    check_agg_mode(agg)
     tensors = (values_pred, returns, old_values, mask)
     if len({t.shape for t in tensors}) != 1:
         raise ValueError(

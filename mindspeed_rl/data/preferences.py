@@ -27,7 +27,7 @@ import numpy as np
 from ..dataflow.reward_modeling import DATASET_KEYS as PREFERENCE_KEYS
 from .base import PROMPT, PromptDataset, Record
 from .loader import PromptLoader, encode_prompts, prompt_text, truncate_left
-from .prompts import BUILTIN_PREFIX, BadRow, _lookup, _MISSING, json_rows
+from .prompts import BUILTIN_PREFIX, MISSING, BadRow, json_rows, lookup_field
 
 CHOSEN, REJECTED = "chosen", "rejected"
 PAIR_FIELDS = (PROMPT, CHOSEN, REJECTED)
@@ -136,8 +136,8 @@ def make_pair(raw: Any, where: str, prompt_key: str = PROMPT, chosen_key: str = 
     out: Record = {}
     for role, key, field in (("prompt_key", prompt_key, PROMPT), ("chosen_key", chosen_key, CHOSEN),
                              ("rejected_key", rejected_key, REJECTED)):
-        value = _lookup(raw, key)
-        if value is _MISSING:
+        value = lookup_field(raw, key)
+        if value is MISSING:
             raise ValueError(f"{where}: missing key {key!r} (data.{role}); the row has keys {sorted(raw)}")
         if field == PROMPT and isinstance(value, list) and value and all(
                 isinstance(m, dict) and "content" in m for m in value):

@@ -21,7 +21,7 @@ BUILTIN_PREFIX = "builtin:"
 SUFFIXES = (".jsonl", ".json", ".parquet")
 MAX_REPORTED = 5  # bad rows a file check names one by one (it counts them all)
 PARQUET_BATCH_ROWS = 4096
-_MISSING = object()
+MISSING = object()
 
 
 class BadRow:
@@ -31,14 +31,14 @@ class BadRow:
         self.problem = problem
 
 
-def _lookup(raw: dict, key: str) -> Any:
+def lookup_field(raw: dict, key: str) -> Any:
     """raw[key], or for a dotted key the nested field (`"a.b"` -> raw["a"]["b"])."""
     if key in raw:
         return raw[key]
     value: Any = raw
     for part in key.split("."):
         if not isinstance(value, dict) or part not in value:
-            return _MISSING
+            return MISSING
         value = value[part]
     return value
 
@@ -59,8 +59,8 @@ def make_record(raw: Any, where: str, prompt_key: str = PROMPT, answer_key: str 
         prompt_key, answer_key = PROMPT, ANSWER
     fields = {}
     for role, key in (("prompt_key", prompt_key), ("answer_key", answer_key)):
-        value = _lookup(raw, key)
-        if value is _MISSING:
+        value = lookup_field(raw, key)
+        if value is MISSING:
             raise ValueError(f"{where}: missing key {key!r} (the row has keys {sorted(raw)}); "
                              f"set {setting_prefix}{role} to the field that holds the "
                              f"{role.split('_')[0]}")
@@ -76,8 +76,8 @@ def make_record(raw: Any, where: str, prompt_key: str = PROMPT, answer_key: str 
                          f"got {type(answer).__name__}")
     record = {PROMPT: prompt, ANSWER: str(answer)}
     if preprocessed:
-        ids = raw.get(PROMPT_IDS, _MISSING)
-        if ids is _MISSING:
+        ids = raw.get(PROMPT_IDS, MISSING)
+        if ids is MISSING:
             raise ValueError(f"{where}: missing key {PROMPT_IDS!r} (the file's first record has it, "
                              f"so every record of this preprocessed file must)")
         if not isinstance(ids, list) or not ids or not all(

@@ -82,7 +82,7 @@ class Impl:
         return out
 
 
-def _count(mfc: MFCDef, default: int, n: int) -> int:
+def rows_per_get(mfc: MFCDef, default: int, n: int) -> int:
     """Rows per dock get: the MFC's own micro_batch_size, else `default`; whole prompt groups where it needs
     them (the rounding the plan prints: config/sizes.py)."""
     from ..config.sizes import group_rows
@@ -105,7 +105,7 @@ class Generate(Impl):
         from ..config.sizes import group_rows
         g, rl = cfg.generate_config, cfg.rl_config
         n = rl.n_samples_per_prompt
-        return {"count": mfc.micro_batch_size and _count(mfc, 0, n) or group_rows(g.micro_batch_size_per_device, n),
+        return {"count": mfc.micro_batch_size and rows_per_get(mfc, 0, n) or group_rows(g.micro_batch_size_per_device, n),
                 "max_new_tokens": g.max_new_tokens, "temperature": g.temperature, "top_p": g.top_p, "top_k": g.top_k,
                 "greedy": C.fn_name(mfc) == "generate_greedy" or g.temperature == 0,
                 "seed": cfg.trainer.seed, "max_weight_staleness": rl.max_weight_staleness,
@@ -136,7 +136,7 @@ class Generate(Impl):
                               step=self.ctx.step, drop_truncated=self.args.get("drop_truncated", False))
 
 
-class _Forward(Impl):
+class Forward(Impl):
     """An inference call of a model; on a split model only the replica's writer computes outputs from rows,
     every other rank (and a rank out of rows in a collective forward) makes the engine's call for its replica:
     the reader with what it has ([]: nothing), the others with None (they get the reader's rows)."""
@@ -154,7 +154,7 @@ class _Forward(Impl):
 @C.compute_step("log_probs", "inference", ("prompts", "responses"), ("log_prob",), engine="policy",
                 optional=("rollout_log_prob", "loss_mask"),
                 doc="per-token log-probs of the responses (and their distance to the rollout's, when given)")
-class LogProbs(_Forward):
+class LogProbs(Forward):
     """Per-token log-probs of the responses (the actor's old log-probs, the reference's)."""
     method = "log_probs"
 
@@ -162,7 +162,7 @@ class LogProbs(_Forward):
     def args(cfg, mfc, info):
         mbs = (cfg.actor_config.log_prob_micro_batch_size_per_device if mfc.model_name in info.trained_models
                else cfg.ref_config.log_prob_micro_batch_size_per_device)
-        return {"count": _count(mfc, mbs, cfg.rl_config.n_samples_per_prompt)}
+        return {"count": rows_per_get(mfc, mbs, cfg.rl_config.n_samples_per_prompt)}
 
     def compute(self, batch, rows, engine):
         return C.log_probs(batch, rows, engine=engine, micro_batch_size=self.count)
@@ -170,21 +170,21 @@ class LogProbs(_Forward):
 
 @C.compute_step("values", "inference", ("prompts", "responses"), ("values",), engine="value",
                 doc="a critic's per-token values of the responses")
-class Values(_Forward):
+class Values(Forward):
     """A critic's per-token values."""
     method = "values"
 
     @staticmethod
     def args(cfg, mfc, info):
-        return {"count": _count(mfc, cfg.critic_config.forward_micro_batch_size_per_device,
+        return {"count": rows_per_get(mfc, cfg.critic_config.forward_micro_batch_size_per_device,
                                 cfg.rl_config.n_samples_per_prompt)}
 
     def compute(self, batch, rows, engine):
         return C.values(batch, rows, engine=engine, micro_batch_size=self.count)
 
 
-def _compute_count(cfg, mfc) -> int:
-    return _count(mfc, cfg.rl_config.dock_micro_batch_size, cfg.rl_config.n_samples_per_prompt)
+def compute_count(cfg, mfc) -> int:
+    return rows_per_get(mfc, cfg.rl_config.dock_micro_batch_size, cfg.rl_config.n_samples_per_prompt)
 
 
 @C.compute_step("rule_reward", "compute", ("prompts", "responses", "labels"), ("rm_scores",),
@@ -195,7 +195,7 @@ class RuleReward(Impl):
     @staticmethod
     def args(cfg, mfc, info):
         ob = cfg.rl_config.overlong_buffer  # DAPO's soft overlong penalty (length 0: off)
-        return {"count": _compute_count(cfg, mfc), "reward_fn": cfg.rl_config.reward_fn,
+        return {"count": compute_count(cfg, mfc), "reward_fn": cfg.rl_config.reward_fn,
                 "overlong": [cfg.generate_config.max_new_tokens, ob.length, ob.penalty_factor] if ob.length else None}
 
     def __init__(self, ctx):
@@ -214,7 +214,7 @@ class GRPOAdvantage(Impl):
     @staticmethod
     def args(cfg, mfc, info):
         rl = cfg.rl_config
-        return {"count": _compute_count(cfg, mfc), "n_samples_per_prompt": rl.n_samples_per_prompt, "eps": rl.adv_eps,
+        return {"count": compute_count(cfg, mfc), "n_samples_per_prompt": rl.n_samples_per_prompt, "eps": rl.adv_eps,
                 "norm_by_std": rl.norm_adv_by_std}
 
     def __call__(self, batch, rows):
@@ -228,7 +228,7 @@ class GRPOAdvantage(Impl):
 class GAEAdvantage(Impl):
     @staticmethod
     def args(cfg, mfc, info):
-        return {"count": _compute_count(cfg, mfc), "gamma": cfg.rl_config.gamma, "lam": cfg.rl_config.lam}
+        return {"count": compute_count(cfg, mfc), "gamma": cfg.rl_config.gamma, "lam": cfg.rl_config.lam}
 
     def __call__(self, batch, rows):
         return C.gae_advantage(batch, rows, gamma=self.args["gamma"], lam=self.args["lam"])
@@ -239,7 +239,7 @@ class GAEAdvantage(Impl):
 class ReMaxAdvantage(Impl):
     @staticmethod
     def args(cfg, mfc, info):
-        return {"count": _compute_count(cfg, mfc)}
+        return {"count": compute_count(cfg, mfc)}
 
     def __call__(self, batch, rows):
         return C.remax_advantage(batch, rows)

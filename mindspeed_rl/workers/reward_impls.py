@@ -16,7 +16,7 @@ import torch
 
 from ..algorithms import bradley_terry_loss, combine_rewards, preference_accuracy, preference_margin
 from . import compute as C
-from .impls import Impl, PolicyTrain, _compute_count, _count, _Forward
+from .impls import Forward, Impl, PolicyTrain, compute_count, rows_per_get
 
 
 # ------------------------------------------------------------------------------------------------ the math
@@ -88,13 +88,13 @@ def _retokenize(fn, source, target, prompts: Sequence, responses: Sequence):
 @C.compute_step("reward_model_score", "inference", ("prompts", "responses"), ("model_scores",), engine="reward",
                 doc="the reward model's score of each response, at its last token (re-tokenized for its own "
                     "tokenizer)")
-class RewardModelScore(_Forward):
+class RewardModelScore(Forward):
     """The reward model's score of each response (`reward_model.micro_batch_size_per_device` rows a forward)."""
     method = "scores"
 
     @staticmethod
     def args(cfg, mfc, info):
-        return {"count": _count(mfc, cfg.reward_model.micro_batch_size_per_device, cfg.rl_config.n_samples_per_prompt),
+        return {"count": rows_per_get(mfc, cfg.reward_model.micro_batch_size_per_device, cfg.rl_config.n_samples_per_prompt),
                 "policy_path": cfg.actor_config.model_path, "reward_path": cfg.reward_model.model_path or ""}
 
     def __init__(self, ctx):
@@ -114,7 +114,7 @@ class CombineReward(Impl):
 
     @staticmethod
     def args(cfg, mfc, info):
-        return {"count": _compute_count(cfg, mfc), "weights": dict(cfg.rl_config.reward_weights)}
+        return {"count": compute_count(cfg, mfc), "weights": dict(cfg.rl_config.reward_weights)}
 
     def __call__(self, batch, rows):
         return combine_reward(batch, rows, weights=self.args["weights"])

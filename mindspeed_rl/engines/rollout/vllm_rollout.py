@@ -338,7 +338,7 @@ class VLLMRolloutEngine(RolloutEngine):
         except BaseException:
             if recorder is not None:
                 recorder.sweep()
-            _restore_process(restore)
+            restore_process(restore)
             raise
         if recorder is not None:
             recorder.stop()
@@ -562,11 +562,11 @@ class VLLMRolloutEngine(RolloutEngine):
             for f in Path(SHM_DIR).glob(f"{SHM_PREFIX}{os.getpid()}-{id(self):x}-*"):
                 with contextlib.suppress(OSError):
                     f.unlink()
-        _restore_process(self._restore)
+        restore_process(self._restore)
         gc.collect()
 
 
-def _restore_process(restore: dict) -> None:
+def restore_process(restore: dict) -> None:
     """Undo what `build` and vLLM changed in this process that can be undone (not the RNG state)."""
     if "set_num_threads" in restore:
         torch.set_num_threads = restore["set_num_threads"]

@@ -39,7 +39,7 @@ from typing import Any, Sequence
 import torch
 
 from ..base import WAKE_TAGS, Rollout, RolloutSpec, SamplingParams
-from .vllm_rollout import VLLMRolloutEngine, _restore_process, engine_setup
+from .vllm_rollout import VLLMRolloutEngine, restore_process, engine_setup
 from .vllm_weights import SHM_DIR, SHM_PREFIX, muted, write_weight_file
 
 logger = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ class VLLMServingEngine(VLLMRolloutEngine):
                 llm = asyncio.run_coroutine_threadsafe(make(), loop).result(CALL_TIMEOUT_S)
         except BaseException:
             loop.call_soon_threadsafe(loop.stop)
-            _restore_process(restore)
+            restore_process(restore)
             raise
         return cls(llm, loop, thread, spec, restore=restore)
 
@@ -265,7 +265,7 @@ class VLLMServingEngine(VLLMRolloutEngine):
         for f in Path(SHM_DIR).glob(f"{SHM_PREFIX}{os.getpid()}-{id(self):x}-*"):
             with contextlib.suppress(OSError):
                 f.unlink()
-        _restore_process(self._restore)
+        restore_process(self._restore)
         # shut down once: AsyncLLM.__del__ would do it again whenever the object goes, at interpreter exit too,
         # where vLLM's module globals are gone and it raises
         llm.shutdown = lambda *args, **kwargs: None
