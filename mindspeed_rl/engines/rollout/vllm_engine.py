@@ -1,4 +1,4 @@
-"""The vLLM rollout backend as the registry names it. Which of its two engines a run gets is the `serve`
+"""The vLLM rollout backend's class as the registry names it. Which of its two engines a run gets is the `serve`
 option's choice (`generate_config.vllm.serve`), made here so that neither engine's module imports the other:
 the offline `vllm.LLM` (`vllm_rollout.py`, one call per micro-batch) or the server (`vllm_serving.py`,
 AsyncLLM, rows of several micro-batches sharing its slots)."""
@@ -13,8 +13,9 @@ def engine_class(options: dict) -> type[VLLMRolloutEngine]:
     return VLLMServingEngine if options.get("serve") else VLLMRolloutEngine
 
 
-class VLLMEngine:
-    """The backend's handle, not an engine: each call goes to the engine class the options choose."""
+class VLLMEngine(VLLMRolloutEngine):
+    """The offline engine's class to whoever asks what the backend is; building, refusing and taking partial
+    rollouts go to the engine class the options choose (it is never built itself)."""
 
     @classmethod
     def build(cls, spec: RolloutSpec) -> RolloutEngine:
