@@ -52,10 +52,14 @@ def part_records(directory: str, paths: list[str]) -> list[dict]:
 def write_manifest(directory: Path, run_id: str, step: int, parts: dict[str, list[dict]]) -> None:
     """The checkpoint's list of parts (`parts`: "group/rank" -> its `part_records`), written whole or not at
     all, after every part and the driver state: from then on the checkpoint is complete."""
-    path = directory / MANIFEST
+    _write_json(directory / MANIFEST, {"run_id": run_id, "step": step, "parts": parts})
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    """`obj` as `path`, through `<path>.tmp` and an atomic rename; a failed write leaves neither."""
     tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_text(json.dumps({"run_id": run_id, "step": step, "parts": parts}, indent=1))
+        tmp.write_text(json.dumps(obj, indent=1))
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
@@ -81,16 +85,16 @@ def check_manifest(directory: Path) -> dict:
         for r in records:
             f = directory / r["file"]
             try:
-                size = f.stat().st_size
+                st = f.stat()
             except OSError:
                 raise CheckpointFileError(f"{f} is missing: rank {who} wrote it (run {manifest['run_id']}); was it "
                                           "written on a disk this machine does not see? Delete its checkpoint "
                                           "directory to resume from the previous one") from None
-            if size != r["bytes"]:
-                raise CheckpointFileError(f"{f} is {size} bytes where rank {who} of run {manifest['run_id']} wrote "
+            if st.st_size != r["bytes"]:
+                raise CheckpointFileError(f"{f} is {st.st_size} bytes where rank {who} of run {manifest['run_id']} wrote "
                                           f"{r['bytes']}: another run's file, or a changed one; delete its "
                                           "checkpoint directory to resume from the previous one")
-            if f.stat().st_mtime_ns != r["mtime_ns"]:
+            if st.st_mtime_ns != r["mtime_ns"]:
                 raise CheckpointFileError(f"{f} was written after rank {who} of run {manifest['run_id']} wrote the "
                                           "one the manifest lists: another run's file, or a changed one; delete its "
                                           "checkpoint directory to resume from the previous one")
@@ -98,16 +102,7 @@ def check_manifest(directory: Path) -> dict:
 
 
 def mark_latest(output_dir: str, directory: Path, step: int) -> None:
-    root = Path(output_dir) / "checkpoints"
-    tmp = root / "latest.json.tmp"
-    try:
-        tmp.write_text(json.dumps({"step": step, "path": directory.name}))
-        os.replace(tmp, root / "latest.json")
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise CheckpointFileError(f"cannot write {root / 'latest.json'} ({e.strerror or e}): free space on that disk "
-                                  "or point trainer.output_dir elsewhere; the previous checkpoint stays the latest") \
-            from None
+    _write_json(Path(output_dir) / "checkpoints" / "latest.json", {"step": step, "path": directory.name})
 
 
 @dataclass
