@@ -167,8 +167,9 @@ def check_names(cfg: Config, order: list[MFCDef], functions: dict, check_files: 
 
 
 def check_lora_targets(cfg: Config, model_paths: dict[str, str], trained) -> None:
-    """actor_config.lora.target_modules against the policy's linear layers, before any worker starts, when its
-    config.json is readable here (the model is built on the meta device: no weights read)."""
+    """actor_config.lora.target_modules against the policy's linear layers and lora.modules_to_save against its
+    modules, before any worker starts, when its config.json is readable here (the model is built on the meta
+    device: no weights read)."""
     lora = cfg.actor_config.lora
     if not lora.rank or "actor" not in trained or cfg.trainer.simulate_cost_s_per_row:
         return
@@ -177,7 +178,7 @@ def check_lora_targets(cfg: Config, model_paths: dict[str, str], trained) -> Non
         return
     from ..engines.train.lora import check_target_modules_of_config
     try:
-        check_target_modules_of_config(config, lora.target_modules)
+        check_target_modules_of_config(config, lora.target_modules, lora.modules_to_save)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

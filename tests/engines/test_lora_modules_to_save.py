@@ -86,3 +86,14 @@ def test_groups_without_lora_or_copies():
     assert [g["lr"] for g in trained_groups(model, None, 0.1)] == [0.1]
     assert [g["lr"] for g in trained_groups(model, {"lr": None}, 0.1)] == [0.1]
     assert [g["lr"] for g in trained_groups(model, {"lr": 0.3}, 0.1)] == [0.3]
+
+
+def test_a_name_takes_every_module_ending_with_it_whatever_peft_matches(path):
+    """`norm` takes the layers' `input_layernorm` too, as the configs' comments say, with a peft that matches
+    only whole dotted parts (0.22) as with one that matches plain suffixes; a name taking nothing is refused."""
+    from mindspeed_rl.engines.train.lora import modules_to_save_names
+    model = load_causal_lm(path)
+    assert modules_to_save_names(model, ["norm"]) == [n for n, _ in model.named_modules() if n.endswith("norm")]
+    assert len(modules_to_save_names(model, ["norm"])) == 5
+    with pytest.raises(ValueError, match=r"modules_to_save=\['normal'\]: \['normal'\] match no module"):
+        modules_to_save_names(model, ["normal"])

@@ -80,3 +80,12 @@ def test_target_modules_matching_nothing_exit_2_before_any_worker_starts():
     assert ("actor_config.lora.target_modules=['q_proj', 'qkv']: ['qkv'] match no linear layer of the model"
             in out.stdout + out.stderr)
     assert "'k_proj'" in out.stdout + out.stderr   # what to write instead
+
+
+def test_modules_to_save_matching_nothing_is_refused_by_the_plan():
+    """Checked on the meta-device model before any worker starts, as target_modules is."""
+    from mindspeed_rl.trainer.plan_checks import check_lora_targets
+    cfg = config_from_dict({"actor_config": {"lora": {**LORA, "modules_to_save": ["normal"]}}})
+    with pytest.raises(ConfigError, match=r"modules_to_save=\['normal'\]: \['normal'\] match no module of the model.*"
+                                          r"'input_layernorm'"):
+        check_lora_targets(cfg, {}, {"actor"})

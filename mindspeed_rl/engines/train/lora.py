@@ -60,8 +60,9 @@ def check_target_modules(model: torch.nn.Module, target_modules: Sequence[str]) 
                          f"{linear[0] if linear else 'none'}); name some of these, or [{ALL_LINEAR}]")
 
 
-def check_target_modules_of_config(config: dict, target_modules: Sequence[str]) -> None:
-    """`check_target_modules` against the model an HF `config.json` describes, built on the meta device (no
+def check_target_modules_of_config(config: dict, target_modules: Sequence[str],
+                                   modules_to_save: Sequence[str] = ()) -> None:
+    """`check_target_modules` and `modules_to_save_names` against the model an HF `config.json` describes, built on the meta device (no
     weights, a fraction of a second for 7B): the plan's check before any worker starts. A config transformers
     cannot build here is left to the engine's own check."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -74,6 +75,7 @@ def check_target_modules_of_config(config: dict, target_modules: Sequence[str]) 
     except (KeyError, ValueError, TypeError):
         return
     check_target_modules(model, target_modules)
+    modules_to_save_names(model, modules_to_save)
 
 
 def peft_target(target_modules: Sequence[str]) -> str | list[str]:
@@ -104,6 +106,25 @@ class Adapters:
         return self.lock
 
 
+def modules_to_save_names(model: torch.nn.Module, names: Sequence[str]) -> list[str]:
+    """The full dotted names of the modules `actor_config.lora.modules_to_save` takes: a name takes every module
+    whose dotted name ends with it as a string (`norm` takes `input_layernorm` and the final `norm` alike), a
+    module inside one already taken is not taken again. Resolved here and handed to peft whole, because peft's
+    own suffix rule differs between its releases (0.22 matches only whole dotted parts). A name that takes no
+    module is refused with the model's module kinds."""
+    modules = [n for n, _ in model.named_modules() if n]
+    taken: list[str] = []
+    for n in modules:
+        if any(n.endswith(t) for t in names) and not any(n.startswith(f"{p}.") for p in taken):
+            taken.append(n)
+    missing = [t for t in names if not any(n.endswith(t) for n in modules)]
+    if missing:
+        kinds = sorted({n.rsplit(".", 1)[-1] for n in modules if not n.rsplit(".", 1)[-1].isdigit()})
+        raise ValueError(f"actor_config.lora.modules_to_save={list(names)}: {missing} match no module of the model "
+                         f"(a name matches the end of a module's dotted name); its modules are named {kinds}")
+    return taken
+
+
 def apply_lora(model: torch.nn.Module, lora: dict, base_dtype: torch.dtype, lock: Any = None) -> Adapters:
     """Inject LoRA adapters into `model` in place (peft): the base frozen in `base_dtype`, the adapters
     trainable fp32 masters. `lora`: LoraConfig's fields (rank, alpha, target_modules, dropout)."""
@@ -117,7 +138,7 @@ def apply_lora(model: torch.nn.Module, lora: dict, base_dtype: torch.dtype, lock
     config = LoraConfig(r=int(lora["rank"]), lora_alpha=float(lora.get("alpha", 16.0)),
                         target_modules=peft_target(lora.get("target_modules", [ALL_LINEAR])),
                         lora_dropout=float(lora.get("dropout", 0.0)), bias="none",
-                        modules_to_save=list(lora.get("modules_to_save") or []) or None)
+                        modules_to_save=modules_to_save_names(model, lora.get("modules_to_save") or []) or None)
     peft_model = get_peft_model(model, config)
     if peft_model.base_model.model is not model:   # the engine keeps running `model` itself
         raise RuntimeError("peft did not inject its adapters into the model in place")
