@@ -245,6 +245,8 @@ class ValGenerateConfig:
     top_k: Optional[int] = None          # null: generate_config.top_k
     n: int = 1                           # responses per prompt: val/pass@1 over them, val/pass@<n>
     max_new_tokens: Optional[int] = None  # null: generate_config.max_new_tokens
+    pass_threshold: Optional[float] = None  # the reward at which a response passes (val/pass@k); null: 1.0, the
+                                         # rule rewards' full score, and no pass@k when a reward model scores
 
 
 @dataclass
@@ -325,6 +327,8 @@ class DataConfig:
                                          # split, disjoint from training's); null: no validation
     val_size: int = 128                  # built-in val_dataset only: distinct held-out prompts (fewer if the task
                                          # has fewer)
+    val_fraction: float = 0.0            # a dataset file only: this share of its prompts, by a hash of each, held
+                                         # out of training as the validation set (val_dataset null); 0: none
 
 
 @dataclass

@@ -6,6 +6,7 @@ graph and the Ray cluster) run in `mindspeed_rl.trainer.plan`, still before any 
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from typing import Collection
 
@@ -449,10 +450,12 @@ def _validation(e: list[str], cfg: Config) -> None:
     t, v, d = cfg.trainer, cfg.generate_config.val, cfg.data
     _positive(e, "trainer.val_interval", t.val_interval, "0 turns validation off", allow_zero=True)
     on = t.val_interval > 0 or t.val_before_train
-    if on and d.val_dataset is None:
+    _val_fraction(e, cfg)
+    if on and d.val_dataset is None and not d.val_fraction:
         e.append(f"trainer.val_interval={t.val_interval}, val_before_train={t.val_before_train}: validation needs "
                  "data.val_dataset (a .jsonl/.parquet file of prompts and answers, or builtin:<kind> for a built-in "
-                 "task's held-out split); or set trainer.val_interval=0 and val_before_train=false")
+                 "task's held-out split) or data.val_fraction (a share of data.dataset's prompts); or set "
+                 "trainer.val_interval=0 and val_before_train=false")
     if on and cfg.rl_config.algorithm == REWARD_MODELING:
         e.append("trainer.val_interval / val_before_train: reward modeling generates nothing to validate; its "
                  "held-out pairs are data.eval_size and trainer.eval_interval")
@@ -470,6 +473,30 @@ def _validation(e: list[str], cfg: Config) -> None:
     if v.max_new_tokens is not None:
         _positive(e, "generate_config.val.max_new_tokens", v.max_new_tokens,
                   "or null for generate_config.max_new_tokens")
+    if v.pass_threshold is not None and (isinstance(v.pass_threshold, bool) or not isinstance(
+            v.pass_threshold, (int, float)) or not math.isfinite(v.pass_threshold)):
+        e.append(f"generate_config.val.pass_threshold={v.pass_threshold!r}: must be a number (the reward at which a "
+                 "response passes), or null for 1.0 with a rule reward")
+
+
+def _val_fraction(e: list[str], cfg: Config) -> None:
+    """data.val_fraction: a share in [0, 1) of a dataset file's prompts held out as the validation set."""
+    d = cfg.data
+    f = d.val_fraction
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f < 1:
+        e.append(f"data.val_fraction={f!r}: must be in [0, 1) (the share of data.dataset's prompts held out for "
+                 "validation; 0: none)")
+        return
+    if not f:
+        return
+    if str(d.dataset).startswith("builtin:"):
+        e.append(f"data.val_fraction={f}: data.dataset={d.dataset!r} is a built-in task, which holds out one prompt "
+                 f"in ten by itself; set data.val_dataset={d.dataset} and data.val_fraction=0")
+    elif d.val_dataset is not None:
+        e.append(f"data.val_fraction={f} with data.val_dataset={d.val_dataset!r}: two validation sets; set "
+                 "data.val_dataset=null to validate on data.dataset's held-out share, or data.val_fraction=0")
+    elif cfg.rl_config.algorithm == REWARD_MODELING:
+        e.append(f"data.val_fraction={f}: reward modeling holds out data.eval_size pairs instead; set it to 0")
 
 
 def _lora(e: list[str], lora) -> None:

@@ -28,6 +28,7 @@ from ..dataflow.reward_modeling import DATASET_KEYS as PREFERENCE_KEYS
 from .base import PROMPT, PromptDataset, Record
 from .loader import PromptLoader, encode_prompts, prompt_text, truncate_left
 from .prompts import BUILTIN_PREFIX, MISSING, BadRow, json_rows, lookup_field
+from .synthetic import is_held_out
 
 CHOSEN, REJECTED = "chosen", "rejected"
 PAIR_FIELDS = (PROMPT, CHOSEN, REJECTED)
@@ -94,6 +95,15 @@ def graded_pair(right: str, rng: np.random.Generator) -> tuple[str, str]:
             return (a, b) if ca > cb else (b, a)
 
 
+def training_copy(rng: np.random.Generator, num_digits: int) -> str:
+    """Digits whose prompt (`123=`) is in the copy task's training split: the pairs never hold a prompt the
+    policy is validated on (`data.val_dataset: builtin:copy`), so a reward model scores those as new."""
+    while True:
+        right = "".join(str(int(d)) for d in rng.integers(0, 10, size=num_digits))
+        if not is_held_out(f"{right}="):
+            return right
+
+
 def copy_pairs(num_digits: int = 3, size: int = 10000, seed: int = 0, graded: float = 0.5) -> PreferenceDataset:
     """`size` pairs of the copy task; a pure function of (num_digits, size, seed, graded).
 
@@ -103,7 +113,7 @@ def copy_pairs(num_digits: int = 3, size: int = 10000, seed: int = 0, graded: fl
     answers anyhow: a policy that starts far from right then gets no signal towards it (measured: the
     policy's rule reward stayed at 0.06 over 300 GRPO steps; with graded pairs of k against more wrong
     digits only, it learnt to answer `<eos>` alone, which no pair ranked); the graded pairs give the
-    partial credit of a copy that is closer."""
+    partial credit of a copy that is closer. Every prompt is of the copy task's training split."""
     if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
         raise ValueError(f"size must be a positive integer, got {size!r}")
     if isinstance(num_digits, bool) or not isinstance(num_digits, (int, np.integer)) or num_digits < 1:
@@ -111,7 +121,7 @@ def copy_pairs(num_digits: int = 3, size: int = 10000, seed: int = 0, graded: fl
     rng = np.random.default_rng([int(seed), 27])
     records = []
     for _ in range(int(size)):
-        right = "".join(str(int(d)) for d in rng.integers(0, 10, size=int(num_digits)))
+        right = training_copy(rng, int(num_digits))
         if num_digits > 1 and rng.random() < graded:
             better, wrong = graded_pair(right, rng)
         else:

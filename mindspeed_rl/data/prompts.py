@@ -223,13 +223,15 @@ def check_prompt_file(spec: str | Path, prompt_key: str = PROMPT, answer_key: st
 
 
 def load_prompt_dataset(spec: str | Path, prompt_key: str = PROMPT, answer_key: str = ANSWER,
-                        num_digits: int = 3, size: int = 10000, seed: int = 0, split: str = "train") -> PromptDataset:
+                        num_digits: int = 3, size: int = 10000, seed: int = 0, split: str = "train",
+                        val_fraction: float = 0.0) -> PromptDataset:
     """The dataset named by `spec`.
 
     `builtin:copy` / `builtin:reverse` / `builtin:sort` / `builtin:add`: a synthetic task
     (`num_digits`, `size`, `seed` apply; `split` "train" or "val", its held-out prompts: disjoint, see
     data/synthetic.py); otherwise a file chosen by suffix: `.jsonl` / `.json` (JSON lines, or one JSON
-    array), `.parquet`; a preprocessed JSONL is recognised by its `prompt_ids`. A file is the split it is.
+    array), `.parquet`; a preprocessed JSONL is recognised by its `prompt_ids`. A file is the split it is,
+    unless `val_fraction` > 0: then `split` is its side of the hash split (data/hash_split.py).
     """
     spec_str = str(spec)
     if spec_str.startswith(BUILTIN_PREFIX):
@@ -247,6 +249,9 @@ def load_prompt_dataset(spec: str | Path, prompt_key: str = PROMPT, answer_key: 
         raise ValueError(f"prompt dataset {spec_str!r}: unsupported file type {suffix or '(none)'!r}; "
                          f"give a {', '.join(SUFFIXES)} file or one of "
                          f"{', '.join(BUILTIN_PREFIX + k for k in KINDS)}")
-    if suffix == ".parquet":
-        return ParquetPromptDataset(path, prompt_key, answer_key)
-    return JsonlPromptDataset(path, prompt_key, answer_key)
+    whole = ParquetPromptDataset(path, prompt_key, answer_key) if suffix == ".parquet" \
+        else JsonlPromptDataset(path, prompt_key, answer_key)
+    if not val_fraction:
+        return whole
+    from .hash_split import split_by_hash
+    return split_by_hash(whole, val_fraction, split)

@@ -36,9 +36,8 @@ def make_loader(cfg, plan, tokenizer) -> tuple[Any, Any]:
                                   max_prompt_length=d.max_prompt_length, apply_chat_template=d.chat_template)
         return loader, held
     from ..data.loader import PromptLoader
-    from ..data.prompts import load_prompt_dataset
-    dataset = load_prompt_dataset(d.dataset, prompt_key=d.prompt_key, answer_key=d.answer_key,
-                                  num_digits=d.num_digits, size=d.size, seed=t.seed)
+    from .validation import load_train_dataset
+    dataset = load_train_dataset(cfg)
     return PromptLoader(dataset, tokenizer, cfg.rl_config.prompts_per_step, seed=t.seed, shuffle=d.shuffle,
                         max_prompt_length=d.max_prompt_length, apply_chat_template=d.chat_template), None
 

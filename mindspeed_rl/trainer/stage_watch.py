@@ -18,6 +18,11 @@ POLL_S = 0.25
 LIVENESS_TIMEOUT_S = 5.0     # after a stage failed: how long the other workers get to answer a ping
 
 
+def at(step: int | str) -> str:
+    """What a message calls the run being waited for: `step N`, or the label given instead of a step."""
+    return f"step {step}" if isinstance(step, int) else step
+
+
 @dataclass(frozen=True)
 class StageCall:
     """One rank's `run_stage` call of one stage: what the driver waits for."""
@@ -40,19 +45,23 @@ class StageWatch:
     dock_call: Callable[..., Any]
     check_signal: Callable[[], None]
 
-    def start(self, step: int, mfcs: Iterable[MFCDef], version: int, kl_coef: float) -> list[StageCall]:
-        """Start `mfcs` of `step` on every rank of their worker groups, at weight version `version`."""
+    def start(self, step: int, mfcs: Iterable[MFCDef], version: int, kl_coef: float,
+              validation: bool = False) -> list[StageCall]:
+        """Start `mfcs` of `step` on every rank of their worker groups, at weight version `version`
+        (`validation`: the MFCs' validation run over the validation dock, trainer/validation.py)."""
         out = []
         for m in mfcs:
             group = self.plan.group_of(m.name)
             for rank, w in enumerate(self.workers[group]):
-                out.append(StageCall(m.name, (group, rank), w.run_stage.remote(m.name, step, version, kl_coef)))
+                call = w.run_stage.remote(m.name, step, version, kl_coef, validation)
+                out.append(StageCall(m.name, (group, rank), call))
         return out
 
-    def wait(self, step: int, calls: list[StageCall], dock, *, bar=None,
+    def wait(self, step: int | str, calls: list[StageCall], dock, *, bar=None,
              check: Callable[[], None] | None = None) -> list[dict]:
         """The calls' reports. Between polls: a signal, `check()` (it raises what went wrong beside the
-        stages), and the step's progress in `dock`, which a stall is measured and explained by."""
+        stages), and the step's progress in `dock`, which a stall is measured and explained by. `step`
+        names the run in messages: a step number, or a label (a validation's)."""
         import ray
         by_ref = {c.ref: c for c in calls}
         refs = list(by_ref)
@@ -69,12 +78,12 @@ class StageWatch:
                 break
             running = sorted({by_ref[r].stage for r in refs})
             status = self.dock_call("get_consumer_status()", dock.get_consumer_status,
-                                    context=f"step {step}, stages {running} running")
+                                    context=f"{at(step)}, stages {running} running")
             taken = {c: s["taken"] for c, s in status.items()}
             if taken != last_taken:
                 last_taken, last_progress = taken, time.time()
             elif time.time() - last_progress > self.timeout_s + 5.0:
-                raise TrainingError(f"step {step}: {self.stall(step, dock, running)}; stages {running} made no "
+                raise TrainingError(f"{at(step)}: {self.stall(step, dock, running)}; stages {running} made no "
                                     f"progress for {self.timeout_s:.0f} s (trainer.stage_timeout_s); consumption: "
                                     + ", ".join(f"{c} {s['taken']}/{s['total']}" for c, s in status.items()))
             if bar is not None:
@@ -82,7 +91,7 @@ class StageWatch:
                                     refresh=True)
         return reports
 
-    def _report(self, step: int, call: StageCall, dock) -> dict:
+    def _report(self, step: int | str, call: StageCall, dock) -> dict:
         """A finished call's report, or the TrainingError that names why it failed."""
         import ray
         from ray.exceptions import RayActorError, RayTaskError
@@ -97,22 +106,22 @@ class StageWatch:
                 raise TrainingError(dead + f"; the surviving {call.where[0]}/{call.where[1]} then "
                                     f"failed: {cause_of(e)}") from None
             if isinstance(cause, StageTimeout):  # who waited is known; who is late is found here
-                raise TrainingError(f"step {step}: {self.stall(step, dock, [cause.stage])}"
+                raise TrainingError(f"{at(step)}: {self.stall(step, dock, [cause.stage])}"
                                     f"; {cause.stage} (rank {cause.rank}): {cause}") from None
-            raise TrainingError(f"step {step}: {cause_of(e)}") from None
+            raise TrainingError(f"{at(step)}: {cause_of(e)}") from None
         except RayActorError as e:
-            raise TrainingError(f"step {step}: {self.worker_died(call.where, call.stage, e)}") from None
+            raise TrainingError(f"{at(step)}: {self.worker_died(call.where, call.stage, e)}") from None
 
-    def stall(self, step: int, dock, waiting: list[str]) -> str:
+    def stall(self, step: int | str, dock, waiting: list[str]) -> str:
         """The late stages behind `waiting`, with their progress, read from `step`'s `dock` now."""
         try:
-            columns = self.dock_call("get_column_status()", dock.get_column_status, context=f"step {step}")
-            consumers = self.dock_call("get_consumer_status()", dock.get_consumer_status, context=f"step {step}")
+            columns = self.dock_call("get_column_status()", dock.get_column_status, context=at(step))
+            consumers = self.dock_call("get_consumer_status()", dock.get_consumer_status, context=at(step))
         except Exception as e:  # the dock itself is gone: say so rather than hide the stall
             return f"stages {waiting} stalled (the dock did not answer for details: {first_line(e)})"
         return describe_stall(self.plan.order, waiting, columns, consumers, lanes(self.plan), self.timeout_s)
 
-    def dead_worker(self, step: int, stage: str, where: tuple[str, int]) -> str | None:
+    def dead_worker(self, step: int | str, stage: str, where: tuple[str, int]) -> str | None:
         """After a stage failed on `where`: is another worker dead (killed, OOM)? Then that one is the
         cause (a peer's gloo/NCCL error, "Connection reset by peer", is only its echo). Every worker
         is pinged at once, for at most LIVENESS_TIMEOUT_S; a worker that does not answer is not
@@ -130,7 +139,7 @@ class StageWatch:
             except RayActorError as e:
                 hosted = [m.name for m in self.plan.groups[key[0]].mfcs]
                 stage_here = stage if stage in hosted else hosted[0]
-                return f"step {step}: {self.worker_died(key, stage_here, e)}"
+                return f"{at(step)}: {self.worker_died(key, stage_here, e)}"
             except Exception:
                 continue
         return None

@@ -40,14 +40,15 @@ from ..algorithms.pass_at_k import PASS_THRESHOLD, mean_pass_at_k
 from ..config import Config, ConfigError
 from ..dataflow import dock_columns, dock_consumers, topological_order
 from ..dataflow.validation import READ_COLUMNS, READER, REWARD_COLUMN, validation_graph
-from .errors import TrainingError, cause_of
+from .errors import TrainingError
 from .step_metrics import step_record
 
 VAL_SEED_TAG = 0x76616C69   # validation's sampling seed: SeedSequence([trainer.seed, VAL_SEED_TAG])
 
 
 def validation_on(cfg: Config) -> bool:
-    return cfg.data.val_dataset is not None and (cfg.trainer.val_interval > 0 or cfg.trainer.val_before_train)
+    has_set = cfg.data.val_dataset is not None or bool(cfg.data.val_fraction)
+    return has_set and (cfg.trainer.val_interval > 0 or cfg.trainer.val_before_train)
 
 
 def val_config(cfg: Config) -> Config:
@@ -65,10 +66,19 @@ def val_seed(seed: int) -> int:
 
 
 def load_val_dataset(cfg: Config):
+    """data.val_dataset, or data.dataset's held-out share (data.val_fraction)."""
     from ..data.prompts import load_prompt_dataset
     d = cfg.data
-    return load_prompt_dataset(d.val_dataset, prompt_key=d.prompt_key, answer_key=d.answer_key,
-                               num_digits=d.num_digits, size=d.val_size, seed=cfg.trainer.seed, split="val")
+    spec = d.val_dataset if d.val_dataset is not None else d.dataset
+    return load_prompt_dataset(spec, prompt_key=d.prompt_key, answer_key=d.answer_key, num_digits=d.num_digits,
+                               size=d.val_size, seed=cfg.trainer.seed, split="val", val_fraction=d.val_fraction)
+
+
+def load_train_dataset(cfg: Config):
+    from ..data.prompts import load_prompt_dataset
+    d = cfg.data
+    return load_prompt_dataset(d.dataset, prompt_key=d.prompt_key, answer_key=d.answer_key, num_digits=d.num_digits,
+                               size=d.size, seed=cfg.trainer.seed, val_fraction=d.val_fraction)
 
 
 def check_validation(cfg: Config, graph, check_files: bool) -> None:
@@ -87,34 +97,81 @@ def check_validation(cfg: Config, graph, check_files: bool) -> None:
 
     from ..data.prompts import BUILTIN_PREFIX, SUFFIXES, check_prompt_file
     spec, d = cfg.data.val_dataset, cfg.data
+    if spec is None:   # data.val_fraction: data.dataset's held-out share, whose file the plan checks
+        try:
+            load_val_dataset(cfg)
+        except (ValueError, ImportError) as e:
+            raise ConfigError(str(e) if "data.val_fraction" in str(e) else f"data.dataset={d.dataset!r}: {e}") from None
+        return
     try:
         if spec.startswith(BUILTIN_PREFIX):
             load_val_dataset(cfg)  # an unknown kind, or a task with no held-out prompt
-            return
-        path = Path(spec).expanduser()
-        if not path.is_file():
-            raise ValueError(f"no such file; give a {'/'.join(SUFFIXES)} path or builtin:<kind> (a built-in "
-                             "task's held-out split)")
-        if path.suffix.lower() not in SUFFIXES:
-            raise ValueError(f"unsupported file type {path.suffix or '(none)'!r}; give a {'/'.join(SUFFIXES)} file")
-        check_prompt_file(path, d.prompt_key, d.answer_key, setting_prefix="data.")
+        else:
+            path = Path(spec).expanduser()
+            if not path.is_file():
+                raise ValueError(f"no such file; give a {'/'.join(SUFFIXES)} path or builtin:<kind> (a built-in "
+                                 "task's held-out split)")
+            if path.suffix.lower() not in SUFFIXES:
+                raise ValueError(f"unsupported file type {path.suffix or '(none)'!r}; give a {'/'.join(SUFFIXES)} "
+                                 "file")
+            check_prompt_file(path, d.prompt_key, d.answer_key, setting_prefix="data.")
     except (ValueError, ImportError) as e:
         raise ConfigError(f"data.val_dataset={spec!r}: {e}") from None
+    warning = overlap_warning(cfg)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
 
 
-def val_metrics(record: dict, scores_by_prompt: list[list[float]], n: int) -> dict[str, float]:
+def overlap_warning(cfg: Config) -> str | None:
+    """A warning when data.val_dataset shares prompts with data.dataset, with the count: validation on
+    prompts the policy trains on measures what it remembers, not what it learned. Built-in tasks' splits
+    are disjoint by construction and not read for it."""
+    from ..data.hash_split import overlap, prompt_text
+    from ..data.prompts import BUILTIN_PREFIX
+    d = cfg.data
+    if d.val_dataset is None or (d.val_dataset.startswith(BUILTIN_PREFIX) and d.dataset.startswith(BUILTIN_PREFIX)):
+        return None
+    try:
+        held, training = load_val_dataset(cfg), load_train_dataset(cfg)
+    except (ValueError, ImportError):
+        return None   # the training set's own check names its problem
+    shared = overlap(training, held)
+    if not shared:
+        return None
+    distinct = len({prompt_text(r["prompt"]) for r in held.records})
+    return (f"warning: data.val_dataset={d.val_dataset!r}: {shared} of its {distinct} distinct prompts are also "
+            f"training prompts (data.dataset={d.dataset!r}); validation on them measures what the policy remembers, "
+            "not what it learned: give held-out prompts, or data.val_dataset=null with data.val_fraction (a share "
+            "of data.dataset held out by a hash of each prompt)")
+
+
+def pass_threshold(cfg: Config) -> float | None:
+    """The reward at which a validation response passes: generate_config.val.pass_threshold, else the rule
+    rewards' full score (PASS_THRESHOLD) when the rule alone scores. A reward model's raw scores have no
+    full score: without a stated threshold, None (no pass@k reported)."""
+    stated = cfg.generate_config.val.pass_threshold
+    if stated is not None:
+        return float(stated)
+    learned = cfg.reward_model.enable and cfg.rl_config.reward_weights.get("model", 0.0) != 0.0
+    return None if learned else PASS_THRESHOLD
+
+
+def val_metrics(record: dict, scores_by_prompt: list[list[float]], n: int,
+                threshold: float | None = PASS_THRESHOLD) -> dict[str, float]:
     """`val/*` from a step record of validation's stages (`step_record`: reward/<x>_mean ->
     val/<x>_mean, response_length/mean -> val/response_length_mean) and each prompt's n rewards
-    (val/pass@1 and val/pass@<n>, a response passing at reward >= PASS_THRESHOLD)."""
+    (val/pass@1 and val/pass@<n>, a response passing at reward >= `threshold`; none when it is None)."""
     out = {"val/reward_mean": record["reward/mean"], "val/response_length_mean": record["response_length/mean"]}
     for k, v in record.items():
         if k.startswith("reward/") and k.endswith("_mean"):
             out[f"val/{k[len('reward/'):]}"] = v
     if "response/truncated_fraction" in record:
         out["val/truncated_fraction"] = record["response/truncated_fraction"]
-    out["val/pass@1"] = mean_pass_at_k(scores_by_prompt, 1, PASS_THRESHOLD)
+    if threshold is None:
+        return out
+    out["val/pass@1"] = mean_pass_at_k(scores_by_prompt, 1, threshold)
     if n > 1:
-        out[f"val/pass@{n}"] = mean_pass_at_k(scores_by_prompt, n, PASS_THRESHOLD)
+        out[f"val/pass@{n}"] = mean_pass_at_k(scores_by_prompt, n, threshold)
     return out
 
 
@@ -146,6 +203,7 @@ class Validation:
         self.graph = validation_graph(plan.graph)
         self.order = topological_order(self.graph)
         self.n = cfg.generate_config.val.n
+        self.threshold = pass_threshold(cfg)
         dataset = load_val_dataset(cfg)
         self.prompts = len(dataset)
         self.rows = self.prompts * self.n
@@ -195,26 +253,25 @@ class Validation:
 
     # ------------------------------------------------------------------ one validation
     def run(self) -> dict[str, float]:
-        """Validate the weights the rollout engines hold now (the trainer's published version)."""
+        """Validate the weights the rollout engines hold now (the trainer's published version): the prompts
+        into the validation dock, its stages started and waited for by the step pipeline's StageWatch (the
+        same bounds and explanations as a training step's), the rewards read back."""
         import torch
-        tr = self.tr
+        tr, watch = self.tr, self.tr.pipeline.watch
         version = tr.policy_version
         t0 = time.perf_counter()
         tr.pipeline.drain()   # steps run ahead: let them finish first
         context = f"validation at weight version {version}"
         rows = {k: [torch.from_numpy(v) for v in vals for _ in range(self.n)] for k, vals in self.columns.items()}
-        tr._dock("put_experience() of the validation prompts", self.dock.put_experience, rows, list(range(self.rows)),
-                 producer="dataset", context=context)
-        calls = [(m.name, (group, rank), w.run_stage.remote(m.name, 0, version, 0.0, True))
-                 for m in self.order for group in [tr.plan.group_of(m.name)]
-                 for rank, w in enumerate(tr.workers[group])]
-        reports = self._wait(calls, version)
-        got, idx = tr._dock("get_experience() of the validation rewards", self.dock.get_experience, READER,
-                            list(READ_COLUMNS), self.rows, blocking=True, timeout=tr.cfg.trainer.stage_timeout_s,
-                            context=context)
+        watch.dock_call("put_experience() of the validation prompts", self.dock.put_experience, rows,
+                        list(range(self.rows)), producer="dataset", context=context)
+        reports = watch.wait(context, watch.start(0, self.order, version, 0.0, validation=True), self.dock)
+        got, idx = watch.dock_call("get_experience() of the validation rewards", self.dock.get_experience, READER,
+                                   list(READ_COLUMNS), self.rows, blocking=True,
+                                   timeout=tr.cfg.trainer.stage_timeout_s, context=context)
         if sorted(idx) != list(range(self.rows)):
             raise TrainingError(f"{context}: the reader got {len(idx)} of {self.rows} rows of {list(READ_COLUMNS)}")
-        tr._dock("clear()", self.dock.clear, context=context)
+        watch.dock_call("clear()", self.dock.clear, context=context)
         score = {i: float(torch.as_tensor(s).reshape(-1)[0]) for i, s in zip(idx, got[REWARD_COLUMN])}
         by_prompt = [[score[p * self.n + j] for j in range(self.n)] for p in range(self.prompts)]
         record = step_record(SimpleNamespace(order=self.order, trained={}), 0, reports, step_s=0.0, stages_s=0.0,
@@ -223,50 +280,11 @@ class Validation:
         if versions != {version}:
             raise TrainingError(f"{context}: the responses came from weight versions {sorted(versions)}")
         tr.samples.validation(tr.steps_done, version, reports)
-        out = val_metrics(record, by_prompt, self.n)
+        out = val_metrics(record, by_prompt, self.n, self.threshold)
         out.update({"val/weight_version": float(version), "val/prompts": float(self.prompts),
                     "timing/val": time.perf_counter() - t0})
         self.results.append(out)
         return out
-
-    def _wait(self, calls: list, version: int) -> list[dict]:
-        """The stage calls' reports; stops on a failure, a dead worker, a signal, or a stage that makes no
-        progress for trainer.stage_timeout_s (naming the late stage, its columns and what is missing)."""
-        import ray
-        from ray.exceptions import RayActorError, RayTaskError
-
-        from .stage_watch import POLL_S, describe_stall, lanes as stage_lanes
-        tr = self.tr
-        context = f"validation at weight version {version}"
-        stage_of = {ref: name for name, _, ref in calls}
-        where_of = {ref: where for _, where, ref in calls}
-        refs, reports = [ref for _, _, ref in calls], []
-        timeout = tr.cfg.trainer.stage_timeout_s
-        last_taken: dict[str, int] = {}
-        last_progress = time.time()
-        while refs:
-            tr._check_signal()
-            done, refs = ray.wait(refs, num_returns=len(refs), timeout=POLL_S)
-            for ref in done:
-                try:
-                    reports.append(ray.get(ref))
-                except RayTaskError as e:
-                    raise TrainingError(f"{context}: {cause_of(e)}") from None
-                except RayActorError as e:
-                    died = tr.pipeline.watch.worker_died(where_of[ref], stage_of[ref], e)
-                    raise TrainingError(f"{context}: {died}") from None
-            if not refs:
-                break
-            status = tr._dock("get_consumer_status()", self.dock.get_consumer_status, context=context)
-            taken = {c: s["taken"] for c, s in status.items()}
-            if taken != last_taken:
-                last_taken, last_progress = taken, time.time()
-            elif time.time() - last_progress > timeout + 5.0:
-                stuck = sorted({stage_of[r] for r in refs})
-                columns = tr._dock("get_column_status()", self.dock.get_column_status, context=context)
-                lanes = stage_lanes(tr.plan)
-                raise TrainingError(f"{context}: {describe_stall(self.order, stuck, columns, status, lanes, timeout)}")
-        return reports
 
     def close(self) -> None:
         """Free the validation dock (its shared memory outlives the actor otherwise)."""

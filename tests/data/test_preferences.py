@@ -134,3 +134,11 @@ def test_loader_tokenizes_pairs_and_resumes():
     again = PreferenceLoader(ds, tok, 4, seed=1)
     again.load_state_dict(state)
     assert [x.tolist() for x in again.next_batch()["rejected"]] == [x.tolist() for x in nxt["rejected"]]
+
+
+def test_copy_pairs_hold_no_prompt_the_policy_is_validated_on():
+    """The reward model trains only on training prompts: none of builtin:copy's held-out split."""
+    from mindspeed_rl.data.prompts import load_prompt_dataset
+    held = {r["prompt"] for r in load_prompt_dataset("builtin:copy", size=128, seed=1, split="val")}
+    prompts = {r["prompt"] for r in copy_pairs(3, 10000, seed=1)}
+    assert not held & prompts and len(held) + len(prompts) == 1000   # every 3-digit prompt on one side

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -82,6 +83,48 @@ def test_a_bad_validation_set_is_refused_by_the_plan(tmp_path):
         make_plan(config_from_dict({"generate_config": {"val": {"n": 0}}}), check_files=False)
 
 
+def _prompts_file(path: Path, prompts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"prompt": p, "answer": p[:-1]}) + "\n" for p in prompts))
+    return path
+
+
+def test_val_fraction_splits_a_file_by_a_hash_of_each_prompt(tmp_path, capsys):
+    """data.val_fraction holds out a share of a user's file by prompt, the same whatever the order; the training
+    loader never sees a held-out prompt, and a repeated prompt is on one side only."""
+    from mindspeed_rl.trainer.validation import load_train_dataset, load_val_dataset
+    prompts = [f"{i:03d}=" for i in range(400)]
+    data = _prompts_file(tmp_path / "d.jsonl", prompts + prompts[:50])
+    shuffled = _prompts_file(tmp_path / "s.jsonl", list(reversed(prompts)))
+    cfg = config_from_dict({"trainer": {"val_interval": 5}, "data": {"dataset": str(data), "val_fraction": 0.1}})
+    held = {r["prompt"] for r in load_val_dataset(cfg)}
+    train = [r["prompt"] for r in load_train_dataset(cfg)]
+    assert 20 <= len(held) <= 60 and not held & set(train) and len(set(train)) + len(held) == 400
+    other = config_from_dict({"trainer": {"val_interval": 5}, "data": {"dataset": str(shuffled), "val_fraction": 0.1}})
+    assert {r["prompt"] for r in load_val_dataset(other)} == held
+    make_plan(cfg, check_files=True)          # accepted: validation on the held-out share
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_val_fraction_refusals():
+    for data, expected in [({"val_fraction": 1.0}, "data.val_fraction=1.0: must be in [0, 1)"),
+                           ({"val_fraction": 0.1}, "data.dataset='builtin:copy' is a built-in task"),
+                           ({"val_fraction": 0.1, "dataset": "x.jsonl", "val_dataset": "y.jsonl"},
+                            "two validation sets")]:
+        with pytest.raises(ConfigError, match=re.escape(expected)):
+            make_plan(config_from_dict({"data": data}), check_files=False)
+
+
+def test_a_validation_set_sharing_training_prompts_is_warned_with_the_count(tmp_path, capsys):
+    data = _prompts_file(tmp_path / "d.jsonl", [f"{i:03d}=" for i in range(100)])
+    val = _prompts_file(tmp_path / "v.jsonl", [f"{i:03d}=" for i in range(90, 120)])
+    make_plan(config_from_dict({"trainer": {"val_interval": 5, "output_dir": str(tmp_path / "o")},
+                                "data": {"dataset": str(data), "val_dataset": str(val)}}), check_files=True)
+    assert "data.val_dataset=" in (err := capsys.readouterr().err) and "10 of its 30 distinct prompts" in err
+    make_plan(config_from_dict({"trainer": {"val_interval": 5, "output_dir": str(tmp_path / "o")},
+                                "data": {"dataset": str(data), "val_dataset": str(data)}}), check_files=True)
+    assert "100 of its 100 distinct prompts are also training prompts" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_the_commands_exit_2_without_a_traceback(tmp_path):
     """cli/evaluate.py and cli/train_grpo.py: one line and exit 2, before Ray starts (3-6 s: Python, Hydra)."""
@@ -141,3 +184,17 @@ def test_validation_is_logged_at_pinned_versions_and_changes_no_training_number(
     _, evaluation = _run(tmp_path, "eval", 0, trainer={"val_before_train": True})  # cli/evaluate.py's path
     first = {k: v for k, v in with_val[0].items() if k.startswith("val/")}
     assert {k: v for k, v in evaluation.validation.results[-1].items() if k.startswith("val/")} == first
+
+
+def test_pass_at_k_needs_a_stated_threshold_with_a_reward_model():
+    """A rule reward passes at its full score 1.0; a reward model's raw scores have none, so pass@k is not
+    reported unless generate_config.val.pass_threshold states one."""
+    from mindspeed_rl.trainer.validation import pass_threshold
+    rule = config_from_dict({})
+    learned = config_from_dict({"reward_model": {"enable": True, "model_path": "x"}})
+    stated = config_from_dict({"reward_model": {"enable": True, "model_path": "x"},
+                               "generate_config": {"val": {"pass_threshold": 0.5}}})
+    assert (pass_threshold(rule), pass_threshold(learned), pass_threshold(stated)) == (1.0, None, 0.5)
+    record = {"reward/mean": 0.5, "response_length/mean": 2.0}
+    assert "val/pass@1" not in val_metrics(record, [[3.0, -1.0]], n=2, threshold=None)
+    assert val_metrics(record, [[3.0, -1.0]], n=2, threshold=0.5)["val/pass@1"] == 0.5
