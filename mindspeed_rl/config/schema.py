@@ -67,7 +67,7 @@ class TrainerConfig:
     keep_checkpoints: int = 3            # newest complete checkpoints kept, older ones deleted; 0: keep all
     resume: bool = False                 # continue from the newest checkpoint in output_dir
     overwrite: bool = False              # a fresh run over a previous run's results deletes them (else refused)
-    dry_run: bool = False                # validate, print graph and placement plan, write plan.json, start nothing
+    dry_run: bool = False                # check, print graph and placement plan, write plan.json, start nothing
     plugins: list = field(default_factory=list)  # modules imported (driver and every worker) before any engine is
                                          # built: they register backends (engines.register_*_backend)
     logger: list = field(default_factory=lambda: ["console", "jsonl"])  # console, jsonl, tensorboard, wandb, mlflow

@@ -1,6 +1,6 @@
 """The names a config value may take where code above the config switches on them, each written once.
 
-`validate.py` refuses any other value (its message lists the tuple), `algorithms/` switches on the
+`checks.py` refuses any other value (its message lists the tuple), `algorithms/` switches on the
 same tuples and names them in its own errors, and tests/config/test_docs.py checks that
 docs/configs.md lists exactly them. They live here, in layer 1, because the config is the lowest
 layer that reads them (lower layers never import higher ones: algorithms/ imports them from here,

@@ -5,9 +5,9 @@
 own function by dotted path (`"my_pkg.my_mod:fn"`); `score_batch` runs one over a batch.
 """
 from .gsm8k import answers_equal, extract_answer, gsm8k, gsm8k_flexible, gsm8k_reward, parse_number
-from .registry import BUILTIN_REWARDS, RewardFn, get_reward_fn, score_batch, validate_reward_name
+from .registry import BUILTIN_REWARDS, RewardFn, check_reward_name, get_reward_fn, score_batch
 from .rules import answer_digits, calc_digits, digits, exact_match, final_digits
 
 __all__ = ["BUILTIN_REWARDS", "RewardFn", "answer_digits", "answers_equal", "calc_digits", "digits", "exact_match", "extract_answer", "final_digits",
            "get_reward_fn", "gsm8k", "gsm8k_flexible", "gsm8k_reward", "parse_number",
-           "score_batch", "validate_reward_name"]
+           "score_batch", "check_reward_name"]

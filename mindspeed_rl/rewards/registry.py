@@ -85,7 +85,7 @@ def get_reward_fn(name: str) -> RewardFn:
     return obj
 
 
-def validate_reward_name(name: str, import_module: bool = True) -> str:
+def check_reward_name(name: str, import_module: bool = True) -> str:
     """Check a reward name from the config; return it stripped, or raise ValueError.
 
     Built-in names are checked against the table. A dotted path is resolved the way

@@ -250,11 +250,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ weights
     @property
-    def dock(self):
-        """The dock of step 0's slot (the only one with max_weight_staleness 0)."""
-        return self.docks[0] if self.docks else None
-
-    @property
     def policy_version(self) -> int:
         return self._versions.get("actor", 0)
 

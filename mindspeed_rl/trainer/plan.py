@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import networkx as nx
 
-from ..config import Config, ConfigError, validate_config
+from ..config import Config, ConfigError, check_config
 from ..dataflow import (MFCDef, algorithm_graph, dock_columns, dock_consumers, get_algorithm, options_from_config,
                         same_step_readers, train_time_mfcs, topological_order, trained_models, weight_sync_targets)
 from ..dataflow.options import off_policy_correction, on_policy_update
@@ -89,9 +89,9 @@ def _algorithm(cfg: Config) -> tuple[nx.DiGraph, list[MFCDef], tuple[str, ...]]:
         mfcs, dataset_keys = get_algorithm(rl.algorithm, options)
         graph = algorithm_graph(rl.algorithm, options)
     except ValueError as e:
-        validate_config(cfg)  # value problems first, with every section: a bad algorithm name must not hide them
+        check_config(cfg)  # value problems first, with every section: a bad algorithm name must not hide them
         raise ConfigError(f"rl_config.algorithm={rl.algorithm!r}: {e}") from None
-    validate_config(cfg, models={m.model_name for m in mfcs}, option_sections=option_sections(cfg))
+    check_config(cfg, models={m.model_name for m in mfcs}, option_sections=option_sections(cfg))
     return graph, topological_order(graph), tuple(dataset_keys)
 
 

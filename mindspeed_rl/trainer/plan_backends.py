@@ -25,7 +25,7 @@ def choose_backends(cfg: Config) -> tuple[Backend, Backend]:
 
 def check_installed(rollout: Backend, train: Backend) -> None:
     """A real run: each backend's package imports here, else its install command, before any worker starts."""
-    from ..config.validate import installed
+    from ..config.checks import installed
     for key, backend in (("generate_config.backend", rollout), ("actor_config.backend", train)):
         if backend.needs and not installed(backend.needs):
             raise ConfigError(f"{key}={backend.name}: the {backend.needs} package is not installed here; "

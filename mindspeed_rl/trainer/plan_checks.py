@@ -101,7 +101,7 @@ def model_paths_of(cfg: Config, order: list[MFCDef]) -> dict[str, str]:
         ("ref", cfg.ref_config.model_path or cfg.actor_config.model_path),
         ("critic", cfg.critic_config.model_path or cfg.actor_config.model_path)) if role in used or role == "actor"}
     if any(m.model_name == "reward" and InterfaceType(m.interface_type) is not InterfaceType.COMPUTE for m in order):
-        model_paths["reward"] = cfg.reward_model.model_path or ""   # validate_config refused an empty one
+        model_paths["reward"] = cfg.reward_model.model_path or ""   # check_config refused an empty one
     for m in order:
         if InterfaceType(m.interface_type) is not InterfaceType.COMPUTE and m.model_name not in model_paths:
             raise ConfigError(f"MFC {m.name!r} runs model {m.model_name!r}, which has no model_path in the config "
@@ -153,9 +153,9 @@ def check_names(cfg: Config, order: list[MFCDef], functions: dict, check_files: 
     """The reward function and the agent's tools the config names exist (a real run imports their modules)."""
     rl = cfg.rl_config
     try:
-        from ..rewards import validate_reward_name
+        from ..rewards import check_reward_name
         if rl.reward_fn and any(functions[m.name].name == "rule_reward" for m in order):
-            validate_reward_name(rl.reward_fn, import_module=check_files)
+            check_reward_name(rl.reward_fn, import_module=check_files)
     except ValueError as e:
         raise ConfigError(f"rl_config.reward_fn: {e}") from None
     if cfg.generate_config.agent.enable:

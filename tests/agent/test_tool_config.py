@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from mindspeed_rl.config import config_from_dict
 from mindspeed_rl.config.load import ConfigError
-from mindspeed_rl.config.validate import validate_config
+from mindspeed_rl.config.checks import check_config
 from mindspeed_rl.trainer.plan import make_plan
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,7 +34,7 @@ def _cfg(config: str = "grpo_tiny_tool", **over):
 ])
 def test_the_tool_configs_plan_the_agent_rollout(config, tools, tool_choice, return_direct, reward, model):
     cfg = _cfg(config)
-    validate_config(cfg)
+    check_config(cfg)
     agent = cfg.generate_config.agent
     assert agent.enable and list(agent.tools) == tools and agent.tool_choice == tool_choice
     assert list(agent.return_direct) == return_direct
@@ -58,7 +58,7 @@ def test_the_tool_configs_plan_the_agent_rollout(config, tools, tool_choice, ret
 ])
 def test_bad_agent_and_dapo_values_are_refused_by_name(over, words):
     with pytest.raises(ConfigError) as e:
-        validate_config(_cfg(**over))
+        check_config(_cfg(**over))
     assert words in str(e.value), str(e.value)
 
 

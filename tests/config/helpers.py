@@ -7,7 +7,7 @@ from typing import Any
 
 import yaml
 
-from mindspeed_rl.config import ConfigError, config_from_dict, validate_config
+from mindspeed_rl.config import ConfigError, config_from_dict, check_config
 from mindspeed_rl.trainer.plan import make_plan
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,10 +37,10 @@ def with_overrides(overrides: dict[str, Any]) -> dict:
 
 
 def run_stage(overrides: dict[str, Any], stage: str, check_files: bool = True) -> None:
-    """load: config_from_dict only; validate: + validate_config; plan: + make_plan."""
+    """load: config_from_dict only; validate: + check_config; plan: + make_plan."""
     cfg = config_from_dict(with_overrides(overrides))
     if stage == "validate":
-        validate_config(cfg)
+        check_config(cfg)
     elif stage == "plan":
         make_plan(cfg, check_files=check_files)
     elif stage != "load":

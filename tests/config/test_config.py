@@ -8,7 +8,7 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from mindspeed_rl.config import Config, ConfigError, config_from_dict, config_to_dict, validate_config
+from mindspeed_rl.config import Config, ConfigError, config_from_dict, config_to_dict, check_config
 from mindspeed_rl.trainer.plan import check_cluster, format_plan, make_plan
 
 from .helpers import DEFAULT_YAML, REPO, error_of, run_stage, with_overrides
@@ -22,7 +22,7 @@ KL = {"actor_config.kl_loss_coef": 0.001}  # a KL term in the loss: the referenc
 
 def test_default_yaml_loads_validates_and_plans():
     cfg = config_from_dict(with_overrides({}))
-    validate_config(cfg)
+    check_config(cfg)
     plan = make_plan(cfg, check_files=True)
     assert plan.rows_per_step == 16 * 8
     assert [m.name for m in plan.order] == GRPO_MFCS
@@ -634,6 +634,6 @@ def test_an_options_check_runs_only_where_its_backend_reads_the_section():
                                                  check_files=False)
     run_stage({**short, "generate_config.backend": "hf"}, "plan", check_files=False)
     cfg = config_from_dict(with_overrides(short))
-    validate_config(cfg, option_sections={"generate_config.backend_options"})
+    check_config(cfg, option_sections={"generate_config.backend_options"})
     with pytest.raises(ConfigError, match="raise it to at least 19"):
-        validate_config(cfg, option_sections={"generate_config.vllm"})
+        check_config(cfg, option_sections={"generate_config.vllm"})

@@ -13,7 +13,7 @@ from mindspeed_rl.config import (ActorConfig, Config, CriticConfig, DataConfig, 
                                  RefConfig, RLConfig, TrainerConfig)
 from mindspeed_rl.config.schema import (AgentConfig, LoraConfig, OffloadConfig, OverlongBufferConfig, RewardModelConfig,
                                         ValGenerateConfig, VLLMConfig, WeightSyncConfig)
-from mindspeed_rl.config import validate as V
+from mindspeed_rl.config import checks as V
 
 from .helpers import DOCS, error_of
 

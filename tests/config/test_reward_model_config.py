@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from mindspeed_rl.config import config_from_dict, validate_config
+from mindspeed_rl.config import config_from_dict, check_config
 
 from .helpers import error_of, with_overrides
 
@@ -14,7 +14,7 @@ def test_defaults_are_off_and_weights_train_on_the_model_alone():
     cfg = config_from_dict({})
     assert cfg.reward_model.enable is False and cfg.reward_model.model_path is None
     assert cfg.rl_config.reward_weights == {"model": 1.0, "rule": 0.0}
-    validate_config(config_from_dict(with_overrides(ON)))
+    check_config(config_from_dict(with_overrides(ON)))
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -39,7 +39,7 @@ RM = {"rl_config.algorithm": "reward_modeling", "rl_config.n_samples_per_prompt"
 
 
 def test_reward_modeling_keys():
-    validate_config(config_from_dict(with_overrides(RM)))
+    check_config(config_from_dict(with_overrides(RM)))
     msg = error_of({**RM, "reward_model.mini_batch_size": 24, "reward_model.lr": 0.0,
                     "rl_config.n_samples_per_prompt": 2}, "validate")
     assert "reward_model.mini_batch_size=24 pairs does not divide rl_config.prompts_per_step=64" in msg

@@ -203,4 +203,4 @@ def test_a_busy_port_stops_the_run_before_anything_starts(tmp_path):
     msg = str(err.value)
     assert f"trainer.dashboard_port={port}" in msg and "0 for any free one" in msg and "trainer.dashboard=false" in msg
     assert msg.replace(str(port), "8266") in (ROOT / "docs" / "dashboard.md").read_text(), "docs quote the message"
-    assert trainer.dock is None and not trainer.workers, "nothing started"
+    assert not trainer.docks and not trainer.workers, "nothing started"

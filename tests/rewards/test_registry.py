@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mindspeed_rl.rewards import (BUILTIN_REWARDS, digits, get_reward_fn, gsm8k, score_batch,
-                                  validate_reward_name)
+                                  check_reward_name)
 from tests.rewards import custom_reward_example as example
 
 MODULE = "tests.rewards.custom_reward_example"
@@ -18,7 +18,7 @@ def test_builtin_names():
     assert get_reward_fn("gsm8k") is gsm8k
     assert get_reward_fn(" digits ") is digits
     for name in BUILTIN_REWARDS:
-        assert validate_reward_name(name) == name
+        assert check_reward_name(name) == name
         assert 0.0 <= get_reward_fn(name)("1", "1", "") <= 1.0
 
 
@@ -28,8 +28,8 @@ def test_custom_reward_by_dotted_path(path):
     assert fn is example.length_reward
     assert fn("abc", "abc", "p") == 1.0
     assert fn("abcd", "ab", "p") == pytest.approx(1 / 3)
-    assert validate_reward_name(path) == path
-    assert validate_reward_name(path, import_module=False) == path
+    assert check_reward_name(path) == path
+    assert check_reward_name(path, import_module=False) == path
 
 
 def test_custom_reward_nested_attribute():
@@ -37,7 +37,7 @@ def test_custom_reward_nested_attribute():
 
 
 def test_unknown_name_error_lists_builtins_and_dotted_path():
-    for call in (get_reward_fn, validate_reward_name):
+    for call in (get_reward_fn, check_reward_name):
         with pytest.raises(ValueError) as err:
             call("gsm9k")
         msg = str(err.value)
@@ -74,12 +74,12 @@ def test_dotted_path_missing_attribute_or_not_callable():
 def test_validate_without_import_does_not_run_the_module():
     name = "tests.rewards.broken_reward_module:reward"
     sys.modules.pop("tests.rewards.broken_reward_module", None)
-    assert validate_reward_name(name, import_module=False) == name
+    assert check_reward_name(name, import_module=False) == name
     assert "tests.rewards.broken_reward_module" not in sys.modules
     with pytest.raises(ValueError, match="no module named 'tests.rewards.nope'"):
-        validate_reward_name("tests.rewards.nope:fn", import_module=False)
+        check_reward_name("tests.rewards.nope:fn", import_module=False)
     with pytest.raises(ValueError, match="cannot import module"):
-        validate_reward_name(name)
+        check_reward_name(name)
 
 
 def test_score_batch_scores_and_clamps():

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mindspeed_rl.config import ConfigError, config_from_dict
-from mindspeed_rl.config.validate import validate_config
+from mindspeed_rl.config.checks import check_config
 from mindspeed_rl.trainer import Trainer, TrainingError
 from mindspeed_rl.trainer.checkpoint import (checkpoint_dir, mark_latest, part_records, prune_checkpoints,
                                              save_driver_state, write_manifest)
@@ -72,7 +72,7 @@ def test_zero_keeps_all_and_no_latest_deletes_nothing(tmp_path):
 
 def test_keep_checkpoints_must_be_a_count():
     with pytest.raises(ConfigError, match="trainer.keep_checkpoints=-1: must be >= 0; 0 keeps every checkpoint"):
-        validate_config(config_from_dict({"trainer": {"keep_checkpoints": -1}}))
+        check_config(config_from_dict({"trainer": {"keep_checkpoints": -1}}))
     with pytest.raises(ConfigError, match="trainer.keep_checkpoints=None: expected an integer"):
         config_from_dict({"trainer": {"keep_checkpoints": None}})
 

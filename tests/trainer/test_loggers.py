@@ -107,9 +107,9 @@ def test_a_missing_tracker_package_is_one_line_and_exit_2_before_ray(tmp_path, m
     ({"experiment_name": ""}, ["trainer.experiment_name=''", "or null for output_dir's last part"]),
 ])
 def test_bad_tracker_and_export_keys_are_refused_by_name(overrides, words):
-    from mindspeed_rl.config.validate import validate_config
+    from mindspeed_rl.config.checks import check_config
     with pytest.raises(ConfigError) as e:
-        validate_config(config_from_dict({"trainer": overrides}))
+        check_config(config_from_dict({"trainer": overrides}))
     for w in words:
         assert w in str(e.value)
 

@@ -109,7 +109,7 @@ def _reward_model(e: list, cfg: Config, models: Collection[str] | None) -> None:
                      "pair once; set it to 1 (rl_config.prompts_per_step counts pairs)")
 
 
-def validate_config(cfg: Config, models: Collection[str] | None = None,
+def check_config(cfg: Config, models: Collection[str] | None = None,
                     option_sections: Collection[str] | None = None) -> None:
     """Raise one ConfigError listing every problem found (so a user fixes them in one go).
 
