@@ -83,3 +83,21 @@ def test_a_bad_metric_is_refused(kwargs, message):
         StepMetric(**kwargs)
     with pytest.raises(TypeError, match="not a StepMetric"):
         register_metric({"key": "a/b"})
+
+
+def test_a_registered_family_adds_its_keys_after_the_built_in_ones():
+    """The keys that follow the graph come from registered families, in registration order; a new one is a
+    function of the step's inputs under one `register_family` line."""
+    from mindspeed_rl.trainer.step_metrics import METRIC_FAMILIES, register_family
+    assert list(METRIC_FAMILIES) == ["other_rewards", "reward_parts", "tool_calls", "trained_models", "driver",
+                                     "stage_times", "weight_syncs", "throughput"]
+
+    @register_family("rollout_ranks")
+    def rollout_ranks(x):
+        return {"rollout/ranks": float(len(x.by_stage.get("actor_rollout", [])))}
+    try:
+        rec = _record([_report("actor_rollout", rows=4.0), _report("actor_rollout", rows=4.0)])
+        assert rec["rollout/ranks"] == 2.0 and list(rec)[-1] == "rollout/ranks"
+        assert rec["timing/step"] == 1.0 and rec["weight_version"] == 2
+    finally:
+        METRIC_FAMILIES.pop("rollout_ranks")
