@@ -88,7 +88,7 @@ class MFCDef:
     input_key_remap:  dock column -> the function's argument name, for a column named otherwise than the
                     function expects (ReaLHF's name), e.g. ``{"greedy_responses": "responses"}``.
     output_key_remap: the function's output name -> dock column, e.g. ``{"log_prob": "ref_log_prob"}``.
-    fn_args:        arguments of the function's implementation (workers/impls.py) over those it takes from the
+    fn_args:        arguments of the function's implementation (workers/steps/) over those it takes from the
                     config, e.g. ``{"temperature": 0.0}`` for one generate MFC (ReaLHF's interface_impl args).
 
     Why name functions instead of dispatching on the role: the same function serves several MFCs

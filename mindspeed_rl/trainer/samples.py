@@ -3,7 +3,7 @@ rewards, and a few of each training step's, as JSON lines under `<output_dir>/sa
 report, and as a W&B table when `trainer.logger` has wandb (verl's `log_val_generations`, TRL's
 `log_completions`).
 
-The rule reward decodes every row it scores anyway (workers/compute.py `rule_reward`), so it hands the text
+The rule reward decodes every row it scores anyway (workers/steps/rule_reward.py `rule_reward`), so it hands the text
 back with its stage report; nothing is decoded twice. With a reward model and no rule there is no text.
 """
 from __future__ import annotations

@@ -103,7 +103,7 @@ class EngineSet:
 
     def _pad_of(self, decl: EngineDecl, path: str, pad: int) -> int:
         """The pad id an engine pads with: the run's tokenizer's, but a reward model's own (it may read other
-        token ids than the policy's: workers/reward_impls.py re-tokenizes for it)."""
+        token ids than the policy's: workers/steps/reward_model_score.py re-tokenizes for it)."""
         if decl.model_kind != "reward" or not path:
             return pad
         from ..models import load_tokenizer

@@ -1,18 +1,19 @@
-"""Each MFC's implementation and its arguments, built by one registry (ReaLHF's `interface_impl`).
+"""The base every compute step's class builds on, and the one lookup from an MFC to its class (ReaLHF's
+`interface_impl`).
 
-An MFC names its compute function (`MFCDef.fn`, or its interface type's default); each implementation
-here declares the function it is, above its class (`compute.compute_step`: what it reads, writes and
-which engine it calls), which registers it in `compute.FUNCTIONS`. An implementation has two halves:
+An MFC names its compute function (`MFCDef.fn`, or its interface type's default); each step declares the
+function it is above its class (`compute.compute_step`), one module per built-in step in `workers/steps/`,
+and the lookup here finds the class by that declaration. A step's class has two halves, both on `Impl`:
 
 - `args(cfg, mfc, info)`, run by the driver before any worker starts: the MFC's arguments, taken
   from the config sections it needs (sampling parameters, loss settings, micro-batch sizes), with
-  the MFC's own `fn_args` on top. A worker receives these arguments, not the config.
-- `build(ctx)`, run in the worker per step: what the stage loop calls. A forward implementation
-  maps a micro-batch to outputs; a train implementation gives the loss function and the sizes of
+  the MFC's own `fn_args` on top (`mfc_args`). A worker receives these arguments, not the config.
+- its construction from a `StageContext` and its call, run in the worker per step (`build_impl`): a
+  forward step maps a micro-batch to outputs; a train step gives the loss function and the sizes of
   its optimizer steps. Both name the engine they use (`ctx.engine(...)`), never a backend.
 
-A plugin adds a function the same way, `@compute_step("my_fn", ...)` above its class in a
-`trainer.plugins` module; an algorithm then names it in an MFC (`fn="my_fn"`).
+A plugin adds a step the same way, `@compute_step("my_fn", ...)` above its class in a `trainer.plugins`
+module; an algorithm then names it in an MFC (`fn="my_fn"`).
 """
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..dataflow.mfc import MFCDef
-from ..dataflow.options import off_policy_correction
 from . import compute as C
 
 # An implementation's kind (`Impl.kind`): a forward over micro-batches, or optimizer steps.
@@ -90,52 +90,7 @@ def rows_per_get(mfc: MFCDef, default: int, n: int) -> int:
     return group_rows(count, n) if mfc.get_n_samples else count
 
 
-# ------------------------------------------------------------------------------------------------ forward
-@C.compute_step("generate", "generate", ("prompts",), ("responses", "response_length", "weight_version",
-                "rollout_log_prob", "loss_mask"), engine="rollout",
-                doc="sample one response per row with generate_config (and its tokens' log-probs; loss_mask: 0 on "
-                    "truncated rows with rl_config.overlong_buffer.drop_truncated)")
-@C.compute_step("generate_greedy", "generate", ("prompts",), ("responses", "response_length", "weight_version",
-                "rollout_log_prob"), engine="rollout", doc="the greedy (argmax) response per row: ReMax's baseline")
-class Generate(Impl):
-    """Sample one response per row (greedy for `generate_greedy`, or at temperature 0)."""
-
-    @staticmethod
-    def args(cfg, mfc, info):
-        from ..config.sizes import group_rows
-        g, rl = cfg.generate_config, cfg.rl_config
-        n = rl.n_samples_per_prompt
-        return {"count": mfc.micro_batch_size and rows_per_get(mfc, 0, n) or group_rows(g.micro_batch_size_per_device, n),
-                "max_new_tokens": g.max_new_tokens, "temperature": g.temperature, "top_p": g.top_p, "top_k": g.top_k,
-                "greedy": C.fn_name(mfc) == "generate_greedy" or g.temperature == 0,
-                "seed": cfg.trainer.seed, "max_weight_staleness": rl.max_weight_staleness,
-                "trained": mfc.model_name in info.trained_models,
-                "drop_truncated": rl.overlong_buffer.drop_truncated and mfc.model_name in info.trained_models}
-
-    def __init__(self, ctx):
-        super().__init__(ctx)
-        from ..engines import SamplingParams
-        a = self.args
-        self.engine = ctx.engine("rollout")
-        self.lock = ctx.host.weights_lock(ctx.mfc.model_name)
-        lag = ctx.step - self.engine.weight_version  # rows of step s may come from weights of version >= s - k
-        if a["trained"] and lag > a["max_weight_staleness"]:
-            from .stage import StageError
-            raise StageError(f"stage '{ctx.mfc.name}': step {ctx.step} would be generated with weights of version "
-                             f"{self.engine.weight_version}, {lag} versions old; rl_config.max_weight_staleness="
-                             f"{a['max_weight_staleness']} forbids it")
-        self.params = SamplingParams(max_new_tokens=a["max_new_tokens"], temperature=a["temperature"], top_p=a["top_p"],
-                                     top_k=a["top_k"], stop_token_ids=ctx.host.stop_ids, greedy=a["greedy"])
-
-    def session(self):
-        return self.ctx.host.awake(self.ctx.mfc.model_name)
-
-    def __call__(self, batch, rows):
-        with self.lock.reading() if self.engine.concurrent_generate else self.lock.writing():
-            return C.generate(batch, rows, engine=self.engine, params=self.params, seed=self.args["seed"],
-                              step=self.ctx.step, drop_truncated=self.args.get("drop_truncated", False))
-
-
+# ------------------------------------------------------------------------------------------------ bases
 class Forward(Impl):
     """An inference call of a model; on a split model only the replica's writer computes outputs from rows,
     every other rank (and a rank out of rows in a collective forward) makes the engine's call for its replica:
@@ -151,155 +106,10 @@ class Forward(Impl):
         return C.Output({}, {})
 
 
-@C.compute_step("log_probs", "inference", ("prompts", "responses"), ("log_prob",), engine="policy",
-                optional=("rollout_log_prob", "loss_mask"),
-                doc="per-token log-probs of the responses (and their distance to the rollout's, when given)")
-class LogProbs(Forward):
-    """Per-token log-probs of the responses (the actor's old log-probs, the reference's)."""
-    method = "log_probs"
-
-    @staticmethod
-    def args(cfg, mfc, info):
-        mbs = (cfg.actor_config.log_prob_micro_batch_size_per_device if mfc.model_name in info.trained_models
-               else cfg.ref_config.log_prob_micro_batch_size_per_device)
-        return {"count": rows_per_get(mfc, mbs, cfg.rl_config.n_samples_per_prompt)}
-
-    def compute(self, batch, rows, engine):
-        return C.log_probs(batch, rows, engine=engine, micro_batch_size=self.count)
-
-
-@C.compute_step("values", "inference", ("prompts", "responses"), ("values",), engine="value",
-                doc="a critic's per-token values of the responses")
-class Values(Forward):
-    """A critic's per-token values."""
-    method = "values"
-
-    @staticmethod
-    def args(cfg, mfc, info):
-        return {"count": rows_per_get(mfc, cfg.critic_config.forward_micro_batch_size_per_device,
-                                cfg.rl_config.n_samples_per_prompt)}
-
-    def compute(self, batch, rows, engine):
-        return C.values(batch, rows, engine=engine, micro_batch_size=self.count)
-
-
 def compute_count(cfg, mfc) -> int:
+    """Rows per dock get of a step that calls no engine: the MFC's own micro_batch_size, else
+    rl_config.dock_micro_batch_size (whole prompt groups where it needs them)."""
     return rows_per_get(mfc, cfg.rl_config.dock_micro_batch_size, cfg.rl_config.n_samples_per_prompt)
-
-
-@C.compute_step("rule_reward", "compute", ("prompts", "responses", "labels"), ("rm_scores",),
-                doc="rl_config.reward_fn on the decoded response and answer")
-class RuleReward(Impl):
-    """rl_config.reward_fn on the decoded responses and answers."""
-
-    @staticmethod
-    def args(cfg, mfc, info):
-        ob = cfg.rl_config.overlong_buffer  # DAPO's soft overlong penalty (length 0: off)
-        return {"count": compute_count(cfg, mfc), "reward_fn": cfg.rl_config.reward_fn,
-                "overlong": [cfg.generate_config.max_new_tokens, ob.length, ob.penalty_factor] if ob.length else None}
-
-    def __init__(self, ctx):
-        super().__init__(ctx)
-        self.reward_fn = ctx.host.reward_fn(self.args["reward_fn"])
-
-    def __call__(self, batch, rows):
-        from ..data.loader import decode_label
-        return C.rule_reward(batch, rows, reward_fn=self.reward_fn, tokenizer=self.ctx.host.tokenizer,
-                             decode_label=decode_label, overlong=self.args.get("overlong"))
-
-
-@C.compute_step("grpo_advantage", "compute", ("rm_scores",), ("advantages",),
-                doc="reward normalized within each prompt's group (needs get_n_samples)")
-class GRPOAdvantage(Impl):
-    @staticmethod
-    def args(cfg, mfc, info):
-        rl = cfg.rl_config
-        return {"count": compute_count(cfg, mfc), "n_samples_per_prompt": rl.n_samples_per_prompt, "eps": rl.adv_eps,
-                "norm_by_std": rl.norm_adv_by_std}
-
-    def __call__(self, batch, rows):
-        a = self.args
-        return C.grpo_advantage(batch, rows, n_samples_per_prompt=a["n_samples_per_prompt"], eps=a["eps"],
-                                norm_by_std=a["norm_by_std"])
-
-
-@C.compute_step("gae_advantage", "compute", ("rm_scores", "values"), ("advantages", "returns"),
-                doc="GAE over the outcome reward on the last token, whitened over the micro-batch")
-class GAEAdvantage(Impl):
-    @staticmethod
-    def args(cfg, mfc, info):
-        return {"count": compute_count(cfg, mfc), "gamma": cfg.rl_config.gamma, "lam": cfg.rl_config.lam}
-
-    def __call__(self, batch, rows):
-        return C.gae_advantage(batch, rows, gamma=self.args["gamma"], lam=self.args["lam"])
-
-
-@C.compute_step("remax_advantage", "compute", ("rm_scores", "reward_baselines", "response_length"),
-                ("advantages", "returns"), doc="reward-to-go minus the greedy response's reward")
-class ReMaxAdvantage(Impl):
-    @staticmethod
-    def args(cfg, mfc, info):
-        return {"count": compute_count(cfg, mfc)}
-
-    def __call__(self, batch, rows):
-        return C.remax_advantage(batch, rows)
-
-
-# ------------------------------------------------------------------------------------------------ train
-@C.compute_step("policy_train", "train_step", ("prompts", "responses", "advantages"),
-                optional=("old_log_prob", "ref_log_prob", "rollout_log_prob", "loss_mask"), engine="policy",
-                doc="clipped policy loss (+ KL to the reference when the KL coefficient is > 0, + the off-policy "
-                    "correction from rollout_log_prob)")
-class PolicyTrain(Impl):
-    """Optimizer steps of the clipped policy loss (+ KL, entropy, off-policy correction)."""
-    kind = OPTIMIZER_STEP
-    section = "actor_config"
-
-    @classmethod
-    def sizes(cls, cfg, info: PlanInfo) -> dict:
-        from ..config.sizes import train_sizes
-        o, rl = getattr(cfg, cls.section), cfg.rl_config
-        s = train_sizes(o.ppo_mini_batch_size, o.ppo_micro_batch_size_per_device, rl.prompts_per_step,
-                        rl.n_samples_per_prompt, info.dp)   # dp replicas: tp/pp ranks share their rows
-        return {"rows_per_device": s.rows_per_device, "mini_rows_per_device": s.mini_rows_per_device,
-                "count": s.micro_rows}
-
-    @classmethod
-    def args(cls, cfg, mfc, info):
-        o = cfg.actor_config
-        return {**cls.sizes(cfg, info), "loss": {
-            "clip_low": o.clip_ratio_low, "clip_high": o.clip_ratio_high, "clip_c": o.clip_ratio_c,
-            "agg": o.loss_agg_mode, "use_kl_loss": o.use_kl_loss, "kl_type": o.kl_loss_type,
-            "entropy_coeff": o.entropy_coeff, "off_policy_correction": off_policy_correction(cfg), "tis_cap": o.tis_cap}}
-
-    def loss_fn(self):
-        return C.policy_loss_fn(C.PolicyLossConfig(**self.args["loss"]), self.ctx.kl_coef)
-
-    def run(self, unit, rows):
-        """One optimizer step over a mini-batch's micro-batches (None on a rank whose engine gets them from its
-        replica's reader); the MFC's input remaps applied as they stream from the dock."""
-        from ..engines import MicroBatch
-        mfc = self.ctx.mfc
-        if unit is not None:
-            unit = (MicroBatch({mfc.arg_name(k): v for k, v in mb.data.items()}, mb.loss_scale, mb.last)
-                    for mb in unit)
-        metrics = self.ctx.engine().train_step(unit, self.loss_fn())
-        return C.Output({}, {**metrics, "updates": 1.0})
-
-
-@C.compute_step("value_train", "train_step", ("prompts", "responses", "values", "returns"), engine="value",
-                doc="clipped value loss")
-class ValueTrain(PolicyTrain):
-    """Optimizer steps of the clipped value loss."""
-    section = "critic_config"
-
-    @classmethod
-    def args(cls, cfg, mfc, info):
-        o = cfg.critic_config
-        return {**cls.sizes(cfg, info), "loss": {"clip_value": o.cliprange_value, "agg": o.loss_agg_mode}}
-
-    def loss_fn(self):
-        return C.value_loss_fn(C.ValueLossConfig(**self.args["loss"]))
 
 
 class StandIn(Impl):

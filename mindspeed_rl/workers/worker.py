@@ -306,12 +306,12 @@ class Worker:
     # ------------------------------------------------------------------ a reward model between steps
     def score_pairs(self, model: str, columns: dict, micro_batch_size: int) -> dict:
         """Scores of held-out preference pairs by `model`'s engine (reward modeling's evaluation)."""
-        from .reward_impls import score_pairs
+        from .steps.reward_train import score_pairs
         return score_pairs(self.engines.engine_for(model, "reward"), columns, micro_batch_size)
 
     def save_pretrained(self, model: str, directory: str) -> str | None:
         """`model` as a plain HF checkpoint in `directory` (every rank takes part; rank 0 writes)."""
-        from .reward_impls import save_pretrained
+        from .steps.reward_train import save_pretrained
         decl = next(d for d in self.spec.engines if d.model == model and d.role != "rollout")
         return save_pretrained(self.engines.engine_for(model, "reward"), decl.model_path, self.engines.tokenizer,
                                directory, self.spec.rank)

@@ -54,13 +54,13 @@ def _loss_inputs(with_ref: bool):
 
 
 def test_loss_without_kl_needs_no_ref_log_prob_and_reports_no_kl():
-    from mindspeed_rl.workers import compute as C
-    cfg = C.PolicyLossConfig(clip_low=0.2, clip_high=0.2, clip_c=3.0, agg="token-mean", use_kl_loss=True,
+    from mindspeed_rl.workers.steps.policy_train import PolicyLossConfig, policy_loss_fn
+    cfg = PolicyLossConfig(clip_low=0.2, clip_high=0.2, clip_c=3.0, agg="token-mean", use_kl_loss=True,
                              kl_type="k3", entropy_coeff=0.0)
     from mindspeed_rl.engines import MicroBatch
 
     def step(engine, batch, kl_coef):
-        return engine.train_step([MicroBatch(batch, 1.0, last=True)], C.policy_loss_fn(cfg, kl_coef))
+        return engine.train_step([MicroBatch(batch, 1.0, last=True)], policy_loss_fn(cfg, kl_coef))
     engine, batch = _loss_inputs(with_ref=False)
     out = step(engine, batch, 0.0)
     assert "kl" not in out and out["micro_batches"] == 1.0
@@ -140,7 +140,7 @@ def test_the_old_log_probs_are_recomputed_unless_the_update_is_on_policy(overrid
 def test_the_loss_without_old_log_probs_takes_the_updates_own():
     """The policy loss of an on-policy update: ratio 1 on every token, the plain policy gradient."""
     from mindspeed_rl.engines import ModelOutput
-    from mindspeed_rl.workers.compute import PolicyLossConfig, policy_loss_fn
+    from mindspeed_rl.workers.steps.policy_train import PolicyLossConfig, policy_loss_fn
     logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     out = ModelOutput(response_mask=mask, log_probs=logp, entropy=torch.zeros(1, 3))

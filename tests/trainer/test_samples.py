@@ -9,7 +9,7 @@ import torch
 from mindspeed_rl.dashboard import DashboardState
 from mindspeed_rl.models import build_char_tokenizer
 from mindspeed_rl.trainer.samples import SampleLog, report_samples
-from mindspeed_rl.workers.compute import rule_reward
+from mindspeed_rl.workers.steps.rule_reward import rule_reward
 
 
 def test_the_rule_reward_returns_the_text_it_scored():

@@ -7,7 +7,9 @@ import torch
 
 from mindspeed_rl.engines import MicroBatch
 from mindspeed_rl.engines.base import ModelOutput
-from mindspeed_rl.workers import compute as C
+from mindspeed_rl.workers.steps.log_probs import logprob_diff
+from mindspeed_rl.workers.steps.policy_train import PolicyLossConfig, policy_loss_fn
+from mindspeed_rl.workers.steps.value_train import ValueLossConfig, value_loss_fn
 
 # One trajectory of 7 tokens: model, model, tool, tool, tool, model, model (a call, its result, the answer)
 # and a plain 3-token response. Tool positions hold log-probs the loss must never see (large, odd).
@@ -19,8 +21,8 @@ ENT = [1.0, 0.5, 3.0, 3.0, 3.0, 0.25, 0.75]
 PLAIN = ([-0.5, -0.6, -0.7], [-0.4, -0.9, -0.7], [-0.5, -0.5, -0.5], [0.9, 0.8, 0.7])  # logp, old, ref, entropy
 
 
-def _cfg(agg: str) -> C.PolicyLossConfig:
-    return C.PolicyLossConfig(clip_low=0.2, clip_high=0.2, clip_c=3.0, agg=agg, use_kl_loss=True, kl_type="k3",
+def _cfg(agg: str) -> PolicyLossConfig:
+    return PolicyLossConfig(clip_low=0.2, clip_high=0.2, clip_c=3.0, agg=agg, use_kl_loss=True, kl_type="k3",
                               entropy_coeff=0.01)
 
 
@@ -39,7 +41,7 @@ def _run(rows_logp, rows_old, rows_ref, rows_ent, adv, loss_masks=None, agg="tok
             "advantages": [torch.tensor([a]) for a in adv]}
     if loss_masks is not None:
         data["loss_mask"] = [torch.tensor(m, dtype=torch.float32) for m in loss_masks]
-    loss, metrics = C.policy_loss_fn(_cfg(agg), kl_coef=0.1)(ModelOutput(mask, logp, ent), MicroBatch(data, 1.0))
+    loss, metrics = policy_loss_fn(_cfg(agg), kl_coef=0.1)(ModelOutput(mask, logp, ent), MicroBatch(data, 1.0))
     loss.backward()
     return loss.detach(), metrics, logp.grad
 
@@ -86,10 +88,10 @@ def test_value_loss_and_logprob_diff_respect_the_loss_mask():
     values = torch.tensor([[0.5, 9.0, 9.0, 0.25]], requires_grad=True)
     data = {"values": [torch.tensor([0.5, 0.0, 0.0, 0.25])], "returns": [torch.tensor([1.0, 0.0, 0.0, 1.0])],
             "loss_mask": [torch.tensor([1.0, 0.0, 0.0, 1.0])]}
-    loss, _ = C.value_loss_fn(C.ValueLossConfig(clip_value=100.0, agg="token-mean"))(
+    loss, _ = value_loss_fn(ValueLossConfig(clip_value=100.0, agg="token-mean"))(
         ModelOutput(mask, values=values), MicroBatch(data, 1.0))
     # 0.5 * mean((0.5 - 1)^2, (0.25 - 1)^2) = 0.5 * (0.25 + 0.5625) / 2 = 0.203125
     assert float(loss.detach()) == pytest.approx(0.203125)
-    d = C.logprob_diff([torch.tensor([-0.1, -5.0, -0.3])], [torch.tensor([-0.2, 0.0, -0.3])],
+    d = logprob_diff([torch.tensor([-0.1, -5.0, -0.3])], [torch.tensor([-0.2, 0.0, -0.3])],
                        [torch.tensor([1, 0, 1])])
     assert d["logprob_diff_tokens"] == 2 and d["logprob_diff_max"] == pytest.approx(0.1)

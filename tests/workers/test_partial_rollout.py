@@ -19,7 +19,7 @@ import torch
 from mindspeed_rl.engines.base import SamplingParams
 from mindspeed_rl.engines.rollout.hf_rollout import HFRolloutEngine
 from mindspeed_rl.engines.train.torch_train import TorchTrainEngine
-from mindspeed_rl.workers import compute as C
+from mindspeed_rl.workers.steps.generate import generate
 from mindspeed_rl.workers.engine_set import EngineSet
 from mindspeed_rl.workers.weights import WeightHost
 
@@ -102,11 +102,11 @@ def colocated_host(partial: bool):
 
 
 def micro_batch(engines, rollout, generated: threading.Event):
-    """What the worker's generate stage does for one micro-batch (workers/impls.py `Generate`); `generated` is
+    """What the worker's generate stage does for one micro-batch (workers/steps/generate.py `Generate`); `generated` is
     set when its generate call has returned."""
     prompts = random_rows(2, [4, 6], seed=2)
     with engines.awake("actor"), engines.weights_lock("actor").reading():
-        out = C.generate({"prompts": prompts}, [0, 1], engine=rollout, params=PARAMS, seed=5, step=0)
+        out = generate({"prompts": prompts}, [0, 1], engine=rollout, params=PARAMS, seed=5, step=0)
         generated.set()
         return out
 

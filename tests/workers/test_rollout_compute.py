@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from mindspeed_rl.engines import Rollout, SamplingParams
-from mindspeed_rl.workers import compute as C
+from mindspeed_rl.workers.steps.agent_generate import agent_generate
+from mindspeed_rl.workers.steps.generate import generate
+from mindspeed_rl.workers.steps.rule_reward import rule_reward
 
 
 class FixedEngine:
@@ -23,10 +25,10 @@ def test_generate_counts_truncated_rows_and_drop_truncated_masks_them():
     eng = FixedEngine([[5, 6, 2], [5, 6, 7], [5, 2]])  # finished at the limit, cut, finished early
     params = SamplingParams(max_new_tokens=3, stop_token_ids=(2,))
     batch = {"prompts": [torch.tensor([1])] * 3}
-    out = C.generate(batch, [0, 1, 2], engine=eng, params=params, seed=0, step=0)
+    out = generate(batch, [0, 1, 2], engine=eng, params=params, seed=0, step=0)
     assert out.metrics["truncated_count"] == 1
     assert [m.tolist() for m in out.columns["loss_mask"]] == [[1, 1, 1], [1, 1, 1], [1, 1]]
-    out = C.generate(batch, [0, 1, 2], engine=eng, params=params, seed=0, step=0, drop_truncated=True)
+    out = generate(batch, [0, 1, 2], engine=eng, params=params, seed=0, step=0, drop_truncated=True)
     assert [m.tolist() for m in out.columns["loss_mask"]] == [[1, 1, 1], [0, 0, 0], [1, 1]]
 
 
@@ -42,12 +44,12 @@ def test_rule_reward_adds_the_overlong_penalty_and_logs_the_parts():
     batch = {"responses": [torch.tensor([1, 2]), torch.tensor([1, 2, 3, 4, 5, 6, 7, 8]), torch.tensor([9] * 10)],
              "prompts": [torch.tensor([0])] * 3, "labels": ["12", "12", "12"]}
     # max_len 10, buffer 4: lengths 2 -> 0, 8 -> -2/4 * 0.5 = -0.25, 10 -> -0.5
-    out = C.rule_reward(batch, [0, 1, 2], reward_fn=score, tokenizer=Tok(), decode_label=str, overlong=(10, 4, 0.5))
+    out = rule_reward(batch, [0, 1, 2], reward_fn=score, tokenizer=Tok(), decode_label=str, overlong=(10, 4, 0.5))
     assert [float(r) for r in out.columns["rm_scores"]] == [1.0, 0.75, -0.5]
     assert out.metrics["reward_sum"] == 2.0, "the function's own score, before the penalty"
     assert out.metrics["overlong_penalty_sum"] == -0.75
     assert out.metrics["reward_part_first_sum"] == 2.0
-    plain = C.rule_reward(batch, [0, 1, 2], reward_fn=score, tokenizer=Tok(), decode_label=str)
+    plain = rule_reward(batch, [0, 1, 2], reward_fn=score, tokenizer=Tok(), decode_label=str)
     assert [float(r) for r in plain.columns["rm_scores"]] == [1.0, 1.0, 0.0] and "overlong_penalty_sum" not in plain.metrics
 
 
@@ -60,7 +62,7 @@ def test_agent_generate_writes_the_trajectory_its_mask_and_the_calls():
     loop = AgentLoop(eng, tok, get_tools(["calc"]), get_syntax("tags"), 3, 5.0)
     params = SamplingParams(max_new_tokens=10, stop_token_ids=(tok.eos,))
     batch = {"prompts": [torch.tensor([0]), torch.tensor([1])]}
-    out = C.agent_generate(batch, [0, 1], loop=loop, params=params, seed=0, step=0, drop_truncated=True)
+    out = agent_generate(batch, [0, 1], loop=loop, params=params, seed=0, step=0, drop_truncated=True)
     cols, m = out.columns, out.metrics
     assert tok.decode(cols["responses"][0].tolist()).startswith("<calc>2+3</calc><result>5</result>5")
     assert cols["loss_mask"][0].tolist().count(0) == 3 and cols["loss_mask"][1].tolist() == [0] * 10, \

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from mindspeed_rl.models import build_char_tokenizer, resolve_model_path
-from mindspeed_rl.workers.reward_impls import combine_reward, retokenizer, reward_model_score
+from mindspeed_rl.workers.steps.combine_reward import combine_reward
+from mindspeed_rl.workers.steps.reward_model_score import reward_model_score, retokenizer
 
 
 def _other_tokenizer():
