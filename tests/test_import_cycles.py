@@ -45,3 +45,15 @@ def test_the_import_graph_has_no_circles():
     where = [[f"{a} -> {b} (line {graph.edges[a, b]['line']})" for a, b in graph.subgraph(c).edges] for c in circles]
     assert not circles, where
 
+
+
+def test_no_private_name_is_imported_across_modules():
+    """A name one module uses from another is public: `from x import _name` across the package means a helper
+    whose users the code does not show."""
+    found = []
+    for name, path in module_names().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("mindspeed_rl")):
+                found += [f"{name}: from {'.' * node.level}{node.module or ''} import {a.name} (line {node.lineno})"
+                          for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not found, found

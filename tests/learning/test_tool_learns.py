@@ -21,6 +21,8 @@ STEPS = 350
 THRESHOLD = 0.35
 ANSWER_THRESHOLD = 0.3
 READ_THRESHOLD = 0.4
+VAL_N = 8
+HELD_OUT_GAP = 0.1   # |held-out keys' val/reward_mean - training's last-10 reward| at the end of the run
 
 
 @pytest.mark.slow_budget(90, reason="350 RL steps of two-turn rollouts (the call is learned by step 300-400), "
@@ -28,7 +30,9 @@ READ_THRESHOLD = 0.4
 def test_grpo_tiny_tool_learns(ray_session, tmp_path):
     agent = config_dict("grpo_tiny_tool", {})["generate_config"]["agent"]
     assert agent["tool_choice"] is None and agent["return_direct"] == [], "the model calls and answers itself"
-    records = train("grpo_tiny_tool", tmp_path / "run", STEPS)
+    # validated once, after the last step, on the 12 keys training never draws (8 responses each)
+    records = train("grpo_tiny_tool", tmp_path / "run", STEPS,
+                    **{"trainer.val_interval": STEPS, "generate_config.val.n": VAL_N})
     assert [r["step"] for r in records] == list(range(STEPS))
     # a run's first steps are those of any longer run of the seed: blocking mode, stage after stage, computes
     # what the overlapped run did
@@ -42,3 +46,8 @@ def test_grpo_tiny_tool_learns(ray_session, tmp_path):
     assert last10(records) >= THRESHOLD, [round(r["reward/mean"], 3) for r in records[-10:]]
     assert last10(records, "reward/answer_mean") >= ANSWER_THRESHOLD, "the answer the model wrote itself"
     assert last10(records, "reward/read_mean") >= READ_THRESHOLD, "read from its own key's lookup"
+    held_out = records[-1]
+    assert held_out["val/weight_version"] == STEPS and held_out["val/prompts"] == 12
+    # on keys it never trained on it scores as on the training keys: it reads the tool, not a memorized table
+    assert abs(held_out["val/reward_mean"] - last10(records)) <= HELD_OUT_GAP, \
+        (held_out["val/reward_mean"], held_out["val/read_mean"], last10(records))
