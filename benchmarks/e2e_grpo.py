@@ -35,7 +35,7 @@ import torch
 import yaml
 
 from mindspeed_rl.config import config_from_dict
-from mindspeed_rl.trainer.plan import make_plan
+from mindspeed_rl.planning import make_plan
 
 from steptrace import TracingTrainer, abba_schedule, measured, median
 

@@ -210,7 +210,7 @@ def measure_loop_handoff(rounds: int, microbatches: int = 16) -> dict[str, float
     inputs ready, the same sleep per micro-batch as in the pipeline. Without overlap, get + put is
     the raw cost of a handoff (two actor calls); with it, what is left on the loop's path."""
     from mindspeed_rl.transfer_dock.client import create_transfer_dock
-    from mindspeed_rl.trainer.plan import make_plan
+    from mindspeed_rl.planning import make_plan
     plan = make_plan(config_from_dict(make_config(microbatches, 1, "unused", "disaggregated")), check_files=False)
     dock = create_transfer_dock(plan.columns, plan.consumers, ROWS_PER_STEP // N_SAMPLES, N_SAMPLES,
                                 guarantee_order=True, default_timeout=60)

@@ -64,7 +64,7 @@ run (actor_config.gradient_checkpointing, actor_config.lora.rank).
 
 The memory plan against measurement (`--memory`; `--memory-only` runs nothing else): the torch engine and
 the hf rollout engine built with those features, each figure the memory plan's term for these sizes
-(trainer/memory.py, the same functions) beside the measured bytes: on the CPU the RSS (VmRSS) and its peak
+(planning/memory.py, the same functions) beside the measured bytes: on the CPU the RSS (VmRSS) and its peak
 (VmHWM, reset through /proc/self/clear_refs; glibc's malloc is told to return every block of 64 KiB or more
 to the system, so a freed tensor leaves the RSS), on a GPU torch.cuda.memory_allocated and its peak. Parts:
 the train engine's weights (resident after the build), the AdamW state (resident growth over the first
@@ -556,9 +556,9 @@ def limit_malloc_caching() -> None:
 
 
 def memory_estimates(a, ckpt: str, device) -> dict:
-    """The memory plan's terms (trainer/memory.py) for this run's sizes, in GB, by part."""
+    """The memory plan's terms (planning/memory.py) for this run's sizes, in GB, by part."""
     from mindspeed_rl.engines import memory_model as MM
-    from mindspeed_rl.trainer import memory_terms as M
+    from mindspeed_rl.planning import memory_terms as M
     d, src = M.load_dims(ckpt)
     kind = "cpu" if device.type == "cpu" else "gpu"
     lay = M.Layout("torch", MM.REPLICATED, 1, kind=kind, dtype=a.dtype)

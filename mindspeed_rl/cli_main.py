@@ -95,7 +95,7 @@ def train_main(raw_cfg, algorithm: str | None = None) -> list[dict]:
               f"output in {cfg.trainer.output_dir}", file=sys.stderr)
         for note in trainer.plan.size_notes:  # sizes rounded to what they must divide, said once
             print(f"batch size: {note}", file=sys.stderr)
-        if trainer.plan.memory is not None:  # the estimate per device (trainer/memory.py)
+        if trainer.plan.memory is not None:  # the estimate per device (planning/memory.py)
             for line in trainer.plan.memory.lines():
                 print(line, file=sys.stderr)
     from .trainer.driver import Interrupted

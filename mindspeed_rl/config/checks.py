@@ -1,7 +1,7 @@
 """Checks of a config on its own (no cluster, no files): divisibility, ranges, names.
 
 Checks that need other layers (reward names, model paths, the placement against the dataflow
-graph and the Ray cluster) run in `mindspeed_rl.trainer.plan`, still before any worker starts.
+graph and the Ray cluster) run in `mindspeed_rl.planning`, still before any worker starts.
 """
 from __future__ import annotations
 

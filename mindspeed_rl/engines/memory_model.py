@@ -1,4 +1,4 @@
-"""How a backend holds a model in device memory: the one thing the memory plan (trainer/memory.py) asks of
+"""How a backend holds a model in device memory: the one thing the memory plan (planning/memory.py) asks of
 a backend (`Backend.memory`), so the plan's arithmetic never names a backend. A plugin backend declares the
 model of the built-in it resembles."""
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 ATTENTION = "mindspeed_cpu_attention"
-SHORT_KV = 128   # keys up to which the matmul form runs (trainer/memory_terms.py counts its probabilities)
+SHORT_KV = 128   # keys up to which the matmul form runs (planning/memory_terms.py counts its probabilities)
 
 
 def cpu_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -28,6 +28,7 @@ from typing import Any
 
 from ..config import Config
 from ..models.files import CheckpointFileError
+from ..planning import Plan, format_plan, landed_dict, make_plan, write_plan_json
 from .checkpoint import (ResumePoint, checkpoint_dir, mark_latest, prune_checkpoints, read_latest, save_driver_state,
                          write_manifest)
 from .dock_calls import DockCalls, DockSilent
@@ -35,7 +36,6 @@ from .dynamic_sampling import DynamicSampling
 from .errors import Interrupted, TrainingError
 from .launch import LaunchError, group_bundles, launch_workers
 from .pipeline import StepPipeline, close_docks, open_docks
-from .plan import Plan, format_plan, landed_dict, make_plan, write_plan_json
 from .ray_session import RaySession, stop_workers
 from .preflight import layouts, preflight
 from .reward_modeling import save_final, trains_reward_model

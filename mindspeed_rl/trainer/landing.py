@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from .plan_types import Plan
+from ..planning import Plan
 
 
 def landing_errors(plan: Plan, infos: Mapping[tuple[str, int], dict], device_nodes: Mapping[int, str]) -> list[str]:

@@ -59,7 +59,7 @@ class StepPipeline:
 
     `dock_call(what, fn, *args, context=...)` is the driver's bounded dock call (`dock_calls.py`).
     """
-    plan: Any                          # trainer/plan.py Plan
+    plan: Any                          # planning/plan.py Plan
     docks: list                        # one per step in flight: k + 1
     loader: Any                        # the step's prompts (data/loader.py PromptLoader or preference pairs)
     sampling: Any                      # dynamic_sampling.py DynamicSampling (a no-op when off)

@@ -27,7 +27,7 @@ class RaySession:
         """Start (or join) Ray, then check that the cluster can hold the plan's groups and meshes."""
         import ray
 
-        from .plan import check_cluster
+        from ..planning import check_cluster
         p = cfg.placement
         if not ray.is_initialized():
             kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True,

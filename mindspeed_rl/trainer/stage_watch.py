@@ -38,7 +38,7 @@ class StageWatch:
     `dock_call(what, fn, *args, context=...)` is the driver's bounded dock call (`dock_calls.py`);
     `check_signal()` raises at a pending SIGINT/SIGTERM.
     """
-    plan: Any                                   # trainer/plan.py Plan
+    plan: Any                                   # planning/plan.py Plan
     workers: dict[str, list]                    # group -> its actors
     worker_info: dict[tuple[str, int], dict]    # (group, rank) -> its ping: pid, host, node id
     timeout_s: float                            # trainer.stage_timeout_s

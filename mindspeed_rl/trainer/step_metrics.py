@@ -19,7 +19,7 @@ from ..dataflow.metrics import COUNTED, REPORTED, StepMetric, stage_metrics
 @dataclass(frozen=True)
 class StepInputs:
     """What a step's record is made of: the plan's graph, the stages' reports and the driver's own figures."""
-    plan: Any                           # trainer/plan.py Plan (its order and trained models)
+    plan: Any                           # planning/plan.py Plan (its order and trained models)
     step: int
     by_stage: dict[str, list[dict]]     # stage -> its ranks' reports
     producer: dict[str, str]            # dock column -> the stage that writes it

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from mindspeed_rl.config import config_from_dict
 from mindspeed_rl.config.load import ConfigError
 from mindspeed_rl.config.checks import check_config
-from mindspeed_rl.trainer.plan import make_plan
+from mindspeed_rl.planning import make_plan
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from mindspeed_rl.config import config_from_dict
-from mindspeed_rl.trainer.plan import make_plan
+from mindspeed_rl.planning import make_plan
 
 _spec = importlib.util.spec_from_file_location(
     "async_speedup", Path(__file__).resolve().parents[2] / "benchmarks" / "async_speedup.py")

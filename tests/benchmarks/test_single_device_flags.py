@@ -1,6 +1,6 @@
 """benchmarks/single_device.py's model-feature flags and its memory estimates, without running a model: the
 flags reach the train engines' TrainSpec and the end-to-end overrides, and each estimate is the memory plan's
-own term (trainer/memory.py) for the benchmark's sizes."""
+own term (planning/memory.py) for the benchmark's sizes."""
 from __future__ import annotations
 
 import importlib.util
@@ -35,7 +35,7 @@ def test_feature_flags_reach_the_engines_and_the_trainer(bench):
 
 
 def test_memory_estimates_are_the_plans_terms(bench):
-    from mindspeed_rl.trainer import memory_terms as M
+    from mindspeed_rl.planning import memory_terms as M
     a = bench.parse(["--device", "cpu", "--model", "tiny", "--micro-batch", "2", "--train-prompt-len", "8",
                      "--train-response-len", "4", "--gradient-checkpointing"])
     est = bench.memory_estimates(a, "builtin:tiny-qwen2", torch.device("cpu"))

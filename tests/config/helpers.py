@@ -8,7 +8,7 @@ from typing import Any
 import yaml
 
 from mindspeed_rl.config import ConfigError, config_from_dict, check_config
-from mindspeed_rl.trainer.plan import make_plan
+from mindspeed_rl.planning import make_plan
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_YAML = REPO / "configs" / "grpo_tiny.yaml"

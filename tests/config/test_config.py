@@ -9,7 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from mindspeed_rl.config import Config, ConfigError, config_from_dict, config_to_dict, check_config
-from mindspeed_rl.trainer.plan import check_cluster, format_plan, make_plan
+from mindspeed_rl.planning import check_cluster, format_plan, make_plan
 
 from .helpers import DEFAULT_YAML, REPO, error_of, run_stage, with_overrides
 

@@ -151,7 +151,7 @@ def test_allowed_values_are_documented():
 def test_documented_error_examples_are_real(tmp_path):
     """The example messages in docs/configs.md are what the code prints."""
     from mindspeed_rl.config import config_from_dict
-    from mindspeed_rl.trainer.plan import check_cluster, make_plan
+    from mindspeed_rl.planning import check_cluster, make_plan
 
     from .helpers import with_overrides
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mindspeed_rl.config import config_from_dict
-from mindspeed_rl.trainer.plan import format_plan, make_plan
+from mindspeed_rl.planning import format_plan, make_plan
 
 from .helpers import error_of, with_overrides
 

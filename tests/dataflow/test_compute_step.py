@@ -7,7 +7,7 @@ import torch
 
 from mindspeed_rl.config import config_from_dict
 from mindspeed_rl.dataflow import ALGORITHMS, MFCDef, get_algorithm, register_algorithm
-from mindspeed_rl.trainer.plan import make_plan
+from mindspeed_rl.planning import make_plan
 from mindspeed_rl.workers.compute import FUNCTIONS, Output, check_mfc, compute_step
 from mindspeed_rl.workers.impls import Impl, PlanInfo, StageContext, impl_class, mfc_args
 

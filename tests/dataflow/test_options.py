@@ -161,7 +161,7 @@ def test_the_loss_without_old_log_probs_takes_the_updates_own():
 ])
 def test_a_null_correction_is_tis_with_partial_rollouts_only(overrides, correction, tmp_path):
     from mindspeed_rl.dataflow.options import off_policy_correction
-    from mindspeed_rl.trainer.plan import make_plan
+    from mindspeed_rl.planning import make_plan
     from tests.config.helpers import with_overrides
     cfg = config_from_dict(with_overrides({**overrides, "trainer.output_dir": str(tmp_path)}))
     assert off_policy_correction(cfg) == correction

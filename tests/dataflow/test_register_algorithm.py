@@ -6,7 +6,7 @@ import pytest
 from mindspeed_rl.config import config_from_dict
 from mindspeed_rl.dataflow import (ALGORITHMS, MFCDef, algorithm_graph, get_algorithm, known_algorithms,
                                    register_algorithm)
-from mindspeed_rl.trainer.plan import make_plan
+from mindspeed_rl.planning import make_plan
 
 from ..config.helpers import with_overrides
 

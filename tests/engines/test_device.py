@@ -126,11 +126,11 @@ def test_one_table_gives_every_spelling_of_a_device_kind():
 
 @pytest.mark.parametrize("kind", ["cpu", "gpu", "npu"])
 def test_the_plan_agrees_with_the_device_table(kind):
-    """What the trainer's plan derives by hand (trainer/plan.py: resource_totals, a mesh group's device and
+    """What the trainer's plan derives by hand (planning/plan.py: resource_totals, a mesh group's device and
     share) is what the table's helpers give, so the plan can call them instead."""
     from mindspeed_rl.config import config_from_dict
     from mindspeed_rl.device import RAY_RESOURCES, group_field, group_resources, torch_device_type
-    from mindspeed_rl.trainer.plan import make_plan
+    from mindspeed_rl.planning import make_plan
     mfcs = {"actor_rollout": {"mesh": "all", "dp": 2}, "rule_reward": {"mesh": [0]},
             "actor_log_prob": {"mesh": "all", "dp": 2}, "actor_train": {"mesh": "all", "dp": 2}}
     cfg = config_from_dict({"actor_config": {"use_kl_loss": False},

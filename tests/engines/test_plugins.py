@@ -77,7 +77,7 @@ def test_a_plugin_outside_the_package_runs_the_tiny_job_with_the_builtins_losses
 
 def test_a_plugin_that_does_not_import_is_refused_naming_it(tmp_path):
     from mindspeed_rl.config import ConfigError
-    from mindspeed_rl.trainer.plan import make_plan
+    from mindspeed_rl.planning import make_plan
     from mindspeed_rl.config import config_from_dict
     with pytest.raises(ConfigError) as e:
         make_plan(config_from_dict({"trainer": {"plugins": ["no_such_module_xyz"]}}), check_files=False)

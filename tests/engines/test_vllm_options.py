@@ -43,7 +43,7 @@ def test_partial_rollout_on_vllm_is_planned_with_serve_only(tmp_path):
 
     from mindspeed_rl.config import ConfigError, config_from_dict
     from mindspeed_rl.engines.rollout.vllm_engine import VLLMEngine
-    from mindspeed_rl.trainer.plan import make_plan
+    from mindspeed_rl.planning import make_plan
     assert not VLLMEngine.takes_partial_rollout({}) and VLLMEngine.takes_partial_rollout({"serve": True})
 
     def plan(serve: bool):
@@ -62,7 +62,7 @@ def test_the_serving_engine_is_refused_with_tensor_parallelism_or_sleep_mode_bef
     import yaml
 
     from mindspeed_rl.config import ConfigError, config_from_dict
-    from mindspeed_rl.trainer.plan import make_plan
+    from mindspeed_rl.planning import make_plan
 
     tp2 = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "grpo_tiny_tp2.yaml").read_text())
     tp2["trainer"]["output_dir"] = str(tmp_path / "tp2")

@@ -308,7 +308,7 @@ def test_a_model_vllm_cannot_run_on_cpu_is_refused_by_the_plan_before_any_worker
     """head_dim 16 (builtin:tiny-qwen2-4l) fails in vLLM's CPU attention only at the first generate,
     after a build of tens of seconds: the plan refuses it with the model, the head size and the fix."""
     from mindspeed_rl.config import ConfigError, config_from_dict
-    from mindspeed_rl.trainer.plan import make_plan
+    from mindspeed_rl.planning import make_plan
 
     cfg = config_from_dict({"generate_config": {"backend": "vllm"},
                             "actor_config": {"model_path": "builtin:tiny-qwen2-4l"},

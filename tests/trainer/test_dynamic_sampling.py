@@ -94,7 +94,7 @@ def test_a_model_stepped_by_several_ranks_is_refused_by_the_plan(placement):
     """A short step would hand the ranks unequal rows, and their collectives would wait on each other:
     refused before any worker starts, naming the group and the fix."""
     from mindspeed_rl.config import ConfigError, config_from_dict
-    from mindspeed_rl.trainer.plan import make_plan
+    from mindspeed_rl.planning import make_plan
     cfg = config_from_dict({"rl_config": {"dynamic_sampling": True}, "placement": placement})
     with pytest.raises(ConfigError, match=r"rl_config.dynamic_sampling=true with worker group '[^']+' \(\[.*'actor_train'"
                                           r".*\]\) at dp=\d tp=\d pp=\d: .* run that group on one rank"):

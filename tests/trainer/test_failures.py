@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from mindspeed_rl.config import config_from_dict
-from mindspeed_rl.trainer import Trainer, TrainingError, make_plan
+from mindspeed_rl.planning import make_plan
+from mindspeed_rl.trainer import Trainer, TrainingError
 from mindspeed_rl.trainer.stage_watch import describe_stall
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from mindspeed_rl.config import config_from_dict
 from mindspeed_rl.trainer.landing import landing_errors
-from mindspeed_rl.trainer.plan import make_plan
+from mindspeed_rl.planning import make_plan
 
 MESH = {"placement": {"mode": "mesh", "n_nodes": 2, "n_devices_per_node": 1, "device_kind": "cpu",
                       "cpus_per_device": 1,

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from mindspeed_rl.config import ConfigError, config_from_dict
-from mindspeed_rl.trainer.plan import make_plan
-from mindspeed_rl.trainer.worker_specs import engine_decls
+from mindspeed_rl.planning import make_plan
+from mindspeed_rl.planning.worker_specs import engine_decls
 from mindspeed_rl.workers.engine_set import INFER_ROLE, TRAIN_ROLE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,8 +84,8 @@ def test_target_modules_matching_nothing_exit_2_before_any_worker_starts():
 
 def test_modules_to_save_matching_nothing_is_refused_by_the_plan():
     """Checked on the meta-device model before any worker starts, as target_modules is."""
-    from mindspeed_rl.trainer.plan_checks import check_lora_targets
+    from mindspeed_rl.planning.features import check_lora_targets
     cfg = config_from_dict({"actor_config": {"lora": {**LORA, "modules_to_save": ["normal"]}}})
     with pytest.raises(ConfigError, match=r"modules_to_save=\['normal'\]: \['normal'\] match no module of the model.*"
                                           r"'input_layernorm'"):
-        check_lora_targets(cfg, {}, {"actor"})
+        check_lora_targets(cfg.actor_config, cfg.trainer, {}, {"actor"})

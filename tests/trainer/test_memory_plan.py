@@ -1,4 +1,4 @@
-"""The memory plan (trainer/memory.py): each term against a hand computation, the device rule, the 7B configs
+"""The memory plan (planning/memory.py): each term against a hand computation, the device rule, the 7B configs
 fitting 80 GB devices and refused when they cannot, bad input. No model is built: dimensions come from the
 config files the repository ships."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from mindspeed_rl.config import ConfigError, config_from_dict
-from mindspeed_rl.trainer import memory_terms as M
-from mindspeed_rl.trainer.plan import make_plan, plan_dict
+from mindspeed_rl.planning import memory_terms as M
+from mindspeed_rl.planning import make_plan, plan_dict
 from mindspeed_rl.trainer.validation import validation_on
 
 REPO = Path(__file__).resolve().parents[2]

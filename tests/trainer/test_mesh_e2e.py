@@ -16,7 +16,7 @@ import yaml
 
 from mindspeed_rl.config import ConfigError, config_from_dict
 from mindspeed_rl.trainer import Trainer
-from mindspeed_rl.trainer.plan import format_plan, make_plan
+from mindspeed_rl.planning import format_plan, make_plan
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 ROWS = 16 * 8  # prompts_per_step x n_samples_per_prompt

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mindspeed_rl.config import ConfigError, config_from_dict
-from mindspeed_rl.trainer.plan import format_plan, make_plan
+from mindspeed_rl.planning import format_plan, make_plan
 
 # ReaLHF's PPO example on 1 node x 8 GPUs (plus our actor_log_prob, which shares the trainer's mesh)
 REALHF_PPO = {"actor_rollout": {"mesh": "all", "dp": 4, "pp": 2}, "critic_values": {"mesh": [0, 1]},

@@ -7,8 +7,9 @@ import pytest
 from mindspeed_rl.config import ConfigError, config_from_dict
 from mindspeed_rl.engines import register_train_backend, TorchTrainEngine
 from mindspeed_rl.engines.registry import TRAIN_BACKENDS
-from mindspeed_rl.trainer.model_features import features_of
-from mindspeed_rl.trainer.plan import make_plan
+from mindspeed_rl.planning import make_plan
+from mindspeed_rl.planning.features import features_of
+from mindspeed_rl.planning.plan import model_sections
 
 from ..config.helpers import with_overrides
 
@@ -18,18 +19,18 @@ def _plan(overrides: dict):
 
 
 def test_each_model_gets_its_own_sections_features():
-    cfg = config_from_dict(with_overrides({
+    models = model_sections(config_from_dict(with_overrides({
         "actor_config.max_tokens_per_micro_batch": 512, "actor_config.gradient_checkpointing": True,
         "actor_config.lora.rank": 8, "critic_config.gradient_checkpointing": False,
-        "critic_config.max_tokens_per_micro_batch": 256, "ref_config.offload": True}))
-    actor = features_of(cfg, "actor", trained=True)
+        "critic_config.max_tokens_per_micro_batch": 256, "ref_config.offload": True})))
+    actor = features_of(models, "actor", trained=True)
     assert actor["max_tokens_per_micro_batch"] == 512 and actor["gradient_checkpointing"] is True
     assert actor["lora"]["rank"] == 8 and "offload" not in actor
-    assert features_of(cfg, "actor", trained=False) == {"max_tokens_per_micro_batch": 512}   # a reader
-    assert features_of(cfg, "ref", trained=False) == {
+    assert features_of(models, "actor", trained=False) == {"max_tokens_per_micro_batch": 512}   # a reader
+    assert features_of(models, "ref", trained=False) == {
         "max_tokens_per_micro_batch": 512, "offload": {"params": True, "optimizer": False, "fsdp_cpu_offload": False}}
-    assert features_of(cfg, "critic", trained=True) == {"max_tokens_per_micro_batch": 256}
-    assert features_of(config_from_dict({}), "actor", trained=True) == {}
+    assert features_of(models, "critic", trained=True) == {"max_tokens_per_micro_batch": 256}
+    assert features_of(model_sections(config_from_dict({})), "actor", trained=True) == {}
 
 
 @pytest.mark.parametrize("overrides, words", [

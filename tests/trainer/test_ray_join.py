@@ -49,7 +49,7 @@ def test_each_cause_gets_its_own_line_and_fix():
 JOIN = textwrap.dedent("""
     import sys
     from mindspeed_rl.config import ConfigError, config_from_dict
-    from mindspeed_rl.trainer.plan import make_plan
+    from mindspeed_rl.planning import make_plan
     from mindspeed_rl.trainer.ray_session import RaySession
     cfg = config_from_dict({"trainer": {"output_dir": sys.argv[2]}, "placement": {"ray_address": sys.argv[1]}})
     session = RaySession()

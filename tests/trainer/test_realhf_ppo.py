@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from mindspeed_rl.config import config_from_dict
-from mindspeed_rl.trainer.plan import format_plan, make_plan
+from mindspeed_rl.planning import format_plan, make_plan
 
 from .test_mesh_e2e import Recording
 

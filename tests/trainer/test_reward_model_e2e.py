@@ -11,7 +11,7 @@ import pytest
 
 from mindspeed_rl.config import ConfigError, config_from_dict
 from mindspeed_rl.trainer import Trainer
-from mindspeed_rl.trainer.plan import make_plan
+from mindspeed_rl.planning import make_plan
 
 KEY = "reward_model.model_path"
 QUIET = {"progress": False, "logger": ["jsonl"], "plot": False, "stage_timeout_s": 60, "dashboard": False}

@@ -14,7 +14,7 @@ import pytest
 from mindspeed_rl.config import ConfigError, config_from_dict
 from mindspeed_rl.dataflow import algorithm_graph, topological_order
 from mindspeed_rl.dataflow.validation import validation_graph
-from mindspeed_rl.trainer.plan import make_plan
+from mindspeed_rl.planning import make_plan
 from mindspeed_rl.trainer.validation import format_val_line, val_config, val_metrics
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -54,9 +54,9 @@ def _fill(dock, rows: int, step: int) -> None:
 
 def test_fsdp_log_probs_and_training_take_turns_on_every_rank(ray_session, tmp_path):
     ray = ray_session
-    from mindspeed_rl.trainer.plan import make_plan
+    from mindspeed_rl.planning import make_plan
     from mindspeed_rl.transfer_dock.client import create_transfer_dock
-    from mindspeed_rl.trainer.worker_specs import worker_specs
+    from mindspeed_rl.planning.worker_specs import worker_specs
     from mindspeed_rl.workers.worker import Worker
 
     cfg = _config(tmp_path)

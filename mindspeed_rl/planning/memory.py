@@ -1,4 +1,5 @@
-"""The memory plan: what each device holds at each MFC, estimated before any worker starts.
+"""The plan's memory stage: what each device holds at each MFC, estimated before any worker starts, so a
+config that cannot fit is refused naming the device, the biggest terms and the keys that shrink them.
 
 A device's peak is the largest, over the MFCs that run on it, of what its engines hold while that MFC
 runs: the engine running it holds its working set (activations, logits, a KV cache) on top of its state,
@@ -18,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..config import ActorConfig, ConfigError, DataConfig, GenerateConfig, PlacementConfig, RLConfig
 from ..engines import memory_model as MM
 from ..engines.registry import rollout_backend, train_backend
 from .memory_terms import (CONTEXT_BYTES, DOCK_BYTES, DRIVER_BYTES, DTYPE_BYTES, GB, HOST_PROCESS_BYTES,
@@ -26,6 +28,14 @@ from .memory_terms import (CONTEXT_BYTES, DOCK_BYTES, DRIVER_BYTES, DTYPE_BYTES,
                            kv_cache_bytes, load_dims, log_prob_pass_bytes, logits_chunk_bytes, lora_params,
                            optimizer_step_bytes, recompute_bytes, state_bytes, static_kv_bytes, tokens_per_forward,
                            train_activation_bytes, vllm_bytes)
+from .keys import (ACTOR, LORA_RANK_KEY, REWARD_SECTION, ROLLOUT_BACKEND_KEY, ROLLOUT_MICRO_BATCH_KEY, SECTION_OF,
+                   TOKEN_BUDGET_KEY, TRAIN_BACKEND_KEY)
+from .models import ModelSections
+
+DEVICE_MEMORY_KEY = "placement.device_memory_gb"
+CHECK_MEMORY_KEY = "placement.check_memory"
+MODEL_CONFIG_KEY = f"{ACTOR}.model_config"
+REWARD_ROWS_KEY = f"{REWARD_SECTION}.micro_batch_size_per_device"
 
 
 # ---------------------------------------------------------------------------- engines and devices
@@ -108,6 +118,7 @@ class DeviceEstimate:
 
 @dataclass
 class MemoryPlan:
+    """The memory stage's result: per set of devices with the same engines, the estimate of every phase."""
     devices: list[DeviceEstimate]
     sources: dict[str, str]             # model -> where its dimensions came from
     notes: list[str] = field(default_factory=list)
@@ -134,14 +145,14 @@ def _state_terms(d: ModelDims, lay: Layout, who: str, section: str, head: str, t
     p = d.params(head)
     dp_shard = lay.dp if lay.sharded else 1
     more_dp = ("more dp (fsdp shards the states over its dp ranks)" if lay.memory == MM.SHARDED else
-               "actor_config.backend=fsdp with more dp (it shards the states)")
+               f"{TRAIN_BACKEND_KEY}=fsdp with more dp (it shards the states)")
     if not trained:
         return [Term(f"{who} weights", state_bytes(p, c, s * dp_shard), f"{p / 1e9:.2f}B x {c} B / {s * dp_shard}",
                      (f"{'ref_config' if who == 'ref' else section}.offload", more_dp))], [], []
     lora = lora_params(d, lora_rank, lora_targets) if lora_rank else 0
     trainable = lora or p
     w_knobs = (f"{section}.offload.params (off the device between its stages)", f"{section}.lora.rank (a frozen "
-               f"16-bit base, only adapters train)" if section == "actor_config" else "", more_dp,
+               f"16-bit base, only adapters train)" if section == ACTOR else "", more_dp,
                f"{section}.offload.fsdp_cpu_offload (the sharded states on the CPU)" if lay.sharded else "")
     w_knobs = tuple(k for k in w_knobs if k)
     if lay.memory == MM.MODEL_PARALLEL:
@@ -162,17 +173,17 @@ def _state_terms(d: ModelDims, lay: Layout, who: str, section: str, head: str, t
                         w_knobs)]
     g_shard = s * dp_shard   # FSDP2 reduce-scatters each micro-batch's gradients: a rank accumulates its shard
     g_how = f"{trainable / 1e9:.3f}B x 4 B / {g_shard}"
-    g_knobs = ((f"{section}.lora.rank (a frozen 16-bit base, only adapters train)",) if section == "actor_config"
+    g_knobs = ((f"{section}.lora.rank (a frozen 16-bit base, only adapters train)",) if section == ACTOR
                else ()) + (more_dp,)
     grads = [Term(f"{who} grads", state_bytes(trainable, 4, g_shard), g_how, g_knobs)]
     if lay.memory == MM.REPLICATED and lay.dp > 1:
         grads.append(Term(f"{who} DDP buckets", state_bytes(trainable, 4), f"{trainable / 1e9:.3f}B x 4 B",
-                          ("actor_config.backend=fsdp",)))
+                          (f"{TRAIN_BACKEND_KEY}=fsdp",)))
     opt = [Term(f"{who} optimizer", state_bytes(trainable, 8, s * dp_shard),
                 f"{trainable / 1e9:.3f}B x 2 x 4 B / {s * dp_shard}",
                 tuple(k for k in (f"{section}.offload.optimizer (off the device between train stages)",
                                   f"{section}.lora.rank (a frozen 16-bit base, only adapters train)"
-                                  if section == "actor_config" else "", more_dp,
+                                  if section == ACTOR else "", more_dp,
                                   f"{section}.offload.fsdp_cpu_offload (the sharded states on the CPU)"
                                   if lay.sharded else "") if k))]
     if offload.get("fsdp_cpu_offload"):
@@ -195,7 +206,7 @@ def _compute_copy(d: ModelDims, lay: Layout, who: str, head: str, trainable: int
                      ("actor_config.backend_options.reshard_after_forward",))]
     if lay.autocast:
         return [Term(f"{who} autocast weights", trainable * c / (lay.tp * lay.pp),
-                     f"{trainable / 1e9:.3f}B x {c} B", ("actor_config.lora.rank",))]
+                     f"{trainable / 1e9:.3f}B x {c} B", (LORA_RANK_KEY,))]
     return []
 
 
@@ -207,7 +218,7 @@ def _root_grads(d: ModelDims, lay: Layout, who: str, head: str, lora_rank: int) 
         return []
     root = d.params(head) - d.layers * d.layer_params()
     return [Term(f"{who} root grads", root * c, f"root {root / 1e9:.2f}B x {c} B before its reduce-scatter",
-                 ("actor_config.lora.rank (a frozen 16-bit base, only adapters train)",))]
+                 (f"{LORA_RANK_KEY} (a frozen 16-bit base, only adapters train)",))]
 
 
 def _activations(d: ModelDims, lay: Layout, who: str, section: str, rows: int, n_micro: int, seq_len: int,
@@ -256,7 +267,7 @@ def _logits(d: ModelDims, lay: Layout, who: str, rows: int, seq_len: int, respon
         how = f"chunks of {chunk >> 20} MiB fp32" + (
             "" if not train else " x 4, the head's gradient once more" if head_trained else " x 4")
     return Term(f"{who} logits", b, how, (f"a smaller {rows_key} (now {rows})",
-                                           "actor_config.max_tokens_per_micro_batch (a token budget per forward)"))
+                                           f"{TOKEN_BUDGET_KEY} (a token budget per forward)"))
 
 
 def _infer_working_set(d: ModelDims, lay: Layout, who: str, rows: int, seq_len: int, response_len: int,
@@ -268,7 +279,7 @@ def _infer_working_set(d: ModelDims, lay: Layout, who: str, rows: int, seq_len: 
     return [Term(f"{who} forward", b, f"{tokens} tokens: the larger of one layer's working set "
                  f"({layers / GB:.2f} GB) and the head's ({logits / GB:.2f} GB), over the hidden states",
                  (f"a smaller {rows_key} (now {rows})",
-                  "actor_config.max_tokens_per_micro_batch (a token budget per forward)"))]
+                  f"{TOKEN_BUDGET_KEY} (a token budget per forward)"))]
 
 
 def _step_term(d: ModelDims, lay: Layout, who: str, trainable: int, lora_rank: int) -> Term:
@@ -292,34 +303,35 @@ def _off(terms: list[Term], why: str) -> list[Term]:
     return [Term(t.name, 0.0, why, t.knobs) for t in terms]
 
 
-def _infer_rows(cfg, model: str, kind: str) -> tuple[str, int]:
+def _infer_rows(models: ModelSections, model: str, kind: str) -> tuple[str, int]:
     """The config key, and its value, that sets an inference pass's micro-batch rows for this model."""
     if model == "ref":
-        return "ref_config.log_prob_micro_batch_size_per_device", cfg.ref_config.log_prob_micro_batch_size_per_device
+        return "ref_config.log_prob_micro_batch_size_per_device", models.ref.log_prob_micro_batch_size_per_device
     if kind == "value":
         return ("critic_config.forward_micro_batch_size_per_device",
-                cfg.critic_config.forward_micro_batch_size_per_device)
+                models.critic.forward_micro_batch_size_per_device)
     if kind == "reward":
-        return "reward_model.micro_batch_size_per_device", cfg.reward_model.micro_batch_size_per_device
-    return "actor_config.log_prob_micro_batch_size_per_device", cfg.actor_config.log_prob_micro_batch_size_per_device
+        return REWARD_ROWS_KEY, models.reward.micro_batch_size_per_device
+    return "actor_config.log_prob_micro_batch_size_per_device", models.actor.log_prob_micro_batch_size_per_device
 
 
-def _model_load(cfg, d: ModelDims, lay: Layout, model: str, kind: str, mfcs: list, trained: bool, rows_per_step: int,
+def _model_load(models: ModelSections, generate: GenerateConfig, rl: RLConfig, data: DataConfig, d: ModelDims,
+                lay: Layout, model: str, kind: str, mfcs: list, trained: bool, rows_per_step: int,
                 lora_shared_ref: bool) -> Load:
     """The Load of one model engine of a worker group: a trained policy/critic/reward model or an inference
     one (the reference, a reader of a model trained elsewhere, a reward model)."""
     from ..config.sizes import train_sizes
     from ..dataflow.mfc import InterfaceType
-    rl, a = cfg.rl_config, cfg.actor_config
-    seq_len = cfg.data.max_prompt_length + cfg.generate_config.max_new_tokens
-    resp = cfg.generate_config.max_new_tokens
+    a = models.actor
+    seq_len = data.max_prompt_length + generate.max_new_tokens
+    resp = generate.max_new_tokens
     head = "lm" if kind == "policy" else "value"
     if kind == "value":
-        section, sec = "critic_config", cfg.critic_config
+        section, sec = SECTION_OF["critic"], models.critic
     elif kind == "reward":
-        section, sec = "reward_model", cfg.reward_model
+        section, sec = REWARD_SECTION, models.reward
     else:
-        section, sec = "actor_config", a
+        section, sec = ACTOR, a
     budget = getattr(sec, "max_tokens_per_micro_batch", None) if kind != "reward" else None
     if model == "ref":
         budget = a.max_tokens_per_micro_batch
@@ -332,7 +344,7 @@ def _model_load(cfg, d: ModelDims, lay: Layout, model: str, kind: str, mfcs: lis
     micro_rows, n_micro = 1, 1
     if trained:
         if kind == "reward":
-            micro_rows = 2 * cfg.reward_model.micro_batch_size_per_device
+            micro_rows = 2 * models.reward.micro_batch_size_per_device
             n_micro = 1
         else:
             s = train_sizes(sec.ppo_mini_batch_size, sec.ppo_micro_batch_size_per_device, rl.prompts_per_step,
@@ -347,7 +359,7 @@ def _model_load(cfg, d: ModelDims, lay: Layout, model: str, kind: str, mfcs: lis
     if not trained and lay.sharded:
         copy = [Term(t.name, (d.params(head) - (d.layers - 2) * d.layer_params()) * lay.compute_bytes, t.how, t.knobs)
                 for t in copy]
-    ref_offload = model == "ref" and cfg.ref_config.offload
+    ref_offload = model == "ref" and models.ref.offload
     idle = (_off(weights, "offloaded between its passes") if (offload.get("params") or ref_offload) else weights)
     idle = idle + (_off(opt, "offloaded between train stages") if offload.get("optimizer") else opt)
     busy: dict[str, list[Term]] = {}
@@ -355,7 +367,7 @@ def _model_load(cfg, d: ModelDims, lay: Layout, model: str, kind: str, mfcs: lis
         it = InterfaceType(m.interface_type)
         if it is InterfaceType.TRAIN_STEP:
             rows_key = (f"{section}.ppo_micro_batch_size_per_device" if kind != "reward"
-                        else "reward_model.micro_batch_size_per_device")
+                        else REWARD_ROWS_KEY)
             logits = (_logits(d, lay, who, micro_rows, seq_len, resp, budget, True, rows_key, not lora_rank)
                       if head == "lm" else None)
             terms = weights + grads + opt + copy + _activations(
@@ -369,7 +381,7 @@ def _model_load(cfg, d: ModelDims, lay: Layout, model: str, kind: str, mfcs: lis
                     _step_term(d, lay, who, trainable, lora_rank)])
             continue
         else:
-            rows_key, rows = _infer_rows(cfg, model, kind)
+            rows_key, rows = _infer_rows(models, model, kind)
             rows = min(rows, per_dev)
             kept_opt = _off(opt, "offloaded between train stages") if offload.get("optimizer") else opt
             terms = weights + kept_opt + copy + _infer_working_set(d, lay, who, rows, seq_len, resp, budget, head,
@@ -380,11 +392,11 @@ def _model_load(cfg, d: ModelDims, lay: Layout, model: str, kind: str, mfcs: lis
     return Load(label, idle, busy)
 
 
-def _rollout_load(cfg, d: ModelDims | None, lay: Layout, mfcs: list, rows_per_step: int,
-                  capacity: float | None) -> Load:
+def _rollout_load(generate: GenerateConfig, actor: ActorConfig, rl: RLConfig, data: DataConfig, d: ModelDims | None,
+                  lay: Layout, mfcs: list, rows_per_step: int, capacity: float | None) -> Load:
     """The rollout engine: vLLM's share of the device (none while asleep), or the hf engine's weights and
-    its KV cache for the rows of one generate call."""
-    g = cfg.generate_config
+    its KV cache for the rows of one generate call (in the actor's dtype)."""
+    g = generate
     names = [m.name for m in mfcs]
     if lay.memory == MM.NO_MODEL:
         return Load("rollout (no model)", [], {n: [] for n in names})
@@ -395,7 +407,7 @@ def _rollout_load(cfg, d: ModelDims | None, lay: Layout, mfcs: list, rows_per_st
                          f"gpu_memory_utilization {v.gpu_memory_utilization:g} x {capacity / GB:.0f} GB",
                          ("generate_config.vllm.gpu_memory_utilization", "generate_config.vllm.enable_sleep_mode"))
         else:
-            w = d.params() * DTYPE_BYTES.get(cfg.actor_config.dtype, 4) if d else 0.0
+            w = d.params() * DTYPE_BYTES.get(actor.dtype, 4) if d else 0.0
             kv = v.kv_cache_gb if v.kv_cache_gb is not None else type(v).kv_cache_gb   # null: the default
             awake = Term("vLLM", kv * (1 << 30) + w, f"kv_cache_gb {kv:g} GiB + weights",
                          ("generate_config.vllm.kv_cache_gb",))
@@ -406,48 +418,51 @@ def _rollout_load(cfg, d: ModelDims | None, lay: Layout, mfcs: list, rows_per_st
     if d is None:
         return Load(f"rollout ({lay.backend})", [], {n: [] for n in names})
     from ..config.sizes import group_rows
-    c = lay.compute_bytes if lay.kind == "cpu" else DTYPE_BYTES.get(cfg.actor_config.dtype, 4)
+    c = lay.compute_bytes if lay.kind == "cpu" else DTYPE_BYTES.get(actor.dtype, 4)
     s = lay.tp * lay.pp
-    rows = min(group_rows(g.micro_batch_size_per_device, cfg.rl_config.n_samples_per_prompt) or 1,
+    rows = min(group_rows(g.micro_batch_size_per_device, rl.n_samples_per_prompt) or 1,
                max(1, rows_per_step // lay.dp))
-    seq = cfg.data.max_prompt_length + g.max_new_tokens
+    seq = data.max_prompt_length + g.max_new_tokens
     weights = Term("rollout weights", state_bytes(d.params(), c, s), f"{d.params() / 1e9:.2f}B x {c} B / {s}",
-                   ("generate_config.backend=vllm with enable_sleep_mode",))
+                   (f"{ROLLOUT_BACKEND_KEY}=vllm with enable_sleep_mode",))
     static = g.cuda_graphs if g.cuda_graphs is not None else lay.kind == "gpu"
     if static:   # fixed buffers per kept shape (static_decode.StaticDecoders.KEEP: training's and validation's)
         kv = Term("rollout KV cache", STATIC_DECODERS_KEPT * static_kv_bytes(d, rows, seq, c) / lay.tp,
                   f"{STATIC_DECODERS_KEPT} static decoders x {rows} rows x {seq} tokens x {d.layers} layers x 2 x "
-                  f"{d.kv_dim} x {c} B", ("generate_config.micro_batch_size_per_device",
+                  f"{d.kv_dim} x {c} B", (ROLLOUT_MICRO_BATCH_KEY,
                                           "generate_config.cuda_graphs=false (the eager decode's cache)"))
     else:
         kv = Term("rollout KV cache", kv_cache_bytes(d, rows, seq, c) / lay.tp,
                   f"{rows} rows x {seq} tokens x {d.layers} layers x 2 x {d.kv_dim} x {c} B",
-                  ("generate_config.micro_batch_size_per_device", "generate_config.max_new_tokens"))
-    work = Term("rollout forward", inference_activation_bytes(d, rows * cfg.data.max_prompt_length, c) / lay.tp
+                  (ROLLOUT_MICRO_BATCH_KEY, "generate_config.max_new_tokens"))
+    work = Term("rollout forward", inference_activation_bytes(d, rows * data.max_prompt_length, c) / lay.tp
                 + decode_logits_bytes(d, rows), "the prompt's prefill, one layer, and a step's logits",
-                ("generate_config.micro_batch_size_per_device",))
+                (ROLLOUT_MICRO_BATCH_KEY,))
     return Load(f"rollout ({lay.backend})", [weights], {n: [weights, kv, work] for n in names})
 
 
-def _group_kind(cfg, p) -> str:
+def _group_kind(placement: PlacementConfig, p) -> str:
+    """The device kind a group's ranks run on (device "auto": placement.device_kind's)."""
     from ..device import device_spec
     dev = p.resources.device
     if dev == "auto":
-        return device_spec(cfg.placement.device_kind).name
+        return device_spec(placement.device_kind).name
     return device_spec(dev).name
 
 
-def group_loads(cfg, p, model_kinds: dict[str, str], dims: dict[str, ModelDims | None], rows_per_step: int,
-                capacity: float | None, lora_shared: bool) -> list[Load]:
+def group_loads(models: ModelSections, generate: GenerateConfig, rl: RLConfig, data: DataConfig,
+                placement: PlacementConfig, p, model_kinds: dict[str, str], dims: dict[str, ModelDims | None],
+                rows_per_step: int, capacity: float | None, lora_shared: bool) -> list[Load]:
     """Every engine Load of one worker group's rank, plus the trainer process's context on an accelerator."""
     from ..dataflow.mfc import InterfaceType
-    kind = _group_kind(cfg, p)
+    kind = _group_kind(placement, p)
+    a = models.actor
     loads: list[Load] = []
     gens = [m for m in p.mfcs if InterfaceType(m.interface_type) is InterfaceType.GENERATE]
     if gens:
-        row = p.rollout_row or rollout_backend(cfg.generate_config.backend)
-        lay = Layout(row.name, row.memory, p.resources.dp, p.tp, p.pp, kind, cfg.actor_config.dtype)
-        loads.append(_rollout_load(cfg, dims.get("actor"), lay, gens, rows_per_step, capacity))
+        row = p.rollout_row or rollout_backend(generate.backend)
+        lay = Layout(row.name, row.memory, p.resources.dp, p.tp, p.pp, kind, a.dtype)
+        loads.append(_rollout_load(generate, a, rl, data, dims.get("actor"), lay, gens, rows_per_step, capacity))
     by_model: dict[str, list] = {}
     for m in p.mfcs:
         if model_kinds.get(m.name) in ("policy", "value", "reward"):
@@ -458,15 +473,16 @@ def group_loads(cfg, p, model_kinds: dict[str, str], dims: dict[str, ModelDims |
             continue
         kind_ = model_kinds[mfcs[0].name]
         trained = any(InterfaceType(m.interface_type) is InterfaceType.TRAIN_STEP for m in mfcs)
-        dtype = cfg.reward_model.dtype if kind_ == "reward" else cfg.actor_config.dtype
-        row = p.train_row or train_backend(cfg.actor_config.backend)
-        if kind_ == "reward" and cfg.reward_model.backend:
-            row = train_backend(cfg.reward_model.backend)
+        dtype = models.reward.dtype if kind_ == "reward" else a.dtype
+        row = p.train_row or train_backend(a.backend)
+        if kind_ == "reward" and models.reward.backend:
+            row = train_backend(models.reward.backend)
         lay = Layout(row.name, row.memory, p.resources.dp, p.tp, p.pp, kind, dtype)
         if lay.memory == MM.NO_MODEL:
             continue
         shared = lora_shared and model == "ref" and "actor" in by_model
-        loads.append(_model_load(cfg, d, lay, model, kind_, mfcs, trained, rows_per_step, shared))
+        loads.append(_model_load(models, generate, rl, data, d, lay, model, kind_, mfcs, trained, rows_per_step,
+                                 shared))
     if by_model and kind != "cpu":
         ctx = Term("context", CONTEXT_BYTES, "CUDA/CANN context, collective buffers (allowance)", ())
         loads.append(Load("process", [ctx], {}))
@@ -482,42 +498,43 @@ def _busiest(load: Load) -> list[Term]:
     return max(load.busy.values(), key=lambda ts: sum(t.bytes for t in ts), default=load.idle)
 
 
-def _host_processes(cfg) -> list[Term]:
-    """The run's processes on the host beside its workers: the driver, the docks' actors, and Ray's own
-    processes when the trainer starts Ray here."""
-    from .validation import validation_on
-    docks = 2 if validation_on(cfg) else 1
+def _host_processes(placement: PlacementConfig, validates: bool) -> list[Term]:
+    """The run's processes on the host beside its workers: the driver, the docks' actors (validation has its
+    own), and Ray's own processes when the trainer starts Ray here."""
+    docks = 2 if validates else 1
     terms = [Term("driver", DRIVER_BYTES, "the driver process: torch and transformers loaded (measured)", ()),
              Term("docks", docks * DOCK_BYTES, f"{docks} dock actor(s): training's"
                   + (" and validation's" if docks == 2 else "") + " (measured)", ("trainer.val_interval",))]
-    if not cfg.placement.ray_address:
+    if not placement.ray_address:
         terms.append(Term("Ray processes", RAY_PROCESSES_BYTES, "GCS, raylet, dashboard and agents (measured)",
                           ("placement.ray_address",)))
     return terms
 
 
-def _host_phases(cfg, groups: dict, names: list[str], per_group: dict[str, list[Load]]) -> dict[str, list[Term]]:
+def _host_phases(rl: RLConfig, placement: PlacementConfig, validates: bool, groups: dict, names: list[str],
+                 per_group: dict[str, list[Load]]) -> dict[str, list[Term]]:
     """The host's terms at each MFC of its groups. Every rank of a CPU group is a process of its own on the
     host, so its loads count once per rank. With rl_config.blocking false the stages of every worker overlap
     (a worker's rollout generates its next micro-batch beside its update): while one MFC runs, every other
     engine is taken at its largest working set, not at rest."""
     loads = [ld for g in names for ld in per_group[g] * groups[g].world]
-    overlap = not cfg.rl_config.blocking
+    overlap = not rl.blocking
+    host = _host_processes(placement, validates)
     phases: dict[str, list[Term]] = {}
     for mfc in dict.fromkeys(m for ld in loads for m in ld.busy):
         phases[mfc] = [t for ld in loads for t in (ld.busy[mfc] if mfc in ld.busy else
-                                                   _busiest(ld) if overlap else ld.idle)] + _host_processes(cfg)
+                                                   _busiest(ld) if overlap else ld.idle)] + host
     return phases
 
 
-def _placements(cfg, groups: dict) -> dict[tuple[str, int], list[str]]:
+def _placements(placement: PlacementConfig, groups: dict) -> dict[tuple[str, int], list[str]]:
     """(device kind, device id) -> the groups with a rank there; id -1: the host (CPU groups off a mesh)."""
     from ..device import accelerator_share
     out: dict[tuple[str, int], list[str]] = {}
     shared: list[tuple[str, object]] = []
     nxt: dict[str, int] = {}
     for g, p in groups.items():
-        kind = _group_kind(cfg, p)
+        kind = _group_kind(placement, p)
         if p.devices:       # placement.mode=mesh: one rank per device of the group's mesh
             for dev in p.devices:
                 out.setdefault((kind, dev), []).append(g)
@@ -525,7 +542,7 @@ def _placements(cfg, groups: dict) -> dict[tuple[str, int], list[str]]:
     for g, p in groups.items():
         if p.devices:
             continue
-        kind = _group_kind(cfg, p)
+        kind = _group_kind(placement, p)
         if kind == "cpu":
             out.setdefault(("cpu", -1), []).append(g)
             continue
@@ -538,14 +555,15 @@ def _placements(cfg, groups: dict) -> dict[tuple[str, int], list[str]]:
             shared.append((g, p))
     base = dict(nxt)
     for g, p in shared:
-        kind = _group_kind(cfg, p)
+        kind = _group_kind(placement, p)
         for k in range(p.resources.dp):
             out.setdefault((kind, base.get(kind, 0) + k), []).append(g)
     return out
 
 
-def estimate_memory(cfg, groups: dict, model_kinds: dict[str, str], model_paths: dict[str, str],
-                    rows_per_step: int) -> MemoryPlan:
+def estimate_memory(models: ModelSections, generate: GenerateConfig, rl: RLConfig, data: DataConfig,
+                    placement: PlacementConfig, validates: bool, groups: dict, model_kinds: dict[str, str],
+                    model_paths: dict[str, str], rows_per_step: int) -> MemoryPlan:
     """The plan's memory estimate per device (see the module's docstring). Raises ValueError for an
     actor_config.model_config that names no readable config."""
     from ..dataflow.mfc import InterfaceType
@@ -553,15 +571,15 @@ def estimate_memory(cfg, groups: dict, model_kinds: dict[str, str], model_paths:
     dims: dict[str, ModelDims | None] = {}
     sources: dict[str, str] = {}
     notes: list[str] = []
-    models = {m.model_name for p in groups.values() for m in p.mfcs
-              if model_kinds.get(m.name) in ("policy", "value", "reward", "rollout")}
-    for model in sorted(models):
+    estimated = {m.model_name for p in groups.values() for m in p.mfcs
+                 if model_kinds.get(m.name) in ("policy", "value", "reward", "rollout")}
+    for model in sorted(estimated):
         path = model_paths.get(model) or model_paths.get("actor")
         same = path == model_paths.get("actor") and model in ("actor", "ref", "critic")
-        d, src = load_dims(path, cfg.actor_config.model_config if same else None)
+        d, src = load_dims(path, models.actor.model_config if same else None)
         dims[model] = d
         if d is None:
-            notes.append(f"no dimensions for {model} ({path!r}): not estimated; set actor_config.model_config to a "
+            notes.append(f"no dimensions for {model} ({path!r}): not estimated; set {MODEL_CONFIG_KEY} to a "
                          f"config.json or one of {sorted(SHIPPED)}")
         elif not sources or src not in sources.values():
             sources[model] = src
@@ -569,24 +587,25 @@ def estimate_memory(cfg, groups: dict, model_kinds: dict[str, str], model_paths:
             sources[model] = "as " + next(m for m, s in sources.items() if s == src)
     trains_actor = {g for g, p in groups.items() for m in p.mfcs
                     if m.model_name == "actor" and InterfaceType(m.interface_type) is InterfaceType.TRAIN_STEP}
-    lora_shared = bool(cfg.actor_config.lora.rank) and not cfg.ref_config.model_path
+    lora_shared = bool(models.actor.lora.rank) and not models.ref.model_path
     per_group: dict[str, list[Load]] = {}
     for g, p in groups.items():
-        kind = _group_kind(cfg, p)
-        cap_gb = device_memory_gb(kind, cfg.placement.device_memory_gb)
+        kind = _group_kind(placement, p)
+        cap_gb = device_memory_gb(kind, placement.device_memory_gb)
         cap = cap_gb * GB if cap_gb is not None else None
-        per_group[g] = group_loads(cfg, p, model_kinds, dims, rows_per_step, cap, lora_shared and g in trains_actor)
+        per_group[g] = group_loads(models, generate, rl, data, placement, p, model_kinds, dims, rows_per_step, cap,
+                                   lora_shared and g in trains_actor)
     by_devices: dict[tuple, list[int]] = {}
-    for (kind, dev), gs in sorted(_placements(cfg, groups).items()):
+    for (kind, dev), gs in sorted(_placements(placement, groups).items()):
         gs = [g for g in gs if per_group.get(g)]
         if any(ld.busy for g in gs for ld in per_group[g]):   # a device with an engine on it
             by_devices.setdefault((kind, tuple(gs)), []).append(dev)
     devices = []
     for (kind, gs), ids in by_devices.items():
-        cap_gb = device_memory_gb(kind, cfg.placement.device_memory_gb)
+        cap_gb = device_memory_gb(kind, placement.device_memory_gb)
         est = DeviceEstimate(kind, ids, list(gs), cap_gb * GB if cap_gb is not None else None)
         if kind == "cpu" and ids == [-1]:
-            est.phases = _host_phases(cfg, groups, list(gs), per_group)
+            est.phases = _host_phases(rl, placement, validates, groups, list(gs), per_group)
         else:
             loads = [ld for g in gs for ld in per_group[g]]
             for mfc in dict.fromkeys(m for ld in loads for m in ld.busy):
@@ -595,7 +614,7 @@ def estimate_memory(cfg, groups: dict, model_kinds: dict[str, str], model_paths:
     return MemoryPlan(devices, sources, notes)
 
 
-def refusal(cfg, plan: MemoryPlan) -> str | None:
+def refusal(placement: PlacementConfig, plan: MemoryPlan) -> str | None:
     """The one-line message for the first device over its memory (None when all fit): the device, its groups,
     the phase of its peak, the biggest terms with the keys that shrink them."""
     over = plan.over()
@@ -608,27 +627,28 @@ def refusal(cfg, plan: MemoryPlan) -> str | None:
     for k in (k for t in top for k in t.knobs):
         knobs.setdefault(k.split(" ")[0], k)    # one hint per key (the first term's wording)
     knobs = list(knobs.values())
-    cap_key = ("placement.device_memory_gb" if cfg.placement.device_memory_gb is not None else
-               f"placement.device_memory_gb=null: the {dev.kind} default")
+    cap_key = (DEVICE_MEMORY_KEY if placement.device_memory_gb is not None else
+               f"{DEVICE_MEMORY_KEY}=null: the {dev.kind} default")
     return (f"placement: the memory plan puts {total / GB:.1f} GB on {dev.label} ({', '.join(dev.groups)}) at {mfc}, "
             f"over its {dev.capacity / GB:.0f} GB ({cap_key}); the biggest terms: "
             + "; ".join(f"{t.name} {t.bytes / GB:.1f} GB ({t.how})" for t in top)
-            + f"; to shrink them: {'; '.join(knobs)}; or more devices. placement.check_memory=false runs it anyway "
+            + f"; to shrink them: {'; '.join(knobs)}; or more devices. {CHECK_MEMORY_KEY}=false runs it anyway "
               "(docs/fitting.md)")
 
 
-def plan_memory(cfg, groups: dict, model_kinds: dict[str, str], model_paths: dict[str, str],
-                rows_per_step: int) -> MemoryPlan:
-    """make_plan's step: the estimate, refused (ConfigError, one line) when a device is over its memory and
-    placement.check_memory is on, else kept with a warning note."""
-    from ..config import ConfigError
+def plan_memory(models: ModelSections, generate: GenerateConfig, rl: RLConfig, data: DataConfig,
+                placement: PlacementConfig, validates: bool, groups: dict, model_kinds: dict[str, str],
+                model_paths: dict[str, str], rows_per_step: int) -> MemoryPlan:
+    """The memory stage: the estimate, refused (ConfigError, one line) when a device is over its memory and
+    placement.check_memory is on, else kept with a warning note. `validates`: the run has validation's dock."""
     try:
-        est = estimate_memory(cfg, groups, model_kinds, model_paths, rows_per_step)
+        est = estimate_memory(models, generate, rl, data, placement, validates, groups, model_kinds, model_paths,
+                              rows_per_step)
     except ValueError as e:
-        raise ConfigError(f"actor_config.model_config={cfg.actor_config.model_config!r}: {e}") from None
-    message = refusal(cfg, est)
-    if message and cfg.placement.check_memory:
+        raise ConfigError(f"{MODEL_CONFIG_KEY}={models.actor.model_config!r}: {e}") from None
+    message = refusal(placement, est)
+    if message and placement.check_memory:
         raise ConfigError(message)
     if message:
-        est.notes.append(f"WARNING (placement.check_memory=false): {message}")
+        est.notes.append(f"WARNING ({CHECK_MEMORY_KEY}=false): {message}")
     return est

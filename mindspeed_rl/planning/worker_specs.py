@@ -1,25 +1,30 @@
-"""From the plan to each worker's own part of it: its MFCs' arguments and its engines' declarations.
+"""The plan's last stage, run when the workers launch: each worker's own part of the plan, its MFCs' arguments
+and its engines' declarations.
 
 A worker gets what it runs, resolved here once, not the config: per MFC the arguments of its
 implementation (`workers.impls.mfc_args`: sampling, loss and size settings), per model the engine
 to build (`EngineDecl`: the backend the group's deployment chose, its options, dtype, optimizer),
 and its actor's role in the deployment (`RankRole`: whether it reads the dock, writes, and its
 replica). Where the config's backends run no model (the simulate backend), their stand-in
-(`registry.stand_in`) declares the engines and replaces the compute MFCs' functions.
+(`registry.stand_in`) declares the engines and replaces the compute MFCs' functions. An MFC's
+implementation, and a stand-in, read what they need of the whole config (a plugin's may read any section),
+so this stage takes the config whole.
 """
 from __future__ import annotations
 
 import dataclasses
 
-from ..config import Config
+from ..config import Config, RefConfig
 from ..engines.registry import Backend, stand_in, train_backend
 from ..dataflow.mfc import InterfaceType
 from ..workers.engine_set import INFER_ROLE, ROLLOUT_ROLE, TRAIN_ROLE, EngineDecl
 from ..workers.impls import PlanInfo, mfc_args
 from ..workers import compute as C
 from ..workers.worker import WorkerSpec
-from .model_features import features_of
-from .plan import GroupPlan, Plan
+from .features import features_of
+from .groups import GroupPlan
+from .models import ModelSections
+from .plan import Plan, model_sections
 
 # a model's engine kind (compute.FUNCTIONS[...].engine) -> the config section of its training and the
 # model kind its engine builds
@@ -27,13 +32,13 @@ SECTIONS = {"policy": ("actor_config", "causal_lm"), "value": ("critic_config", 
             "reward": ("reward_model", "reward")}
 
 
-def _backend_dtype(cfg: Config, kind: str, gp: GroupPlan) -> tuple[Backend, str]:
+def _backend_dtype(models: ModelSections, kind: str, gp: GroupPlan) -> tuple[Backend, str]:
     """A model engine's backend row and dtype: the group's train backend as the plan resolved it and the actor's
     dtype; a reward model's own (reward_model.backend, null: the group's; reward_model.dtype)."""
     if kind == "reward":
-        row = train_backend(cfg.reward_model.backend) if cfg.reward_model.backend else gp.train_row
-        return row, cfg.reward_model.dtype
-    return gp.train_row, cfg.actor_config.dtype
+        row = train_backend(models.reward.backend) if models.reward.backend else gp.train_row
+        return row, models.reward.dtype
+    return gp.train_row, models.actor.dtype
 
 
 def group_args(cfg: Config, plan: Plan, gp: GroupPlan) -> dict[str, dict]:
@@ -64,7 +69,7 @@ def engine_decls(cfg: Config, plan: Plan, gp: GroupPlan) -> list[EngineDecl]:
     its optimizer), a rollout engine per generating model, an inference engine per model only read here.
     Where the run's backends stand in for its models (`registry.stand_in`: simulate), the stand-in declares
     each engine's backend, model and options."""
-    a, g = cfg.actor_config, cfg.generate_config
+    a, g, models = cfg.actor_config, cfg.generate_config, model_sections(cfg)
     sub = stand_in(cfg)
     out: dict[tuple[str, str], EngineDecl] = {}
 
@@ -84,11 +89,11 @@ def engine_decls(cfg: Config, plan: Plan, gp: GroupPlan) -> list[EngineDecl]:
         section, kind = SECTIONS[f.engine]
         o = getattr(cfg, section)
         optim = {"lr": o.lr, "weight_decay": o.weight_decay, "betas": tuple(a.betas), "grad_clip": o.grad_clip}
-        backend, dtype = _backend_dtype(cfg, kind, gp)
+        backend, dtype = _backend_dtype(models, kind, gp)
         out[(m.model_name, TRAIN_ROLE)] = declared(EngineDecl(
             model=m.model_name, role=TRAIN_ROLE, backend=backend, model_path=plan.model_paths[m.model_name],
             model_kind=kind, dtype=dtype, options=options(backend), optim=optim, temperature=g.temperature or 1.0,
-            features=features_of(cfg, m.model_name, trained=True)))
+            features=features_of(models, m.model_name, trained=True)))
     for m in gp.mfcs:
         f = C.check_mfc(m)
         if f.engine == ROLLOUT_ROLE and (m.model_name, ROLLOUT_ROLE) not in out:
@@ -101,22 +106,22 @@ def engine_decls(cfg: Config, plan: Plan, gp: GroupPlan) -> list[EngineDecl]:
         elif (f.interface is InterfaceType.INFERENCE and m.model_name not in trained_here
               and (m.model_name, INFER_ROLE) not in out):
             _, kind = SECTIONS[f.engine]
-            backend, dtype = _backend_dtype(cfg, kind, gp)
-            base_of = lora_base_of(cfg, m.model_name, out)
+            backend, dtype = _backend_dtype(models, kind, gp)
+            base_of = lora_base_of(models.ref, m.model_name, out)
             decl = EngineDecl(model=m.model_name, role=INFER_ROLE, backend=backend,
                               model_path=plan.model_paths[m.model_name], model_kind=kind, dtype=dtype, options={} if base_of else options(backend),
                               temperature=g.temperature or 1.0, base_of=base_of,
-                              features={} if base_of else features_of(cfg, m.model_name, trained=False))
+                              features={} if base_of else features_of(models, m.model_name, trained=False))
             out[(m.model_name, INFER_ROLE)] = decl if base_of else declared(decl)
     return list(out.values())
 
 
-def lora_base_of(cfg: Config, model: str, decls: dict) -> str:
+def lora_base_of(ref: RefConfig, model: str, decls: dict) -> str:
     """The trained model whose engine `model` runs as its base with the LoRA adapters off, or "": the
     reference, when it is the initial policy (ref_config.model_path null) and the actor trains LoRA in this
     same worker group (its engine is declared here). A reference in another group loads the base itself."""
     actor = decls.get(("actor", TRAIN_ROLE))
-    if (model != "ref" or cfg.ref_config.model_path is not None or actor is None
+    if (model != "ref" or ref.model_path is not None or actor is None
             or not actor.features.get("lora")):
         return ""
     return "actor"

@@ -1,7 +1,8 @@
 """The plan as the user sees it: the printed table (`trainer.dry_run=true`) and plan.json."""
 from __future__ import annotations
 
-from .plan_types import Plan, role_names
+from .groups import role_names
+from .plan import Plan
 
 
 def plan_dict(plan: Plan, landed: dict | None = None) -> dict:

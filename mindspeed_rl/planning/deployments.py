@@ -1,35 +1,54 @@
-"""The plan's backends: the registry's rows a config chooses, resolved once, deployed once per worker group
-(engines/registry.py, engines/deployment.py) and checked against what each group runs. The rows are kept on
-the GroupPlan; nothing here compares a backend's name or shape, it asks the row."""
+"""The plan's fourth stage: each worker group deployed once on the chosen backends (engines/deployment.py),
+and checked against what it runs there: a rollout backend that needs its process to itself, collectives that
+need a device per rank, partial rollout, each group's models and the features their sections ask for. Nothing
+here compares a backend's name or shape, it asks the registry's row; the rows are kept on the GroupPlan, so
+the launch and the workers never look a name up again."""
 from __future__ import annotations
 
-from ..config import Config, ConfigError
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..config import ActorConfig, ConfigError, RLConfig, TrainerConfig
 from ..dataflow import MFCDef
 from ..dataflow.mfc import InterfaceType
 from ..engines.deployment import Deployment, DeployError, Slice
 from ..engines.registry import Backend
-from .model_features import check_features
-from .plan_types import MODEL_ENGINES, GroupPlan, generates
+from .backends import Backends, check_installed
+from .features import check_features, check_lora_targets
+from .graph import MODEL_ENGINES, AlgorithmGraph, generates
+from .groups import GroupPlan
+from .keys import (GROUPS_KEY, MESH_KEY, PARTIAL_ROLLOUT_KEY, PLACEMENT_MODE_KEY, PROMPTS_PER_STEP_KEY,
+                   REWARD_SECTION, ROLLOUT_BACKEND_KEY, TRAIN_BACKEND_KEY, path_key)
+from .models import ModelSections
+
+DYNAMIC_SAMPLING_KEY = "rl_config.dynamic_sampling"
 
 
-def choose_backends(cfg: Config) -> tuple[Backend, Backend]:
-    """The registry's rows of the rollout and train backends a config runs; refuses a name the registry lacks."""
-    from ..engines import registry
-    for key, table, name in (("generate_config.backend", registry.ROLLOUT_BACKENDS, cfg.generate_config.backend),
-                             ("actor_config.backend", registry.TRAIN_BACKENDS, cfg.actor_config.backend)):
-        if name not in registry.user_backends(table):
-            raise ConfigError(f"{key}={name!r}: must be one of {registry.user_backends(table)} (docs/engines.md)")
-    rollout, train = registry.chosen_backends(cfg)
-    return registry.ROLLOUT_BACKENDS[rollout], registry.TRAIN_BACKENDS[train]
+@dataclass
+class Deployments:
+    """The deployment stage's result: what the plan says of the deployments. Each GroupPlan holds its own
+    deployment, the rows that run there and their options."""
+    notes: list[str] = field(default_factory=list)
 
 
-def check_installed(rollout: Backend, train: Backend) -> None:
-    """A real run: each backend's package imports here, else its install command, before any worker starts."""
-    from ..config.checks import installed
-    for key, backend in (("generate_config.backend", rollout), ("actor_config.backend", train)):
-        if backend.needs and not installed(backend.needs):
-            raise ConfigError(f"{key}={backend.name}: the {backend.needs} package is not installed here; "
-                              f"{backend.install}")
+def deploy(groups: dict[str, GroupPlan], graph: AlgorithmGraph, backends: Backends, model_paths: dict[str, str],
+           models: ModelSections, rl: RLConfig, trainer: TrainerConfig, check_files: bool) -> Deployments:
+    """The groups' deployments on the chosen backends and what those backends must be able to run there;
+    a real run also checks the packages and the models."""
+    rollout, train, kinds = backends.rollout, backends.train, graph.model_kinds
+    check_own_process(rollout, groups)
+    if rl.dynamic_sampling:
+        check_dynamic_sampling_groups(groups, kinds)
+    notes = deploy_groups(groups, kinds, backends, check_files)
+    check_collective_devices(groups)
+    check_partial_rollout(rl, groups, backends.options_of)
+    check_rollout_refusals(groups, backends.options_of)
+    check_group_backends(models, groups, kinds, model_paths, train, check_files)
+    check_lora_targets(models.actor, trainer, model_paths, graph.trained)
+    if check_files:  # a backend's package missing: said once the placement is known good
+        check_installed(rollout, train)
+        check_rollout_model(models.actor, rollout, [p for p in groups.values() if any(generates(m) for m in p.mfcs)])
+    return Deployments(notes)
 
 
 def check_own_process(rollout: Backend, groups: dict[str, GroupPlan]) -> None:
@@ -41,54 +60,38 @@ def check_own_process(rollout: Backend, groups: dict[str, GroupPlan]) -> None:
         others = [m.name for m in p.mfcs if InterfaceType(m.interface_type) in
                   (InterfaceType.INFERENCE, InterfaceType.TRAIN_STEP)]
         if gens and others:
-            raise ConfigError(f"generate_config.backend={rollout.name}: worker group '{g}' hosts {gens} and "
+            raise ConfigError(f"{ROLLOUT_BACKEND_KEY}={rollout.name}: worker group '{g}' hosts {gens} and "
                               f"{others}, but {rollout.name} must have its process to itself (it takes torch's "
                               "default process group, re-seeds the RNGs and patches torch.set_num_threads); move "
                               "the generate MFCs to a group of their own")
 
 
-def check_rollout_split(cfg: Config, backend: Backend, rollout: dict) -> None:
-    """A rollout MFC with tp or pp > 1 runs only where its backend's deployment splits that way."""
-    for n, p in rollout.items():
-        try:
-            dep = backend.deploy(Slice(p.dp, p.tp, p.pp))
-        except DeployError as e:
-            what = f"pp={p.pp}" if p.tp == 1 or not backend.whole_copies else f"dp/tp/pp {p.strategy}"
-            raise ConfigError(f"placement.mfcs.{n}: {what} with generate_config.backend={backend.name!r}: {e}") from None
-        if dep.over_actors and cfg.rl_config.max_weight_staleness:
-            raise ConfigError(f"placement.mfcs.{n}: dp/tp/pp {p.strategy} generation on the mesh with "
-                              f"rl_config.max_weight_staleness={cfg.rl_config.max_weight_staleness}: a weight sync "
-                              f"would land on some ranks of a replica between two of their collective forwards and "
-                              f"not on others; use max_weight_staleness: 0 with a split generation, or tp: 1, pp: 1")
-
-
-def check_partial_rollout(cfg: Config, groups: dict[str, GroupPlan]) -> None:
+def check_partial_rollout(rl: RLConfig, groups: dict[str, GroupPlan], options_of: Callable[[Backend], dict]) -> None:
     """rl_config.partial_rollout: every group's rollout engine can take weights while it generates
     (`RolloutEngine.partial_rollout`)."""
-    if not cfg.rl_config.partial_rollout:
+    if not rl.partial_rollout:
         return
-    from ..engines.registry import ROLLOUT_BACKENDS, backend_options, user_backends
+    from ..engines.registry import ROLLOUT_BACKENDS, user_backends
     for g, p in groups.items():
         row = p.rollout_row
-        if row is not None and not _partial(row, backend_options(cfg, row)):
+        if row is not None and not _partial(row, options_of(row)):
             able = [n for n in user_backends(ROLLOUT_BACKENDS) if _partial(ROLLOUT_BACKENDS[n], {})]
             serving = " or generate_config.vllm.serve=true" if row.name == "vllm" else ""
-            raise ConfigError(f"rl_config.partial_rollout=true: worker group '{g}' generates on the {row.name} "
+            raise ConfigError(f"{PARTIAL_ROLLOUT_KEY}=true: worker group '{g}' generates on the {row.name} "
                               f"backend, which cannot take new weights while it generates; set "
-                              f"rl_config.partial_rollout=false{serving}, or generate_config.backend to one of "
+                              f"{PARTIAL_ROLLOUT_KEY}=false{serving}, or {ROLLOUT_BACKEND_KEY} to one of "
                               f"{able} (with tp 1 and pp 1)")
 
 
-def check_rollout_refusals(cfg: Config, groups: dict[str, GroupPlan]) -> None:
+def check_rollout_refusals(groups: dict[str, GroupPlan], options_of: Callable[[Backend], dict]) -> None:
     """Each group's rollout engine can be built with its options at its tensor-parallel size
     (`RolloutEngine.refusal`), checked here so that it fails before any worker starts."""
-    from ..engines.registry import backend_options
     for g, p in groups.items():
         row = p.rollout_row
         if row is None:
             continue
         try:
-            why = row.load().refusal(backend_options(cfg, row), p.tp)
+            why = row.load().refusal(options_of(row), p.tp)
         except ImportError:   # a plugin's engine that does not import here: its install check says so
             continue
         if why:
@@ -102,15 +105,16 @@ def _partial(row: Backend, options: dict) -> bool:
         return False
 
 
-def deploy_groups(cfg: Config, groups: dict[str, GroupPlan], model_kinds: dict[str, str], rollout: Backend,
-                  train: Backend, check_files: bool) -> list[str]:
+def deploy_groups(groups: dict[str, GroupPlan], model_kinds: dict[str, str], backends: Backends,
+                  check_files: bool) -> list[str]:
     """Each worker group's deployment, as its backends declare it (engines/deployment.py): which backend's
     engines run there, with which options, as how many actors, and which of them read the dock and write.
     Each backend deploys each group once; the rows that run there are kept on the group. A dry run plans
     what a real run refuses (a split the backend cannot make) and says so in a note."""
     from ..engines.registry import resolve_group
+    rollout, train = backends.rollout, backends.train
     notes: list[str] = []
-    options = _ChosenOptions(cfg)
+    options = _ChosenOptions(backends.options_of)
     for g, p in groups.items():
         gens = any(generates(m) for m in p.mfcs)
         models = any(model_kinds[m.name] in MODEL_ENGINES for m in p.mfcs)
@@ -133,15 +137,14 @@ class _ChosenOptions:
     """The chosen backends' options from their config sections, each parsed once and only when a group runs
     the backend (a bad option is refused then)."""
 
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
+    def __init__(self, read: Callable[[Backend], dict]):
+        self.read = read
         self.parsed: dict[int, dict] = {}
 
     def of(self, backend: Backend) -> dict:
-        from ..engines.registry import backend_options
         if id(backend) not in self.parsed:
             try:
-                self.parsed[id(backend)] = backend_options(self.cfg, backend)
+                self.parsed[id(backend)] = self.read(backend)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         return self.parsed[id(backend)]
@@ -177,7 +180,7 @@ def _deploy_notes(p: GroupPlan, rollout: Backend, train: Backend) -> list[str]:
     return notes
 
 
-def check_group_backends(cfg: Config, groups: dict[str, GroupPlan], model_kinds: dict[str, str],
+def check_group_backends(models: ModelSections, groups: dict[str, GroupPlan], model_kinds: dict[str, str],
                          model_paths: dict[str, str], train: Backend, check_files: bool) -> None:
     """The train backend runs every model engine but rollout: can its row run each group's models there (the
     device, the model itself, the features asked for, a reward model, a critic)?"""
@@ -187,7 +190,7 @@ def check_group_backends(cfg: Config, groups: dict[str, GroupPlan], model_kinds:
         row = p.train_row
         engines = [m.name for m in p.mfcs if model_kinds[m.name] in MODEL_ENGINES]
         if engines and p.resources.device != "auto" and p.resources.device not in row.devices:
-            raise ConfigError(f"actor_config.backend={row.name}: runs on {list(row.devices)}, but worker "
+            raise ConfigError(f"{TRAIN_BACKEND_KEY}={row.name}: runs on {list(row.devices)}, but worker "
                               f"group '{g}' ({engines}) has device={p.resources.device!r}; pick a backend that runs "
                               f"there (docs/engines.md) or put the group on {row.devices[0]}")
         if check_files and engines:
@@ -198,22 +201,23 @@ def check_group_backends(cfg: Config, groups: dict[str, GroupPlan], model_kinds:
             if model_kinds[m.name] in MODEL_ENGINES:
                 trained_in_group[m.model_name] = (trained_in_group.get(m.model_name, False)
                                                   or InterfaceType(m.interface_type) is InterfaceType.TRAIN_STEP)
-        check_features(cfg, g, row, trained_in_group, p.resources.device)
+        check_features(models, g, row, trained_in_group, p.resources.device)
         rewards = [m.name for m in p.mfcs if model_kinds[m.name] == "reward"]
         if rewards:
-            _check_reward_backend(cfg, g, p, rewards)
+            _check_reward_backend(models.reward.backend, g, p, rewards)
         values = [m.name for m in p.mfcs if model_kinds[m.name] == "value"]
         if values and not row.value_models:
-            raise ConfigError(f"actor_config.backend={train.name}: cannot run a critic ({values}: a value head); "
+            raise ConfigError(f"{TRAIN_BACKEND_KEY}={train.name}: cannot run a critic ({values}: a value head); "
                               "use torch or fsdp for algorithms with a critic")
 
 
-def _check_reward_backend(cfg: Config, g: str, p: GroupPlan, mfcs: list[str]) -> None:
-    """A reward model runs on a train backend that declares it can (`Backend.reward_models`), whole (no tp or pp)."""
+def _check_reward_backend(backend: str | None, g: str, p: GroupPlan, mfcs: list[str]) -> None:
+    """A reward model runs on a train backend that declares it can (`Backend.reward_models`), whole (no tp or pp);
+    `backend`: reward_model.backend (null: the group's)."""
     from ..engines.registry import TRAIN_BACKENDS, user_backends
-    row = TRAIN_BACKENDS.get(cfg.reward_model.backend) if cfg.reward_model.backend else p.train_row
-    name = cfg.reward_model.backend or p.train_backend
-    key = "reward_model.backend" if cfg.reward_model.backend else "actor_config.backend"
+    row = TRAIN_BACKENDS.get(backend) if backend else p.train_row
+    name = backend or p.train_backend
+    key = f"{REWARD_SECTION}.backend" if backend else TRAIN_BACKEND_KEY
     if row is None:
         raise ConfigError(f"{key}={name!r}: must be one of {user_backends(TRAIN_BACKENDS)} (docs/engines.md)")
     if not row.reward_models:
@@ -223,14 +227,14 @@ def _check_reward_backend(cfg: Config, g: str, p: GroupPlan, mfcs: list[str]) ->
                           f"one-label sequence classifier); use one of {able} with tp: 1, pp: 1")
 
 
-def check_rollout_model(cfg: Config, backend: Backend, generating: list[GroupPlan]) -> None:
+def check_rollout_model(actor: ActorConfig, backend: Backend, generating: list[GroupPlan]) -> None:
     """The rollout backend's own check of the model on the devices generation runs on (vLLM's CPU
     attention runs only some head sizes), before any worker starts rather than after an engine build."""
     if not backend.check_model or not generating:
         return
     from ..device import resolve_device
     from ..models import resolve_model_path
-    path = str(resolve_model_path(cfg.actor_config.model_path))
+    path = str(resolve_model_path(actor.model_path))
     devices = set()
     for p in generating:
         try:
@@ -241,8 +245,8 @@ def check_rollout_model(cfg: Config, backend: Backend, generating: list[GroupPla
         try:
             backend.check(path, device)
         except ValueError as e:
-            raise ConfigError(f"generate_config.backend={backend.name!r} with actor_config.model_path="
-                              f"{cfg.actor_config.model_path!r}: {e}") from None
+            raise ConfigError(f"{ROLLOUT_BACKEND_KEY}={backend.name!r} with {path_key('actor')}="
+                              f"{actor.model_path!r}: {e}") from None
 
 
 def _check_train_model(backend: Backend, group: GroupPlan, mfcs: list[MFCDef], model_paths: dict[str, str]) -> None:
@@ -263,3 +267,42 @@ def _check_train_model(backend: Backend, group: GroupPlan, mfcs: list[MFCDef], m
         except ValueError as e:
             raise ConfigError(f"worker group '{group.name}' runs {model!r} ({path!r}) on the {backend.name} train "
                               f"backend: {e}") from None
+
+
+def check_dynamic_sampling_groups(groups: dict[str, GroupPlan], model_kinds: dict[str, str]) -> None:
+    """Dynamic sampling with a model run collectively over several ranks is refused: a step the cap ends
+    short of prompts_per_step kept groups has fewer rows than the ranks' equal shares, so one rank would
+    make a collective call (a gradient all-reduce, a sharded forward) that another never makes."""
+    for g, p in groups.items():
+        models = [m.name for m in p.mfcs if model_kinds[m.name] in MODEL_ENGINES
+                  and InterfaceType(m.interface_type) in (InterfaceType.INFERENCE, InterfaceType.TRAIN_STEP)]
+        if models and (p.resources.dp > 1 or p.tp > 1 or p.pp > 1):
+            raise ConfigError(
+                f"{DYNAMIC_SAMPLING_KEY}=true with worker group '{g}' ({models}) at dp={p.resources.dp} "
+                f"tp={p.tp} pp={p.pp}: a step that ends short of {PROMPTS_PER_STEP_KEY} kept groups "
+                "(rl_config.max_oversample reached) gives its ranks unequal rows, and their collective steps would "
+                f"wait on each other; run that group on one rank (dp=tp=pp=1) or set {DYNAMIC_SAMPLING_KEY}=false")
+
+
+def check_collective_devices(groups: dict[str, GroupPlan]) -> None:
+    """Refuse a group whose ranks share torch's process group over NCCL or HCCL and could land two on one
+    device: NCCL refuses two ranks of a communicator on one GPU (and HCCL one NPU) when the group first
+    talks. Outside mode mesh Ray places each actor by its share of a device, so a share below one may pack two
+    ranks onto one device; in mode mesh each rank's devices are its own by construction, checked here too."""
+    from ..device import accelerator_share
+    for g, p in groups.items():
+        if p.deployment is None or not p.deployment.joins_default_process_group or p.world < 2:
+            continue
+        share = accelerator_share(p.resources)
+        if p.devices:
+            held = [set(p.actor_devices(k)) for k in range(p.world)]
+            shared = sorted({d for a in range(len(held)) for b in range(a) for d in held[a] & held[b]})
+            if shared and share:
+                raise ConfigError(f"{MESH_KEY}: group '{g}' puts two of its ranks on device(s) {shared}; its "
+                                  "collectives (NCCL/HCCL) need one device per rank: give its MFCs as many devices "
+                                  "as dp * tp * pp")
+        elif 0 < share < 1:
+            field_ = "num_gpus" if p.resources.num_gpus else "num_npus"
+            raise ConfigError(f"{GROUPS_KEY}.{g}.{field_}={share:g} with {p.world} ranks in one process group: "
+                              f"Ray may place two of them on one device, which NCCL/HCCL refuse; give each rank a "
+                              f"whole device ({field_}: 1), or place the MFCs by mesh ({PLACEMENT_MODE_KEY}=mesh)")
