@@ -73,7 +73,7 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
     """Validate `cfg` and derive everything the trainer needs; raises ConfigError.
 
     The graph comes first: the config decides which stages exist (no KL term, no reference stage:
-    `options_from_config`), and only the sections of the graph's models are validated. The backends are
+    `options_from_config`), and only the sections of the graph's models are checked. The backends are
     resolved once into the registry's rows, which the groups keep.
     """
     from ..engines.registry import backend_options, import_plugins, option_sections
@@ -84,7 +84,7 @@ def make_plan(cfg: Config, check_files: bool = True) -> Plan:
         raise ConfigError(str(e)) from None
     rl, models = cfg.rl_config, model_sections(cfg)
 
-    # the graph: the config's options switch its stages on, then only its models' sections are validated
+    # the graph: the config's options switch its stages on, then only its models' sections are checked
     check_update_options(cfg.actor_config, rl)
     options = options_from_config(cfg)
     try:
