@@ -14,15 +14,20 @@ from .helpers import config_dict, last10, train
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(900)]
 
 STEPS = 350
-# 10-step means at step 349 of seeds 1-5 (docs/agent.md; each seed's metrics.jsonl): the reward 0.495-0.956, the
-# answer's digits (reward/answer_mean) 0.443-0.953, reads of the prompt's own key (reward/read_mean) 0.603-0.963;
-# the margins are for other CPUs' rounding. An untrained policy scores about 0.01; the format shaping alone is at
-# most 0.2, and without the tool the answer's digits stay below 0.4 (docs/agent.md)
+# 10-step means at step 349 of seeds 1-5 (docs/agent.md, docs/benchmarks/seed_spread_grpo_tiny_tool_held_out.json):
+# the reward 0.495-0.956, the answer's digits (reward/answer_mean) 0.443-0.953, reads of the prompt's own key
+# (reward/read_mean) 0.603-0.963; on the 12 held-out keys after step 349 (8 responses each) val/reward_mean
+# 0.362-0.959 and val/read_mean 0.406-0.969, the training reward minus the held-out one -0.030 to 0.134 (the
+# seeds that have learned the call read the tool on unseen keys as on seen ones; the two still learning it,
+# 1 and 3, call it on fewer unseen keys). The margins are for other CPUs' rounding. An untrained policy scores
+# about 0.01; the format shaping alone is at most 0.2, and without the tool the answer's digits stay below 0.4
 THRESHOLD = 0.35
 ANSWER_THRESHOLD = 0.3
 READ_THRESHOLD = 0.4
 VAL_N = 8
-HELD_OUT_GAP = 0.1   # |held-out keys' val/reward_mean - training's last-10 reward| at the end of the run
+VAL_THRESHOLD = 0.25     # held-out keys' val/reward_mean
+VAL_READ_THRESHOLD = 0.3  # held-out keys' val/read_mean: it calls the tool with a key it never trained on
+HELD_OUT_GAP = 0.2       # training's last-10 reward minus the held-out keys' val/reward_mean
 
 
 @pytest.mark.slow_budget(90, reason="350 RL steps of two-turn rollouts (the call is learned by step 300-400), "
@@ -48,6 +53,7 @@ def test_grpo_tiny_tool_learns(ray_session, tmp_path):
     assert last10(records, "reward/read_mean") >= READ_THRESHOLD, "read from its own key's lookup"
     held_out = records[-1]
     assert held_out["val/weight_version"] == STEPS and held_out["val/prompts"] == 12
-    # on keys it never trained on it scores as on the training keys: it reads the tool, not a memorized table
-    assert abs(held_out["val/reward_mean"] - last10(records)) <= HELD_OUT_GAP, \
-        (held_out["val/reward_mean"], held_out["val/read_mean"], last10(records))
+    # on keys it never trained on it reads the tool and scores near the training keys: not a memorized table
+    seen = (held_out["val/reward_mean"], held_out["val/read_mean"], last10(records))
+    assert held_out["val/reward_mean"] >= VAL_THRESHOLD and held_out["val/read_mean"] >= VAL_READ_THRESHOLD, seen
+    assert last10(records) - held_out["val/reward_mean"] <= HELD_OUT_GAP, seen
