@@ -20,7 +20,8 @@ from .helpers import last10, train
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 STEPS = 120
-# seeds 1-5 at 120 steps: 0.854-0.931 (seed 1: 0.931); untrained about 0.07
+# seeds 1-5 at 120 steps: 0.854-0.931 (seed 1: 0.931; docs/benchmarks/seed_spread_grpo_tiny_lora8_120.json,
+# docs/fitting.md); untrained about 0.07
 THRESHOLD = 0.7
 
 
