@@ -45,7 +45,8 @@ def split_by_hash(dataset: PromptDataset, fraction: float, side: str) -> PromptD
     return out
 
 
-def overlap(training: PromptDataset, held: PromptDataset) -> int:
-    """How many of `held`'s distinct prompts are also in `training`."""
+def overlap(training: PromptDataset, held: PromptDataset) -> tuple[int, int]:
+    """(how many of `held`'s distinct prompts are also in `training`, how many distinct prompts `held` has)."""
     seen = {prompt_text(r[PROMPT]) for r in training.records}
-    return len({prompt_text(r[PROMPT]) for r in held.records} & seen)
+    distinct = {prompt_text(r[PROMPT]) for r in held.records}
+    return len(distinct & seen), len(distinct)

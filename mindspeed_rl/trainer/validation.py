@@ -101,7 +101,7 @@ def check_validation(cfg: Config, graph, check_files: bool) -> None:
         try:
             load_val_dataset(cfg)
         except (ValueError, ImportError) as e:
-            raise ConfigError(str(e) if "data.val_fraction" in str(e) else f"data.dataset={d.dataset!r}: {e}") from None
+            raise ConfigError(f"data.dataset={d.dataset!r}: {e}") from None
         return
     try:
         if spec.startswith(BUILTIN_PREFIX):
@@ -126,7 +126,7 @@ def overlap_warning(cfg: Config) -> str | None:
     """A warning when data.val_dataset shares prompts with data.dataset, with the count: validation on
     prompts the policy trains on measures what it remembers, not what it learned. Built-in tasks' splits
     are disjoint by construction and not read for it."""
-    from ..data.hash_split import overlap, prompt_text
+    from ..data.hash_split import overlap
     from ..data.prompts import BUILTIN_PREFIX
     d = cfg.data
     if d.val_dataset is None or (d.val_dataset.startswith(BUILTIN_PREFIX) and d.dataset.startswith(BUILTIN_PREFIX)):
@@ -135,10 +135,9 @@ def overlap_warning(cfg: Config) -> str | None:
         held, training = load_val_dataset(cfg), load_train_dataset(cfg)
     except (ValueError, ImportError):
         return None   # the training set's own check names its problem
-    shared = overlap(training, held)
+    shared, distinct = overlap(training, held)
     if not shared:
         return None
-    distinct = len({prompt_text(r["prompt"]) for r in held.records})
     return (f"warning: data.val_dataset={d.val_dataset!r}: {shared} of its {distinct} distinct prompts are also "
             f"training prompts (data.dataset={d.dataset!r}); validation on them measures what the policy remembers, "
             "not what it learned: give held-out prompts, or data.val_dataset=null with data.val_fraction (a share "
