@@ -409,10 +409,11 @@ def scheduling_strategy(placement_groups: Mapping[int, tuple[Any, int]], device:
 
 
 def create_group_placement_groups(bundles: Mapping[str, list[dict]], timeout_s: float = 60.0) -> dict[str, Any]:
-    """Outside mode mesh: one PACK placement group per worker group (`bundles`: group -> one resource bundle per
-    actor), so a group's actors are reserved all at once or not at all, on as few nodes as fit them, and actor k
-    runs on bundle k. A group that asks for no resource gets none. Waits up to `timeout_s` for all of them; on
-    timeout removes what it made and raises TimeoutError naming the group, its bundles and what Ray has free."""
+    """Outside mode mesh: one PACK placement group per reservation (`bundles`: a worker group, or groups sharing
+    devices, -> one resource bundle per actor index), so its actors are reserved all at once or not at all, on as
+    few nodes as fit them, and actor k runs on bundle k. A reservation asking for no resource gets none. Waits up
+    to `timeout_s` for all of them; on timeout removes what it made and raises TimeoutError naming the
+    reservation, its bundles and what Ray has free."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -428,7 +429,7 @@ def create_group_placement_groups(bundles: Mapping[str, list[dict]], timeout_s: 
                 ray.get(pg.ready(), timeout=max(0.0, deadline - time.monotonic()))
             except ray.exceptions.GetTimeoutError:
                 raise TimeoutError(
-                    f"placement group of worker group '{name}' ({len(bundles[name])} bundle(s) of "
+                    f"placement group of worker group(s) '{name}' ({len(bundles[name])} bundle(s) of "
                     f"{_resources_text(bundles[name][0])}) was not placed within {timeout_s:g}s; Ray has "
                     f"{_resources_text(ray.available_resources())} free of {_resources_text(ray.cluster_resources())}; "
                     "free those resources or lower placement.groups.<name>.num_*") from None

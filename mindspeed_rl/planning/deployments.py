@@ -16,7 +16,7 @@ from ..engines.registry import Backend
 from .backends import Backends, check_installed
 from .features import check_features, check_lora_targets
 from .graph import MODEL_ENGINES, AlgorithmGraph, generates
-from .groups import GroupPlan
+from .groups import GroupPlan, device_sharing_groups
 from .keys import (GROUPS_KEY, MESH_KEY, PARTIAL_ROLLOUT_KEY, PLACEMENT_MODE_KEY, PROMPTS_PER_STEP_KEY,
                    REWARD_SECTION, ROLLOUT_BACKEND_KEY, TRAIN_BACKEND_KEY, path_key)
 from .models import ModelSections
@@ -41,6 +41,7 @@ def deploy(groups: dict[str, GroupPlan], graph: AlgorithmGraph, backends: Backen
         check_dynamic_sampling_groups(groups, kinds)
     notes = deploy_groups(groups, kinds, backends, check_files)
     check_collective_devices(groups)
+    check_device_shares(groups)
     check_partial_rollout(rl, groups, backends.options_of)
     check_rollout_refusals(groups, backends.options_of)
     check_group_backends(models, groups, kinds, model_paths, train, check_files)
@@ -306,3 +307,20 @@ def check_collective_devices(groups: dict[str, GroupPlan]) -> None:
             raise ConfigError(f"{GROUPS_KEY}.{g}.{field_}={share:g} with {p.world} ranks in one process group: "
                               f"Ray may place two of them on one device, which NCCL/HCCL refuse; give each rank a "
                               f"whole device ({field_}: 1), or place the MFCs by mesh ({PLACEMENT_MODE_KEY}=mesh)")
+
+
+def check_device_shares(groups: dict[str, GroupPlan]) -> None:
+    """Refuse groups holding fractions of an accelerator whose shares of one device add up to more than one:
+    actor k of every such group shares the k-th device (their shared reservation, `trainer/launch.group_bundles`),
+    which Ray could not reserve."""
+    from ..device import accelerator_share
+    fractional = {g: groups[g] for g in device_sharing_groups(groups)}
+    for k in range(max((p.world for p in fractional.values()), default=0)):
+        on_k = {g: accelerator_share(p.resources) for g, p in fractional.items() if k < p.world}
+        if sum(on_k.values()) > 1 + 1e-9:
+            field_ = "num_gpus" if any(p.resources.num_gpus for p in fractional.values()) else "num_npus"
+            raise ConfigError(f"{GROUPS_KEY}: the groups holding a fraction of a device share one per actor index, "
+                              f"and on device {k} their {field_} add up to {sum(on_k.values()):g} ("
+                              + ", ".join(f"{g}: {v:g}" for g, v in on_k.items())
+                              + f"); lower {GROUPS_KEY}.<group>.{field_} so they add up to at most 1, or give a group "
+                                "whole devices")

@@ -19,9 +19,9 @@ def plan_dict(plan: Plan, landed: dict | None = None) -> dict:
 
 
 def landed_dict(worker_info: dict, device_nodes: dict) -> dict:
-    """Where the run's actors are: per "group/rank" its Ray node, host and pid; per planned device (mode mesh)
-    the node its placement group bundle is on."""
-    return {"workers": {f"{g}/{r}": {k: info.get(k) for k in ("node_id", "host", "pid")}
+    """Where the run's actors are: per "group/rank" its Ray node, host, pid and the accelerators Ray gave it;
+    per planned device (mode mesh) the node its placement group bundle is on."""
+    return {"workers": {f"{g}/{r}": {k: info.get(k) for k in ("node_id", "host", "pid", "accelerators")}
                         for (g, r), info in sorted(worker_info.items())},
             "devices": {str(d): n for d, n in sorted(device_nodes.items())}}
 

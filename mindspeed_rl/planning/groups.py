@@ -72,6 +72,14 @@ class GroupPlan:
                 "actors": self.world, "deployment": dep}
 
 
+def device_sharing_groups(groups: dict[str, GroupPlan]) -> list[str]:
+    """The groups outside a mesh whose actors hold a fraction of an accelerator: actor k of each shares the k-th
+    of their devices (what the memory plan counts, what their one reservation asks Ray for, what the landing
+    check compares)."""
+    from ..device import accelerator_share
+    return [g for g, p in groups.items() if not p.devices and 0 < accelerator_share(p.resources) < 1]
+
+
 @dataclass
 class WorkerGroups:
     """The group stage's result: the groups in the order of their first MFC, the mesh placement they come from

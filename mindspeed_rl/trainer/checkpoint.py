@@ -1,14 +1,16 @@
 """Driver-side checkpoint state, the manifest, the `latest` pointer, and pruning old checkpoints.
 
-A checkpoint is every training rank's part (engine state or its shards, RNG states; written by the
-workers, on their nodes, into the shared run directory) and the driver's state. It is complete when its
+A checkpoint is every training rank's part (engine state or its shards, and the rank's own RNG states with
+the id of the run that wrote them; written by the workers, on their nodes, into the shared run directory) and
+the driver's state. It is complete when its
 `manifest.json` exists: written by the driver after every rank has reported its part and the driver state
 is written, it lists each rank's files with the size and modification time its writer read right after
 writing them, and the id of the run. `latest` points at a complete checkpoint only (it is written after the
 manifest, atomically), so a crash while saving leaves the previous checkpoint the one a resume uses. A
 resume checks every listed file: present, the same size and modification time (a part another run left at
 that path, even of the same size, as DCP shards of one model are, is refused naming the file and the rank
-and run that wrote the one listed), readable. Pruning (`trainer.keep_checkpoints`) runs
+and run that wrote the one listed), readable, each rank's RNG file of the manifest's run; each rank then loads
+its own part. Pruning (`trainer.keep_checkpoints`) runs
 only after that, and deletes only complete directories older than the one `latest` points to: never the
 pointed-to one, never one still being written.
 """
@@ -25,6 +27,13 @@ from pathlib import Path
 from ..models.files import CheckpointFileError, check_file, load_file, save_file
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
+RNG_FILE = re.compile(r"^rng_rank\d+\.pt$")
+
+
+def rng_file(rank: int) -> str:
+    """A training rank's RNG states (and its run's id) in each trained model's checkpoint directory: each rank
+    restores its own (workers/engine_set.py)."""
+    return f"rng_rank{rank}.pt"
 
 
 def checkpoint_dir(output_dir: str, step: int) -> Path:
@@ -121,9 +130,11 @@ def check_checkpoint(directory: Path, models: list[str]) -> dict:
     """The driver state of a complete, readable checkpoint, with its manifest's `run_id`; CheckpointFileError
     naming the first bad file.
 
-    Cheap: every part its manifest lists is there as written (size, time); the driver state is loaded (it is small and needed anyway); each trained model's
-    directory must exist with its `rng.pt`, and every `*.pt` in it passes `check_file` (zip directory and
-    CRCs) without being loaded. Sharded formats (DCP's `.metadata` and shards) are checked for presence."""
+    Cheap: every part its manifest lists is there as written (size, time); the driver state is loaded (it is
+    small and needed anyway); each trained model's directory must exist with rank 0's RNG file; each rank's RNG
+    file (a few kB) is loaded and must carry the manifest's run id; every other `*.pt` passes `check_file` (zip
+    directory and CRCs) without being loaded. Sharded formats (DCP's `.metadata` and shards) are checked for
+    presence."""
     if not directory.is_dir():
         raise CheckpointFileError(f"checkpoint directory {directory} is missing")
     manifest = check_manifest(directory)
@@ -136,10 +147,16 @@ def check_checkpoint(directory: Path, models: list[str]) -> dict:
         if not where.is_dir():
             raise CheckpointFileError(f"checkpoint {directory} has no {model}/ directory: it was written by a run "
                                       f"that did not train {model!r}")
-        check_file(str(where / "rng.pt"), what="RNG state")
+        check_file(str(where / rng_file(0)), what="RNG state")
         for f in sorted(where.glob("*.pt")):
-            if f.name != "rng.pt":
+            if not RNG_FILE.match(f.name):
                 check_file(str(f), what=f"{model} engine state")
+                continue
+            written_by = load_file(str(f), what="RNG state").get("run_id")
+            if written_by != manifest["run_id"]:
+                raise CheckpointFileError(f"{f} was written by run {written_by}, not by run {manifest['run_id']} "
+                                          "whose manifest lists it: another run's file; delete its checkpoint "
+                                          "directory to resume from the previous one")
     return {**state, "run_id": manifest["run_id"]}
 
 

@@ -302,7 +302,9 @@ class Trainer:
             except (ValueError, TimeoutError) as e:
                 raise TrainingError(f"placement.mfcs: {e}") from None
         try:   # the groups outside a mesh: reserved all at once per group, or not at all
-            self.group_placement_groups = create_group_placement_groups(group_bundles(plan), STARTUP_TIMEOUT_S)
+            bundles, member_of = group_bundles(plan)
+            reserved = create_group_placement_groups(bundles, STARTUP_TIMEOUT_S)
+            self.group_placement_groups = {g: reserved[r] for g, r in member_of.items() if r in reserved}
         except TimeoutError as e:
             raise TrainingError(f"placement.groups: {e}") from None
         try:
@@ -339,12 +341,11 @@ class Trainer:
     def save(self, step: int) -> None:
         directory = checkpoint_dir(self.cfg.trainer.output_dir, step)
         parts: dict[str, list[dict]] = {}
-        for model, train_mfc in self.plan.trained.items():  # every rank: a sharded engine writes its shards
-            group = self.plan.group_of(train_mfc)
-            written = self.collect([w.save_checkpoint.remote(str(directory))
+        for group in self._training_groups():   # every rank: a sharded engine writes its shards
+            written = self.collect([w.save_checkpoint.remote(str(directory), self.run_id)
                                     for w in self.workers[group]], "saving a checkpoint")
             for rank, records in enumerate(written):
-                parts.setdefault(f"{group}/{rank}", []).extend(records)
+                parts[f"{group}/{rank}"] = records
         try:  # the loader's position first: the steps in flight are let finish below (pipeline.state_dict)
             save_driver_state(directory, {"step": step, "loader": self.pipeline.loader.state_dict(),
                                           "kl_coef": float(self.kl_ctrl.value), "versions": dict(self._versions),
@@ -355,6 +356,11 @@ class Trainer:
         except CheckpointFileError as e:
             raise TrainingError(f"saving the checkpoint of step {step}: {e}") from None
         prune_checkpoints(self.cfg.trainer.output_dir, self.cfg.trainer.keep_checkpoints)  # only once complete
+
+    def _training_groups(self) -> list[str]:
+        """The worker groups that train a model, each once: a worker saves and loads all its trained models'
+        state in one call (a colocated group trains the actor and the critic)."""
+        return list(dict.fromkeys(self.plan.group_of(m) for m in self.plan.trained.values()))
 
     def save_hf(self, step: int) -> Path | None:
         """The policy as a Hugging Face checkpoint in <output_dir>/hf/step_N (trainer.save_hf), and `hf/final`
@@ -379,9 +385,9 @@ class Trainer:
         if self._resume is None:
             return 0
         directory, state = self._resume.directory, self._resume.state
-        for model, train_mfc in self.plan.trained.items():
-            self.collect([w.load_checkpoint.remote(str(directory))
-                          for w in self.workers[self.plan.group_of(train_mfc)]], "loading a checkpoint")
+        for group in self._training_groups():
+            self.collect([w.load_checkpoint.remote(str(directory), str(state["run_id"]))
+                          for w in self.workers[group]], "loading a checkpoint")
         self.pipeline.loader.load_state_dict(state["loader"])
         self.kl_ctrl.value = state["kl_coef"]
         self._versions = dict(state["versions"])

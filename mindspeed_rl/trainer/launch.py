@@ -33,9 +33,34 @@ class Launched:
     run_id: str = ""       # this run's token in output_dir (shared_dir.py), also the id its checkpoints carry
 
 
-def group_bundles(plan: Plan) -> dict[str, list[dict]]:
-    """Per worker group outside a mesh, one Ray resource bundle per actor (what the actor asks for)."""
-    return {name: [group_resources(gp.resources)] * gp.world for name, gp in plan.groups.items() if not gp.devices}
+def group_bundles(plan: Plan) -> tuple[dict[str, list[dict]], dict[str, str]]:
+    """What to reserve for the worker groups outside a mesh: Ray resource bundles by reservation, and each
+    group's reservation (actor k of a group runs on bundle k of its reservation).
+
+    A group holding whole accelerators, or only CPUs, has a reservation of its own, a bundle per actor. The
+    groups holding a fraction of an accelerator share one, named after them: its bundle k holds actor k of
+    each, so Ray gives actor k of every such group the same device, the one the memory plan counts them on
+    (planning/memory.py). Reserved apart, Ray could put them on different devices of a node."""
+    from ..planning.groups import device_sharing_groups
+    bundles: dict[str, list[dict]] = {}
+    member_of: dict[str, str] = {}
+    fractional = device_sharing_groups(plan.groups)
+    shared: list[dict] = []
+    for name in fractional:
+        res = group_resources(plan.groups[name].resources)
+        for k in range(plan.groups[name].world):
+            if k == len(shared):
+                shared.append({})
+            shared[k] = {key: round(shared[k].get(key, 0) + res.get(key, 0), 4) for key in {*shared[k], *res}}
+    if shared:
+        reservation = "+".join(fractional)
+        bundles[reservation] = shared
+        member_of.update({name: reservation for name in fractional})
+    for name, gp in plan.groups.items():
+        if not gp.devices and name not in member_of:
+            bundles[name] = [group_resources(gp.resources)] * gp.world
+            member_of[name] = name
+    return bundles, member_of
 
 
 def launch_workers(cfg: Config, plan: Plan, docks: list, placement_groups: Mapping, group_placement_groups: Mapping,

@@ -72,9 +72,9 @@ def stop_workers(workers: dict[str, list], plan, worker_info: dict, placement_gr
                  started_after: float, group_placement_groups: dict | None = None) -> None:
     """End the run's worker actors and free what they held outside themselves: an engine-split rollout
     closes its engines first (vLLM's worker processes end with the actor, but only a close removes their
-    /dev/shm queues), what vLLM's tensor-parallel engines recorded in /dev/shm is removed (also when they
-    died), and the placement groups (the mesh's and the other groups') go. Never raises: a shutdown must not
-    hide the run's own error."""
+    /dev/shm queues), what vLLM's tensor-parallel engines on the driver's node recorded in /dev/shm is removed
+    (also when they died; on other nodes of a joined cluster their node's sweeper does it), and the placement
+    groups (the mesh's and the other groups') go. Never raises: a shutdown must not hide the run's own error."""
     import sys
 
     import ray
@@ -92,7 +92,11 @@ def stop_workers(workers: dict[str, list], plan, worker_info: dict, placement_gr
                 pass
     from ..engines.sync.shm_cleanup import remove_vllm_shm
     try:
-        remove_vllm_shm([info["pid"] for info in worker_info.values() if "pid" in info], started_after=started_after)
+        here = ray.get_runtime_context().get_node_id()
+    except Exception:   # Ray is gone: every pid, as for a session on this host alone
+        here = None
+    try:
+        remove_vllm_shm(pids_on_node(worker_info, here), started_after=started_after)
     except Exception as e:
         print(f"warning: removing vLLM's shared memory failed: {type(e).__name__}: {e}", file=sys.stderr)
     if placement_groups:
@@ -101,7 +105,7 @@ def stop_workers(workers: dict[str, list], plan, worker_info: dict, placement_gr
             remove_placement_groups(placement_groups)
         except Exception:
             pass
-    for pg in (group_placement_groups or {}).values():
+    for pg in {id(pg): pg for pg in (group_placement_groups or {}).values()}.values():   # groups may share one
         try:
             ray.util.remove_placement_group(pg)
         except Exception:
@@ -172,3 +176,10 @@ def check_ray_address(address: str) -> None:
         raise ConfigError(f"placement.ray_address={address!r}: nothing answers there ({e.strerror or e}); start the "
                           "cluster's head (`ray start --head`), fix the address, or set placement.ray_address=null to "
                           "start a local Ray") from None
+
+
+def pids_on_node(worker_info: dict, node_id: str | None) -> list[int]:
+    """The workers' pids on node `node_id` (None: all): another node's pid names another process here, and
+    that node's sweeper (node_sweeper.py) cleans up after its own."""
+    return [info["pid"] for info in worker_info.values()
+            if "pid" in info and (node_id is None or info.get("node_id", node_id) == node_id)]

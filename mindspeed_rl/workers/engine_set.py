@@ -225,28 +225,38 @@ class EngineSet:
         empty_cache(resolve_device(self.device_name))
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, directory: str, rank: int) -> list[str]:
+    def save_checkpoint(self, directory: str, rank: int, run_id: str) -> list[str]:
         """Each trained model's engine writes its state under `directory/<model>/` (every rank calls it: a
-        sharded engine writes its shards); rank 0 adds this process's RNG states."""
+        sharded engine writes its shards), and this rank its RNG states with the run's id (`rng_file`): each
+        rank's part names the run that wrote it, so a resume can tell another run's file at that path."""
         from ..models.files import save_file
+        from ..trainer.checkpoint import rng_file
         written = []
         for model, engine in self.train.items():
             where = os.path.join(directory, model)
             with engine.holding(True, "checkpoint"):
                 written += engine.save_checkpoint(where)
-            if rank == 0:
-                written.append(save_file({"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-                                          "python": random.getstate()}, os.path.join(where, "rng.pt")))
+            written.append(save_file({"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+                                      "python": random.getstate(), "run_id": run_id, "rank": rank},
+                                     os.path.join(where, rng_file(rank))))
         return written
 
-    def load_checkpoint(self, directory: str) -> list[str]:
-        from ..models.files import load_file
+    def load_checkpoint(self, directory: str, rank: int, run_id: str) -> list[str]:
+        """This rank's part of the checkpoint: the engines' state and its own RNG states, refused
+        (CheckpointFileError naming the file) where the RNG file is not of run `run_id` (the manifest's)."""
+        from ..models.files import CheckpointFileError, load_file
+        from ..trainer.checkpoint import rng_file
         loaded = []
         for model, engine in self.train.items():
             where = os.path.join(directory, model)
+            path = os.path.join(where, rng_file(rank))
+            rng = load_file(path, what="RNG state")
+            if rng.get("run_id") != run_id:
+                raise CheckpointFileError(f"{path} was written by run {rng.get('run_id')}, not by run {run_id} whose "
+                                          "manifest lists it: another run's file; delete that checkpoint directory to "
+                                          "resume from the previous one")
             with engine.holding(True, "checkpoint"):
                 engine.load_checkpoint(where)
-            rng = load_file(os.path.join(where, "rng.pt"), what="RNG state")
             torch.set_rng_state(rng["torch"])
             np.random.set_state(rng["numpy"])
             random.setstate(rng["python"])

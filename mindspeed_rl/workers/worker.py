@@ -275,13 +275,13 @@ class Worker:
         return self.weights.sync_weights(model, version)
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, directory: str) -> list[dict]:
+    def save_checkpoint(self, directory: str, run_id: str) -> list[dict]:
         """This rank's part of the checkpoint, as its manifest entry (trainer/checkpoint.py)."""
         from ..trainer.checkpoint import part_records
-        return part_records(directory, self.engines.save_checkpoint(directory, self.spec.rank))
+        return part_records(directory, self.engines.save_checkpoint(directory, self.spec.rank, run_id))
 
-    def load_checkpoint(self, directory: str) -> list[str]:
-        return self.engines.load_checkpoint(directory)
+    def load_checkpoint(self, directory: str, run_id: str) -> list[str]:
+        return self.engines.load_checkpoint(directory, self.spec.rank, run_id)
 
     def save_hf(self, model: str, directory: str) -> str | None:
         """`model`'s trained weights as a Hugging Face checkpoint in `directory` (trainer.save_hf). Every rank

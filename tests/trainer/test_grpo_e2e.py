@@ -104,10 +104,10 @@ def test_resume_continues_exactly(ray_session, tmp_path):
     shutil.copytree(tmp_path / "split", tmp_path / "stale")
     step_dir = tmp_path / "stale" / "checkpoints" / "step_000003"
     manifest = json.loads((step_dir / "manifest.json").read_text())
-    assert "actor/rng.pt" in [r["file"] for records in manifest["parts"].values() for r in records]
-    rng = step_dir / "actor" / "rng.pt"
+    assert "actor/rng_rank0.pt" in [r["file"] for records in manifest["parts"].values() for r in records]
+    rng = step_dir / "actor" / "rng_rank0.pt"
     rng.write_bytes(rng.read_bytes())    # the same bytes, written later
-    with pytest.raises(ConfigError, match=r"stale/checkpoints/step_000003/actor/rng.pt was written after rank "
+    with pytest.raises(ConfigError, match=r"stale/checkpoints/step_000003/actor/rng_rank0.pt was written after rank "
                                           r"\S+/0 of run " + manifest["run_id"]):
         run(tmp_path, "stale", trainer={"total_steps": 6, "save_interval": 3, "resume": True})
     resumed = run(tmp_path, "split", trainer={"total_steps": 6, "save_interval": 3, "resume": True})

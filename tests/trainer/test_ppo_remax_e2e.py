@@ -33,7 +33,9 @@ def run(tmp: Path, name: str, algorithm: str, **sections) -> list[dict]:
 def runs(ray_session, tmp_path_factory):
     """Each algorithm blocking + colocated and non-blocking + disaggregated, same seed; in the
     disaggregated PPO run critic_values gets a worker of its own, so the critic's weights cross
-    processes."""
+    processes. The colocated PPO run is made in two parts, 2 steps with a checkpoint, then a resume to 3:
+    one worker saves and restores the actor's and the critic's state, so the comparison with the
+    uninterrupted disaggregated run checks that resume too."""
     tmp = tmp_path_factory.mktemp("algos")
     out = {}
     for algorithm in ("ppo", "remax"):
@@ -42,9 +44,23 @@ def runs(ray_session, tmp_path_factory):
             placement = {"mode": mode}
             if algorithm == "ppo" and mode == "disaggregated":
                 placement["groups"] = {"critic_inference": {"mfcs": ["critic_values"]}}
-            out[(algorithm, blocking)] = (run(tmp, name, algorithm, rl_config={"blocking": blocking},
-                                              placement=placement), tmp / name)
+            sections = {"rl_config": {"blocking": blocking}, "placement": placement}
+            if algorithm == "ppo" and mode == "colocated":
+                run(tmp, name, algorithm, trainer={"total_steps": 2, "save_interval": 2}, **sections)
+                run(tmp, name, algorithm, trainer={"save_interval": 2, "resume": True}, **sections)
+                history = [json.loads(x) for x in (tmp / name / "metrics.jsonl").read_text().splitlines()]
+            else:
+                history = run(tmp, name, algorithm, **sections)
+            out[(algorithm, blocking)] = (history, tmp / name)
     return out
+
+
+def test_a_colocated_actor_and_critic_resume_from_one_checkpoint(runs):
+    history, out_dir = runs[("ppo", True)]
+    assert [r["step"] for r in history] == [0, 1, 2]
+    manifest = json.loads((out_dir / "checkpoints" / "step_000002" / "manifest.json").read_text())
+    files = sorted(r["file"] for records in manifest["parts"].values() for r in records)
+    assert files == ["actor/engine.pt", "actor/rng_rank0.pt", "critic/engine.pt", "critic/rng_rank0.pt"]
 
 
 def test_ppo_trains_actor_and_critic_and_syncs_both(runs):

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from mindspeed_rl.trainer.ray_session import auth_token_source, join_error
+from mindspeed_rl.trainer.ray_session import auth_token_source, join_error, pids_on_node
 
 # the message Ray raises (ray/_private/utils.py check_version_info) when the versions differ
 VERSION_MISMATCH = ("Version mismatch: The cluster was started with:\n    Ray: 2.59.0\n    Python: 3.11.7\n"
@@ -33,6 +33,13 @@ def test_the_token_comes_from_where_ray_reads_it(tmp_path, monkeypatch):
     assert auth_token_source() is None   # the path Ray is told to read holds no token
     monkeypatch.setenv("RAY_AUTH_TOKEN", "t" * 32)
     assert auth_token_source() == "RAY_AUTH_TOKEN"
+
+
+def test_the_driver_cleans_up_after_the_workers_of_its_own_node_only():
+    info = {("rollout", 0): {"pid": 11, "node_id": "head"}, ("actor", 0): {"pid": 12, "node_id": "head"},
+            ("actor", 1): {"pid": 11, "node_id": "other"}, ("rule", 0): {"node_id": "head"}}
+    assert pids_on_node(info, "head") == [11, 12]   # pid 11 of the other node is another process here
+    assert pids_on_node(info, None) == [11, 12, 11]
 
 
 def test_each_cause_gets_its_own_line_and_fix():

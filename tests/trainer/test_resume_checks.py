@@ -59,13 +59,13 @@ def test_a_staleness_change_is_carried_out_when_the_steps_in_flight_fit_the_dock
         check_resume(_cfg(max_weight_staleness=saved_k), _cfg(max_weight_staleness=new_k), 11, in_flight, "c")
 
 
-def _checkpoint(root, step, models=("actor",), manifest=True):
+def _checkpoint(root, step, models=("actor",), manifest=True, rng_run="run-a"):
     d = checkpoint_dir(str(root), step)
     written = []
     for m in models:
         (d / m).mkdir(parents=True)
         written.append(save_file({"w": torch.arange(4096.0)}, str(d / m / "engine.pt")))
-        written.append(save_file({"torch": torch.get_rng_state()}, str(d / m / "rng.pt")))
+        written.append(save_file({"torch": torch.get_rng_state(), "run_id": rng_run}, str(d / m / "rng_rank0.pt")))
     save_driver_state(d, {"step": step})
     if manifest:
         write_manifest(d, "run-a", step, {"actor/0": part_records(str(d), written)})
@@ -89,11 +89,16 @@ def test_a_checkpoint_is_complete_only_with_its_manifest_and_every_part_it_lists
     assert found.step == 2 and "step_000008/actor/engine.pt is" in found.skipped[0]
     assert "another run's file" in found.skipped[0]
     ten = _checkpoint(tmp_path, 10)
-    rng = ten / "actor" / "rng.pt"
+    rng = ten / "actor" / "rng_rank0.pt"
     time.sleep(0.01)
     rng.write_bytes(rng.read_bytes())               # the same size, written later
     found = resume_point(str(tmp_path), ["actor"])
-    assert found.step == 2 and "step_000010/actor/rng.pt was written after rank actor/0 of run run-a" in found.skipped[0]
+    assert found.step == 2 and ("step_000010/actor/rng_rank0.pt was written after rank actor/0 of run run-a"
+                                in found.skipped[0])
+    _checkpoint(tmp_path, 12, rng_run="run-b")      # a rank's part of another run, listed as it was written
+    found = resume_point(str(tmp_path), ["actor"])
+    assert found.step == 2 and ("step_000012/actor/rng_rank0.pt was written by run run-b, not by run run-a whose "
+                                "manifest lists it" in found.skipped[0])
 
 
 def test_resume_uses_the_newest_checkpoint_when_it_is_sound(tmp_path):
@@ -121,7 +126,7 @@ def test_an_unreadable_newest_checkpoint_falls_back_to_the_previous_complete_one
         b[len(b) // 2] ^= 0xFF
         p.write_bytes(bytes(b))
     else:
-        (newest / "actor" / "rng.pt").unlink()
+        (newest / "actor" / "rng_rank0.pt").unlink()
     found = resume_point(str(tmp_path), ["actor"])
     assert found.step == 2, found
     assert len(found.skipped) == (2 if damage == "torn_pointer" else 1)  # each passed over, named
