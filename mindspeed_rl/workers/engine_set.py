@@ -236,6 +236,7 @@ class EngineSet:
             where = os.path.join(directory, model)
             with engine.holding(True, "checkpoint"):
                 written += engine.save_checkpoint(where)
+            os.makedirs(where, exist_ok=True)   # a DDP rank > 0 writes no engine state, only its RNG states
             written.append(save_file({"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
                                       "python": random.getstate(), "run_id": run_id, "rank": rank},
                                      os.path.join(where, rng_file(rank))))
