@@ -128,12 +128,21 @@ def test_reward_modeling_trains_evaluates_and_saves_a_plain_hf_classifier(traine
 @pytest.mark.ray
 @pytest.mark.slow
 def test_rl_with_the_reward_model_blocking_equals_non_blocking_and_resumes(trained_rm, tmp_path):
+    """3 steps blocking straight through against 3 steps non-blocking made in two parts (2 steps with a
+    checkpoint, then a resume to 3): equal numbers every step show both that the non-blocking pipeline
+    computes the blocking one's and that the resume continues exactly (one run serves both checks)."""
     rm = str(trained_rm[0] / "final")
-    runs = {}
-    for blocking in (True, False):
-        out = tmp_path / f"b{blocking}"
-        Trainer(config_from_dict(rl_config(out, rm, rl_config={"blocking": blocking}))).run()
-        runs[blocking] = records(out)
+    Trainer(config_from_dict(rl_config(tmp_path / "bTrue", rm, rl_config={"blocking": True}))).run()
+    out = tmp_path / "bFalse"
+    Trainer(config_from_dict(rl_config(out, rm, rl_config={"blocking": False},
+                                       trainer={"total_steps": 2, "save_interval": 2}))).run()
+    # checkpoints hold the actor only
+    step_dir = out / "checkpoints" / "step_000002"
+    assert sorted(p.name for p in step_dir.iterdir() if p.is_dir()) == ["actor"]
+    Trainer(config_from_dict(rl_config(out, rm, rl_config={"blocking": False},
+                                       trainer={"total_steps": 3, "save_interval": 2, "resume": True}))).run()
+    runs = {True: records(tmp_path / "bTrue"), False: records(out)}
+    assert [r["step"] for r in runs[True]] == [r["step"] for r in runs[False]] == [0, 1, 2]
     for a, b in zip(runs[True], runs[False]):
         for key in ("reward/mean", "reward/model_mean", "reward/rule_mean", "actor/pg_loss"):
             assert a[key] == b[key], (key, a["step"])
@@ -141,15 +150,5 @@ def test_rl_with_the_reward_model_blocking_equals_non_blocking_and_resumes(train
         assert "timing/reward_model" in a and "weight_sync/reward_readers" not in a
     assert not any("reward/rule_scores_mean" in r for r in runs[True])
     # the dashboard and the report show its stage like any other
-    dash = json.loads((tmp_path / "bFalse" / "dashboard.json").read_text())
+    dash = json.loads((out / "dashboard.json").read_text())
     assert "reward_model" in json.dumps(dash)
-    # checkpoints hold the actor only; a resume continues to the same numbers
-    out = tmp_path / "resume"
-    Trainer(config_from_dict(rl_config(out, rm, trainer={"total_steps": 2, "save_interval": 2}))).run()
-    step_dir = out / "checkpoints" / "step_000002"
-    assert sorted(p.name for p in step_dir.iterdir() if p.is_dir()) == ["actor"]
-    Trainer(config_from_dict(rl_config(out, rm, trainer={"total_steps": 3, "save_interval": 2,
-                                                         "resume": True}))).run()
-    resumed = records(out)
-    assert [r["step"] for r in resumed] == [0, 1, 2]
-    assert resumed[2]["reward/model_mean"] == runs[False][2]["reward/model_mean"]
