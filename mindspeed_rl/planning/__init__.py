@@ -3,9 +3,9 @@
 The plan is built in stages, each a module with a typed result that reads only its own config sections: the
 dataflow graph (graph.py), the backends (backends.py), the worker groups (groups.py, with their row sizes in
 sizes.py), the groups' deployments (deployments.py, with the models' features in features.py), the run's inputs
-(models.py, inputs.py), the memory estimate (memory.py, memory_terms.py) and, at launch, each worker's spec
-(worker_specs.py). plan.py's `make_plan` is the one place that reads the whole config and hands each stage its
-sections; format.py shows the result as the dry run's table and plan.json.
+(models.py, inputs.py) and the memory estimate (memory.py, memory_terms.py); each worker's spec is built from
+the plan at launch (trainer/worker_specs.py). plan.py's `make_plan` is the one place that reads the whole
+config and hands each stage its sections; format.py shows the result as the dry run's table and plan.json.
 """
 from .format import format_plan, landed_dict, plan_dict, write_plan_json
 from .groups import GroupPlan

@@ -4,8 +4,8 @@ Everything here runs before any worker starts, so a bad config fails in a second
 key, the value and the fix; the plan is also what `trainer.dry_run=true` prints. `make_plan` runs the stages in
 order, each deciding from the results before it: the graph (graph.py), the backends (backends.py), the worker
 groups and their sizes (groups.py, sizes.py), the groups' deployments (deployments.py), the run's inputs
-(models.py, inputs.py) and the memory (memory.py); format.py prints and writes the result, worker_specs.py
-turns it into each worker's part when the run launches.
+(models.py, inputs.py) and the memory (memory.py); format.py prints and writes the result, and
+trainer/worker_specs.py turns it into each worker's part when the run launches.
 """
 from __future__ import annotations
 

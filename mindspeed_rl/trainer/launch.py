@@ -1,7 +1,7 @@
 """Starting a plan's worker groups: each deployment's actors, their process groups and weight-sync groups.
 
 The plan says per worker group what its backends' deployment is (engines/deployment.py): how many
-actors, on which devices, whether they share torch's default group; `planning/worker_specs.py` says what each
+actors, on which devices, whether they share torch's default group; `worker_specs.py` says what each
 actor runs. This module turns that into Ray actors, then connects them: the default group where the
 deployment asks for one, and per trained model a weight-sync group (or IPC) from the trainer's rank 0
 to every worker that reads the model elsewhere.
@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping
 from ..config import Config
 from ..device import ACCELERATOR_OPTION_KEYS, group_actor_options, group_resources
 from ..planning import Plan
-from ..planning.worker_specs import worker_specs
+from .worker_specs import worker_specs
 from ..workers.worker import Worker
 from .landing import landing_errors
 from .shared_dir import check_seen, write_token

@@ -101,7 +101,7 @@ def test_cuda_graphs_reaches_the_engine_from_the_spec():
 def test_generate_config_cuda_graphs_reaches_the_rollout_engines_declaration(value):
     from mindspeed_rl.config import config_from_dict
     from mindspeed_rl.planning import make_plan
-    from mindspeed_rl.planning.worker_specs import engine_decls
+    from mindspeed_rl.trainer.worker_specs import engine_decls
     from mindspeed_rl.workers.engine_set import ROLLOUT_ROLE
     cfg = config_from_dict({"generate_config": {"cuda_graphs": value}})
     plan = make_plan(cfg, check_files=True)

@@ -195,7 +195,7 @@ def test_a_generate_stage_keeps_several_micro_batches_in_flight_on_the_server(se
     gets the tokens its per-row seed gives alone."""
     from mindspeed_rl.config import config_from_dict
     from mindspeed_rl.planning import make_plan
-    from mindspeed_rl.planning.worker_specs import group_args
+    from mindspeed_rl.trainer.worker_specs import group_args
     from mindspeed_rl.workers.engine_set import EngineSet
     from mindspeed_rl.workers.impls import StageContext, build_impl
     from mindspeed_rl.workers.stage import LoopRoles, run_stage

@@ -11,7 +11,7 @@ import pytest
 
 from mindspeed_rl.config import ConfigError, config_from_dict
 from mindspeed_rl.planning import make_plan
-from mindspeed_rl.planning.worker_specs import engine_decls
+from mindspeed_rl.trainer.worker_specs import engine_decls
 from mindspeed_rl.workers.engine_set import INFER_ROLE, TRAIN_ROLE
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -56,7 +56,7 @@ def test_fsdp_log_probs_and_training_take_turns_on_every_rank(ray_session, tmp_p
     ray = ray_session
     from mindspeed_rl.planning import make_plan
     from mindspeed_rl.transfer_dock.client import create_transfer_dock
-    from mindspeed_rl.planning.worker_specs import worker_specs
+    from mindspeed_rl.trainer.worker_specs import worker_specs
     from mindspeed_rl.workers.worker import Worker
 
     cfg = _config(tmp_path)

@@ -11,7 +11,7 @@ from mindspeed_rl.dataflow.mfc import InterfaceType
 from mindspeed_rl.engines.deployment import DATA_PARALLEL, MESH, Deployment
 from mindspeed_rl.engines.simulate import PLACEHOLDER
 from mindspeed_rl.planning import make_plan
-from mindspeed_rl.planning.worker_specs import engine_decls, group_args, worker_specs
+from mindspeed_rl.trainer.worker_specs import engine_decls, group_args, worker_specs
 from mindspeed_rl.workers.engine_set import ROLLOUT_ROLE, TRAIN_ROLE
 from mindspeed_rl.workers.impls import StageContext, StandIn, build_impl
 from mindspeed_rl.workers.stage import LoopRoles

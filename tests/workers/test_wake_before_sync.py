@@ -60,7 +60,7 @@ def local_worker(tmp_path, **sections):
     """The plan's 'integrated' worker (hf rollout, reference, actor log-probs and training) built in this
     process over an in-process dock; `sections` override the config's."""
     from mindspeed_rl.planning import make_plan
-    from mindspeed_rl.planning.worker_specs import worker_specs
+    from mindspeed_rl.trainer.worker_specs import worker_specs
     from mindspeed_rl.workers.worker import Worker
 
     base = {"trainer": {"total_steps": 2, "output_dir": str(tmp_path), "progress": False, "logger": ["jsonl"],

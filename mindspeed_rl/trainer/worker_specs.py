@@ -1,5 +1,5 @@
-"""The plan's last stage, run when the workers launch: each worker's own part of the plan, its MFCs' arguments
-and its engines' declarations.
+"""Each worker's own part of the plan, built when the workers launch: its MFCs' arguments and its engines'
+declarations.
 
 A worker gets what it runs, resolved here once, not the config: per MFC the arguments of its
 implementation (`workers.impls.mfc_args`: sampling, loss and size settings), per model the engine
@@ -8,7 +8,7 @@ and its actor's role in the deployment (`RankRole`: whether it reads the dock, w
 replica). Where the config's backends run no model (the simulate backend), their stand-in
 (`registry.stand_in`) declares the engines and replaces the compute MFCs' functions. An MFC's
 implementation, and a stand-in, read what they need of the whole config (a plugin's may read any section),
-so this stage takes the config whole.
+so this launch step takes the config whole; the plan's own stages (planning/) take only their sections.
 """
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ from ..workers.engine_set import INFER_ROLE, ROLLOUT_ROLE, TRAIN_ROLE, EngineDec
 from ..workers.impls import PlanInfo, mfc_args
 from ..workers import compute as C
 from ..workers.worker import WorkerSpec
-from .features import features_of
-from .groups import GroupPlan
-from .models import ModelSections
-from .plan import Plan, model_sections
+from ..planning.features import features_of
+from ..planning.groups import GroupPlan
+from ..planning.models import ModelSections
+from ..planning.plan import Plan, model_sections
 
 # a model's engine kind (compute.FUNCTIONS[...].engine) -> the config section of its training and the
 # model kind its engine builds
