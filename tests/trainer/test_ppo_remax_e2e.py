@@ -1,8 +1,7 @@
 """PPO (with a critic) and ReMax end to end through the same trainer, dock and workers as GRPO.
 
 Nothing in the trainer or workers is algorithm-specific: these runs only change
-`rl_config.algorithm`. Each run is 2 steps of 64 rows on the shared Ray instance (plumbing, not learning:
-the second step runs on the weights the first trained and synced).
+`rl_config.algorithm`. Each run is 3 steps of 64 rows on the shared Ray instance.
 """
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 def run(tmp: Path, name: str, algorithm: str, **sections) -> list[dict]:
-    base = {"trainer": {"total_steps": 2, "output_dir": str(tmp / name), "progress": False, "logger": ["jsonl"],
+    base = {"trainer": {"total_steps": 3, "output_dir": str(tmp / name), "progress": False, "logger": ["jsonl"],
                         "plot": False, "save_interval": 0, "stage_timeout_s": 60, "dashboard": False,
                         "report": False},
             "rl_config": {"algorithm": algorithm, "n_samples_per_prompt": 1, "prompts_per_step": 64,
@@ -34,7 +33,7 @@ def run(tmp: Path, name: str, algorithm: str, **sections) -> list[dict]:
 def runs(ray_session, tmp_path_factory):
     """Each algorithm blocking + colocated and non-blocking + disaggregated, same seed; in the
     disaggregated PPO run critic_values gets a worker of its own, so the critic's weights cross
-    processes. The colocated PPO run is made in two parts, 1 step with a checkpoint, then a resume to 2:
+    processes. The colocated PPO run is made in two parts, 2 steps with a checkpoint, then a resume to 3:
     one worker saves and restores the actor's and the critic's state, so the comparison with the
     uninterrupted disaggregated run checks that resume too."""
     tmp = tmp_path_factory.mktemp("algos")
@@ -47,8 +46,8 @@ def runs(ray_session, tmp_path_factory):
                 placement["groups"] = {"critic_inference": {"mfcs": ["critic_values"]}}
             sections = {"rl_config": {"blocking": blocking}, "placement": placement}
             if algorithm == "ppo" and mode == "colocated":
-                run(tmp, name, algorithm, trainer={"total_steps": 1, "save_interval": 1}, **sections)
-                run(tmp, name, algorithm, trainer={"save_interval": 1, "resume": True}, **sections)
+                run(tmp, name, algorithm, trainer={"total_steps": 2, "save_interval": 2}, **sections)
+                run(tmp, name, algorithm, trainer={"save_interval": 2, "resume": True}, **sections)
                 history = [json.loads(x) for x in (tmp / name / "metrics.jsonl").read_text().splitlines()]
             else:
                 history = run(tmp, name, algorithm, **sections)
@@ -58,8 +57,8 @@ def runs(ray_session, tmp_path_factory):
 
 def test_a_colocated_actor_and_critic_resume_from_one_checkpoint(runs):
     history, out_dir = runs[("ppo", True)]
-    assert [r["step"] for r in history] == [0, 1]
-    manifest = json.loads((out_dir / "checkpoints" / "step_000001" / "manifest.json").read_text())
+    assert [r["step"] for r in history] == [0, 1, 2]
+    manifest = json.loads((out_dir / "checkpoints" / "step_000002" / "manifest.json").read_text())
     files = sorted(r["file"] for records in manifest["parts"].values() for r in records)
     assert files == ["actor/engine.pt", "actor/rng_rank0.pt", "critic/engine.pt", "critic/rng_rank0.pt"]
 
@@ -67,7 +66,7 @@ def test_a_colocated_actor_and_critic_resume_from_one_checkpoint(runs):
 def test_ppo_trains_actor_and_critic_and_syncs_both(runs):
     history, out_dir = runs[("ppo", False)]
     lines = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in lines] == [0, 1]
+    assert [r["step"] for r in lines] == [0, 1, 2]
     for rec in lines:
         for key in ("actor/pg_loss", "critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm",
                     "critic/values_mean", "critic/returns_mean", "timing/critic_values", "timing/critic_train"):
@@ -75,9 +74,9 @@ def test_ppo_trains_actor_and_critic_and_syncs_both(runs):
         assert rec["critic/updates"] == 2 and rec["actor/updates"] == 2  # 64 rows, mini-batches of 32
     # disaggregated: the critic's inference copy lives in another process and got every update
     assert all(r["weight_sync/critic_readers"] == 1 for r in lines)
-    assert len({r["weight_sync/critic_checksum"] for r in lines}) == 2
+    assert len({r["weight_sync/critic_checksum"] for r in lines}) == 3
     # the critic's values at step k+1 come from weights trained at step k: its loss moves
-    assert len({round(r["critic/vf_loss"], 8) for r in lines}) == 2
+    assert len({round(r["critic/vf_loss"], 8) for r in lines}) == 3
 
 
 def test_remax_scores_the_greedy_baseline(runs):
