@@ -18,10 +18,7 @@ from mindspeed_rl.trainer import Trainer
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
-STEPS = 2  # the second step generates with the weights the first trained, handed over through the backend
-
-
-def run(tmp: Path, backend: str, steps: int = STEPS) -> list[dict]:
+def run(tmp: Path, backend: str, steps: int = 3) -> list[dict]:
     return Trainer(config_from_dict({
         "trainer": {"total_steps": steps, "output_dir": str(tmp / backend), "progress": False, "logger": ["jsonl"],
                     "plot": False, "save_interval": 0, "stage_timeout_s": 60, "dashboard": False, "report": False},
@@ -33,7 +30,7 @@ def run(tmp: Path, backend: str, steps: int = STEPS) -> list[dict]:
 def test_ipc_weight_sync_in_the_trainer_equals_gloo(ray_session, tmp_path):
     ipc = run(tmp_path, "ipc")
     gloo = run(tmp_path, "gloo")
-    assert len(ipc) == len(gloo) == STEPS
+    assert len(ipc) == len(gloo) == 3
     for a, b in zip(ipc, gloo):
         assert abs(a["actor/pg_loss"] - b["actor/pg_loss"]) <= 1e-6, (a["actor/pg_loss"], b["actor/pg_loss"])
         assert a["reward/mean"] == b["reward/mean"]
