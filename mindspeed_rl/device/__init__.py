@@ -139,9 +139,11 @@ def empty_cache(device: torch.device | str) -> None:
 
 def synchronize(device: torch.device | str) -> None:
     """Wait for the device's queued work (non-blocking copies included); nothing on the CPU."""
+    from .capture import capture_lock
     mod = _accelerator_module(device)
     if mod is not None and mod.is_initialized():
-        mod.synchronize()
+        with capture_lock():   # a device-wide wait would wait on another thread's capturing stream (capture.py)
+            mod.synchronize()
 
 
 def host_empty(nbytes: int, device: torch.device | str) -> torch.Tensor:

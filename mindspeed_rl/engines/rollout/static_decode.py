@@ -163,7 +163,8 @@ class StaticDecoder:
                         for b in buckets(rows) for w in self.widths}
         self.moves: list[int] = []   # the batch buckets the last `run` moved down to (what tests assert)
         self.widened: list[int] = []   # the width buckets it moved up to
-        self.pool = None
+        self.pool = None     # the graphs' one memory pool, made by the first capture
+        self.stream = None   # this decoder's capture stream: its graphs share a pool, so they share a stream
 
     # ------------------------------------------------------------------------------------------ the step
     def _record(self, b: int, tokens: torch.Tensor, log_probs: torch.Tensor) -> None:
@@ -208,7 +209,10 @@ class StaticDecoder:
     def _capture(self, b: int, w: int):
         """Runs this step eagerly, then records it (device/capture.py: one capture at a time per process)."""
         from ...device.capture import capture_graph
-        graph, self.pool = capture_graph(lambda: self._step(b, w), self.pool)   # one pool for every graph
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device=self.device)
+        # one pool (and one stream) for every graph of this decoder
+        graph, self.pool = capture_graph(lambda: self._step(b, w), self.pool, self.stream)
         return graph
 
     def _move(self, b: int, to: int, w: int) -> None:
