@@ -83,6 +83,55 @@ def train(rank: int, world: int, port: int, path: str, rows: tuple, splits: list
     return runs
 
 
+def _shards(model) -> dict[str, torch.Tensor]:
+    """This rank's shard of every parameter's gradient (FSDP2 keeps them as DTensors)."""
+    return {n: p.grad.to_local().detach().clone() for n, p in model.named_parameters()}
+
+
+def grads_two_ways(rank: int, world: int, port: int, path: str, rows: tuple, micro: int) -> dict:
+    """The gradient shards of one step of two micro-batches on this rank, from the same weights two ways, and the
+    gradient reduce-scatters each made:
+
+    * `per_micro_batch`: the engine's `train_step` (each micro-batch's backward reduce-scatters its gradients
+      into the rank's accumulated shard), read in the optimizer's pre-step hook (clipping at 1e9 scales by 1.0);
+    * `no_sync`: the same forward and loss, with `set_requires_gradient_sync(False)` until the last micro-batch
+      (unsharded gradients accumulated, reduce-scattered once by the last backward)."""
+    group = _join(rank, world, port)
+    prompts, responses = rows
+    calls, original = [0], dist.reduce_scatter_single
+
+    def counted(*a, **k):
+        calls[0] += 1
+        return original(*a, **k)
+
+    dist.reduce_scatter_single = counted
+    out = {}
+    try:
+        engine = _engine(path, group, OptimConfig(lr=0.0, grad_clip=1e9))
+        engine.optimizer.register_step_pre_hook(
+            lambda opt, a, k: out.update(per_micro_batch=_shards(engine.model)))
+        calls[0] = 0
+        engine.train_step(iter(micro_batches(prompts, responses, micro, 0.5)), nll_loss)
+        out["reduce_scatters_per_micro_batch"] = calls[0]
+        engine.close()
+
+        engine = _engine(path, group, OptimConfig(lr=0.0, grad_clip=1e9))
+        calls[0] = 0
+        for mb in micro_batches(prompts, responses, micro, 0.5):
+            engine.model.set_requires_gradient_sync(mb.last)
+            with engine.adapters_in_use():
+                o, zero = engine._train_output(mb.data)
+                loss, _ = nll_loss(o, mb)
+                (loss * mb.loss_scale if zero is None else loss * mb.loss_scale + zero).backward()
+        out["no_sync"] = _shards(engine.model)
+        out["reduce_scatters_no_sync"] = calls[0]
+        engine.close()
+    finally:
+        dist.reduce_scatter_single = original
+    dist.destroy_process_group()
+    return out
+
+
 def export(rank: int, world: int, port: int, path: str, bucket_bytes: int,
            dtypes: tuple[str, ...] = ("float32",)) -> dict:
     """Export in buckets, once per export dtype, counting the bytes of gathered tensors alive at each
