@@ -284,8 +284,8 @@ register_train_backend(
     needs="megatron.core", value_models=False, shape=MESH, memory=MM.MODEL_PARALLEL, checkpoint=MEGATRON_DIST,
     model_features=("max_tokens_per_micro_batch", "gradient_checkpointing"),
     options="mindspeed_rl.engines.train.megatron.engine:MegatronOptions",
-    install="pip install -e .[megatron] (and transformer-engine for layer_spec: te) on a CUDA machine; on "
-            "Ascend: torch_npu, megatron-core and MindSpeed's megatron adaptor",
+    install="pip install -e .[megatron] (and transformer-engine, which layer_spec: auto then uses) on a CUDA "
+            "machine; on Ascend: torch_npu, megatron-core and MindSpeed's megatron adaptor",
     doc="megatron-core GPTModel from the HF Qwen2 config and weights, TP x PP x DP from the placement, megatron "
         "DDP + distributed optimizer, 1F1B, dist_checkpointing (needs CUDA or NPU; not run here)")
 register_train_backend(

@@ -9,6 +9,7 @@ real GPTModel on two gloo ranks (TP=2) from the converted weights and compares l
 """
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 
 import pytest
@@ -389,6 +390,49 @@ def test_engine_refuses_what_it_cannot_run(tmp_path):
     if importlib.util.find_spec("torch_npu") is None:
         with pytest.raises(ImportError, match="needs torch_npu"):
             MegatronTrainEngine.build(TrainSpec(model_path=str(tmp_path), device="npu:0"))
+
+
+@pytest.fixture(params=[True, False], ids=["te-installed", "te-absent"])
+def te_installed(request, monkeypatch):
+    """`importlib.util.find_spec` as it answers with transformer_engine installed or not (a spec found or None);
+    every other name is looked up for real. Nothing is imported: the resolution only looks the package up."""
+    real = importlib.util.find_spec
+
+    def find_spec(name, *args, **kwargs):
+        if name == "transformer_engine":
+            return importlib.machinery.ModuleSpec(name, None) if request.param else None
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    return request.param
+
+
+def test_layer_spec_auto_takes_te_where_installed_on_cuda(te_installed):
+    from mindspeed_rl.engines.train.megatron import setup as S
+    assert S.resolve_layer_spec(C.AUTO, "cuda") == (C.TE if te_installed else C.LOCAL)
+    # TE is a CUDA library: an NPU (MindSpeed's adaptor) and the CPU get megatron's local layers
+    assert S.resolve_layer_spec(C.AUTO, "npu") == S.resolve_layer_spec(C.AUTO, "cpu") == C.LOCAL
+    # what is asked for explicitly is built, installed or not
+    assert [S.resolve_layer_spec(s, k) for s in (C.LOCAL, C.TE) for k in ("cuda", "npu")] == [C.LOCAL] * 2 + [C.TE] * 2
+    with pytest.raises(ValueError, match="layer_spec='fused'"):
+        S.resolve_layer_spec("fused", "cuda")
+
+
+def test_the_engine_options_default_to_auto_and_resolve_it(te_installed, tmp_path):
+    from mindspeed_rl.engines.base import TrainSpec
+    from mindspeed_rl.engines.registry import train_backend
+    from mindspeed_rl.engines.train.megatron import setup as S
+    from mindspeed_rl.engines.train.megatron.engine import OPTIONS
+    parsed = train_backend("megatron").parse_options({})    # the config's options, checked by MegatronOptions
+    assert parsed["layer_spec"] == OPTIONS["layer_spec"] == C.AUTO
+    assert train_backend("megatron").parse_options({"layer_spec": "local"})["layer_spec"] == C.LOCAL
+    with pytest.raises(ValueError, match="layer_spec='fused'"):
+        train_backend("megatron").parse_options({"layer_spec": "fused"})
+    opts = S.checked_options(TrainSpec(model_path=str(tmp_path), device="cuda:0", options=parsed), OPTIONS)
+    assert opts["layer_spec"] == (C.TE if te_installed else C.LOCAL)   # what the model and the converters get
+    opts = S.checked_options(TrainSpec(model_path=str(tmp_path), device="cuda:0", options={"layer_spec": "local"}),
+                             OPTIONS)
+    assert opts["layer_spec"] == C.LOCAL
 
 
 # --------------------------------------------- real megatron-core, where it imports (not in CI)

@@ -144,7 +144,8 @@ def test_megatron_engine_on_cuda_matches_torch_backend(tp, pp, dp, tied, dist_op
         pytest.skip(f"needs {world} GPUs")
     from mindspeed_rl.engines.sync.weight_sync import free_port
     ckpt = _save_engine_checkpoint(tmp_path / "hf", tied)
-    options = {"tp": tp, "pp": pp, "use_distributed_optimizer": dist_opt}
+    # megatron's local layers here (the default `auto` would build TE's where it is installed: the test below)
+    options = {"tp": tp, "pp": pp, "use_distributed_optimizer": dist_opt, "layer_spec": "local"}
     port = free_port()
     results = W.run_procs([(_engine_rank, (r, world, port, ckpt, options, "cuda", str(tmp_path)))
                            for r in range(world)], tmp_path, 600)

@@ -48,7 +48,9 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 import torch
 
 LOCAL, TE = "local", "te"          # megatron layer specs: separate norms / TE fused norm+linear
-LAYER_SPECS = (LOCAL, TE)
+LAYER_SPECS = (LOCAL, TE)          # the weight layouts the converters write and read
+AUTO = "auto"                      # the option's default: te where transformer_engine is installed (setup.py)
+LAYER_SPEC_OPTIONS = (AUTO, LOCAL, TE)
 
 # HF names of one decoder layer, in the order `Qwen2DecoderLayer.named_parameters()` gives them
 HF_LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight",

@@ -39,7 +39,8 @@ How it runs:
   itself. `parallel_state.initialize_model_parallel` builds the TP/PP/DP groups; a second engine in
   the process (the reference) reuses them (same tp and pp).
 * The model. `GPTModel` from `convert.transformer_config_kwargs` / `gpt_model_kwargs`, megatron's local
-  layer spec (`layer_spec: local`, plain torch modules) or Transformer Engine's (`layer_spec: te`),
+  layer spec (`layer_spec: local`, plain torch modules) or Transformer Engine's (`layer_spec: te`; the
+  default `auto` takes it on CUDA where transformer_engine is installed, else local: `setup.resolve_layer_spec`),
   `pre_process`/`post_process` by PP stage. Weights come from the HF safetensors through
   `convert.hf_to_mcore_rank` (each rank reads only its stage's tensors and keeps its TP shard).
 * Batches are right-padded (`right_padded`): prompt and response back to back from column 0, so the
@@ -65,7 +66,7 @@ How it runs:
   `sharded_state_dict` under `<directory>/megatron/`; the distributed optimizer's state as
   `dp_reshardable` (fully parallel; reshardable over DP).
 
-Options (`TrainSpec.options`, from the config): tp, pp, layer_spec (local|te),
+Options (`TrainSpec.options`, from the config): tp, pp, layer_spec (auto|local|te; auto by default),
 make_vocab_size_divisible_by (128), use_distributed_optimizer (True),
 num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage (None), npu_adaptor
 (the module to import first on NPU; default tries `mindspeed.megatron_adaptor`, then `megatron_adaptor`).
@@ -97,7 +98,7 @@ from . import setup as S
 from .setup import DTYPES
 from .tensors import RightPadded, chunked_vocab_parallel_log_probs, right_padded
 
-OPTIONS = {"tp": 1, "pp": 1, "dp": None, "layer_spec": C.LOCAL, "make_vocab_size_divisible_by": 128,
+OPTIONS = {"tp": 1, "pp": 1, "dp": None, "layer_spec": C.AUTO, "make_vocab_size_divisible_by": 128,
            "use_distributed_optimizer": True, "num_layers_in_first_pipeline_stage": None,
            "num_layers_in_last_pipeline_stage": None, "npu_adaptor": None}
 
@@ -106,7 +107,7 @@ OPTIONS = {"tp": 1, "pp": 1, "dp": None, "layer_spec": C.LOCAL, "make_vocab_size
 class MegatronOptions:
     """The megatron backend's options (actor_config.backend_options); tp and pp come from the placement
     (placement.mfcs.<mfc>.tp/pp in placement.mode: mesh)."""
-    layer_spec: str = C.LOCAL                         # local (megatron's own layers) or te (transformer-engine)
+    layer_spec: str = C.AUTO   # te (transformer-engine) where installed on CUDA, else local; or local / te as asked
     make_vocab_size_divisible_by: int = 128
     use_distributed_optimizer: bool = True
     num_layers_in_first_pipeline_stage: Optional[int] = None
@@ -114,8 +115,8 @@ class MegatronOptions:
     npu_adaptor: Optional[str] = None                 # Ascend: the module that adapts megatron to torch_npu
 
     def check(self) -> None:
-        if self.layer_spec not in C.LAYER_SPECS:
-            raise ValueError(f"layer_spec={self.layer_spec!r}: use one of {list(C.LAYER_SPECS)}")
+        if self.layer_spec not in C.LAYER_SPEC_OPTIONS:
+            raise ValueError(f"layer_spec={self.layer_spec!r}: use one of {list(C.LAYER_SPEC_OPTIONS)}")
         if isinstance(self.make_vocab_size_divisible_by, bool) or not isinstance(
                 self.make_vocab_size_divisible_by, int) or self.make_vocab_size_divisible_by < 1:
             raise ValueError(f"make_vocab_size_divisible_by={self.make_vocab_size_divisible_by!r}: an integer >= 1")

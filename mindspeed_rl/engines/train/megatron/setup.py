@@ -5,6 +5,7 @@ module imports anywhere."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 from typing import Any, Mapping
@@ -17,8 +18,8 @@ from . import convert as C
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 NPU_ADAPTORS = ("mindspeed.megatron_adaptor", "megatron_adaptor")
-INSTALL = ("pip install megatron-core (and transformer-engine for layer_spec: te) on a CUDA machine; on "
-           "Ascend: torch_npu, megatron-core and MindSpeed's megatron adaptor")
+INSTALL = ("pip install megatron-core (and transformer-engine for layer_spec: te, which layer_spec: auto then "
+           "picks) on a CUDA machine; on Ascend: torch_npu, megatron-core and MindSpeed's megatron adaptor")
 
 
 def recompute_kwargs(gradient_checkpointing: bool) -> dict:
@@ -62,15 +63,33 @@ class _LazySafetensors(Mapping):
         return len(self._where)
 
 
+def transformer_engine_installed() -> bool:
+    """Is the `transformer_engine` package installed (found on the import path)? Only looked up, not imported:
+    importing it loads its CUDA libraries."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def resolve_layer_spec(name: str, device_kind: str) -> str:
+    """The layer spec an engine builds: `local` and `te` as asked; `auto`, Transformer Engine's fused layers
+    (`te`: fused norm + linear, TE's attention and GEMM kernels, what megatron's own GPU recipes build) on CUDA where
+    transformer_engine is installed, else megatron's local layers (TE is a CUDA library: an NPU or a machine
+    without it gets `local`)."""
+    if name not in C.LAYER_SPEC_OPTIONS:
+        raise ValueError(f"megatron backend: layer_spec={name!r}; use one of {C.LAYER_SPEC_OPTIONS}")
+    if name != C.AUTO:
+        return name
+    return C.TE if device_kind == "cuda" and transformer_engine_installed() else C.LOCAL
+
+
 def checked_options(spec: TrainSpec, defaults: Mapping[str, Any]) -> dict:
     """`spec.options` over `defaults`, refused where megatron cannot run them (unknown keys, a layer spec,
-    a value model, a dtype, fp16 training)."""
+    a value model, a dtype, fp16 training); `layer_spec: auto` resolved to the spec this machine builds."""
+    from ....device import device_type
     unknown = sorted(set(spec.options) - set(defaults))
     if unknown:
         raise ValueError(f"megatron backend: unknown option(s) {unknown}; known: {sorted(defaults)}")
     opts = {**defaults, **spec.options}
-    if opts["layer_spec"] not in C.LAYER_SPECS:
-        raise ValueError(f"megatron backend: layer_spec={opts['layer_spec']!r}; use one of {C.LAYER_SPECS}")
+    opts["layer_spec"] = resolve_layer_spec(opts["layer_spec"], device_type(spec.device))
     if spec.model_kind != "causal_lm":
         raise NotImplementedError("megatron backend: value models (critic) are not built on megatron-core "
                                   "here (GPTModel has no 1-wide value head); use backend torch or fsdp for "
@@ -215,8 +234,13 @@ def _init_process_group(model_ranks: int, device: torch.device) -> bool:
 
 def _layer_spec(name: str):
     if name == C.TE:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-        return get_gpt_layer_with_transformer_engine_spec()
+        try:
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+            return get_gpt_layer_with_transformer_engine_spec()
+        except ImportError as e:   # installed (what `auto` looks up) but not importable: a build for another torch
+            raise ImportError(f"megatron backend: layer_spec te (which layer_spec: auto picks where transformer_engine "
+                              f"is installed) does not import: {e}; install a transformer-engine built for this "
+                              f"torch, or set actor_config.backend_options.layer_spec: local") from e
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     return get_gpt_layer_local_spec(normalization="RMSNorm")
 
