@@ -19,7 +19,15 @@ says `skipped: needs CUDA` and is not counted as passed. The exit code is 1 when
    thread alone.
 4. `fsdp_one_rank_memory`: the fsdp train engine on one rank (its own process group: nccl, gloo without CUDA),
    one train step of two micro-batches on the 0.5B architecture cut to `--layers`: on CUDA the peak allocated
-   memory, to set against the memory plan's terms for the same shapes.
+   memory beside the memory plan's estimate for the same shapes (the plan's own code, `planning/memory.py`'s
+   load of a trained actor at dp 1: the larger of the step's terms and the optimizer step's) and their ratio;
+   elsewhere the estimate alone, the measurement skipped. The plan models a one-rank fsdp engine as the plain
+   module under autocast, while the engine, given a process group, runs FSDP2 on a one-rank mesh with a bf16
+   MixedPrecisionPolicy, so the ratio reflects that difference as well as the terms.
+5. `cuda_ipc_sync`: the colocated weight sync's CUDA IPC path, the check `tests/engines/test_ipc_sync.py` runs on
+   a GPU (`test_cuda_ipc_two_processes_packed_and_zero_copy`, called here as it is): two processes on one GPU,
+   the packed path through CUDA IPC staging buffers, then zero copy from the sender's registered parameters;
+   the reader's weights equal the sender's bit for bit both times. Skipped without CUDA.
 """
 from __future__ import annotations
 
@@ -188,8 +196,40 @@ def check_concurrent_capture(a, device, dtype) -> dict:
     return {"errors": errors, "tokens_equal_to_alone": equal, "passed": not errors and equal}
 
 
+def plan_estimate(a, device) -> dict:
+    """The memory plan's estimate for the step `_fsdp_step_memory` runs: `planning/memory.py`'s load of a trained
+    actor on the fsdp backend at dp 1 (the code `trainer.dry_run` runs), for the 0.5B architecture cut to
+    `--layers`, `--rows` rows of `--prompt` + `--new` tokens in two micro-batches, no checkpointing, in the
+    engine's dtype. The peak is the larger of the train step's terms and the optimizer step's; the plan's
+    per-process CUDA context allowance is left out (`max_memory_allocated` does not see it)."""
+    from mindspeed_rl.config import ActorConfig, DataConfig, GenerateConfig, RLConfig
+    from mindspeed_rl.config.schema import CriticConfig, RefConfig, RewardModelConfig
+    from mindspeed_rl.dataflow import MFCDef
+    from mindspeed_rl.engines.registry import train_backend
+    from mindspeed_rl.planning import memory as PM
+    from mindspeed_rl.planning.memory_terms import GB, Layout, ModelDims
+    from mindspeed_rl.planning.models import ModelSections
+    cfg = json.loads(CONFIG_05B.read_text())
+    cfg.update(num_hidden_layers=a.layers)
+    dims = ModelDims.from_config(cfg)
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    actor = ActorConfig(backend="fsdp", dtype=dtype, ppo_mini_batch_size=a.rows,
+                        ppo_micro_batch_size_per_device=a.rows // 2)
+    models = ModelSections(actor, RefConfig(), CriticConfig(), RewardModelConfig())
+    lay = Layout("fsdp", train_backend("fsdp").memory, 1, kind="gpu" if device.type == "cuda" else "cpu",
+                 dtype=dtype)
+    train = MFCDef("actor_train", "actor", "train_step", ("prompts", "responses"), ())
+    load = PM.model_load(models, GenerateConfig(max_new_tokens=a.new), RLConfig(prompts_per_step=a.rows,
+                          n_samples_per_prompt=1), DataConfig(max_prompt_length=a.prompt), dims, lay, "actor",
+                          "policy", [train], True, a.rows, False)
+    phase, terms = max(load.busy.items(), key=lambda kv: sum(t.bytes for t in kv[1]))
+    return {"estimate_gb": round(sum(t.bytes for t in terms) / GB, 3), "phase": phase,
+            "terms_gb": {t.name: round(t.bytes / GB, 3) for t in terms if t.bytes}}
+
+
 def check_fsdp_memory(a, device, dtype) -> dict:
-    """On CUDA the peak allocated memory of one step; elsewhere only that the step runs (gloo)."""
+    """On CUDA the peak allocated memory of one step beside the plan's estimate; elsewhere the estimate and that
+    the step runs (gloo)."""
     import torch.distributed as dist
 
     from mindspeed_rl.engines.sync.weight_sync import free_port
@@ -198,10 +238,14 @@ def check_fsdp_memory(a, device, dtype) -> dict:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        return _fsdp_step_memory(a, device)
+        rec = _fsdp_step_memory(a, device)
     finally:
         if own_group:
             dist.destroy_process_group()
+    plan = plan_estimate(a, device)
+    measured = rec["peak_allocated_gb"]
+    ratio = round(plan["estimate_gb"] / measured, 3) if isinstance(measured, float) and measured > 0 else NEEDS_CUDA
+    return {**rec, "plan": plan, "plan_over_measured": ratio}
 
 
 def _fsdp_step_memory(a, device) -> dict:
@@ -231,13 +275,23 @@ def _fsdp_step_memory(a, device) -> dict:
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         engine.close()
     return {"peak_allocated_gb": round(peak / 1e9, 3) if peak is not None else NEEDS_CUDA,
-            "grad_norm": stats["grad_norm"], "passed": bool(torch.isfinite(torch.tensor(stats["grad_norm"]))),
-            "note": "compare with `python cli/train_grpo.py --config-name grpo_qwen25_0p5b_1gpu trainer.dry_run=true` "
-                    "at the same rows and lengths"}
+            "grad_norm": stats["grad_norm"], "passed": bool(torch.isfinite(torch.tensor(stats["grad_norm"])))}
+
+
+def check_cuda_ipc(a, device, dtype) -> dict:
+    """The CUDA IPC weight sync between two processes on this GPU: the suite's own GPU check, run as it is (its
+    assertions are the check; it spawns the two processes and bounds every wait)."""
+    test = "tests/engines/test_ipc_sync.py::test_cuda_ipc_two_processes_packed_and_zero_copy"
+    if device.type != "cuda":
+        return {"passed": None, "note": f"{NEEDS_CUDA} (CUDA IPC between two processes on one GPU)", "test": test}
+    from tests.engines.test_ipc_sync import test_cuda_ipc_two_processes_packed_and_zero_copy
+    test_cuda_ipc_two_processes_packed_and_zero_copy()
+    return {"passed": True, "test": test}
 
 
 CHECKS = {"static_decode": check_static_decode, "updated_weights": check_updated_weights,
-          "concurrent_capture": check_concurrent_capture, "fsdp_one_rank_memory": check_fsdp_memory}
+          "concurrent_capture": check_concurrent_capture, "fsdp_one_rank_memory": check_fsdp_memory,
+          "cuda_ipc_sync": check_cuda_ipc}
 
 
 def main(argv: list[str] | None = None) -> int:

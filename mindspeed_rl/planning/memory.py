@@ -315,9 +315,9 @@ def _infer_rows(models: ModelSections, model: str, kind: str) -> tuple[str, int]
     return "actor_config.log_prob_micro_batch_size_per_device", models.actor.log_prob_micro_batch_size_per_device
 
 
-def _model_load(models: ModelSections, generate: GenerateConfig, rl: RLConfig, data: DataConfig, d: ModelDims,
-                lay: Layout, model: str, kind: str, mfcs: list, trained: bool, rows_per_step: int,
-                lora_shared_ref: bool) -> Load:
+def model_load(models: ModelSections, generate: GenerateConfig, rl: RLConfig, data: DataConfig, d: ModelDims,
+               lay: Layout, model: str, kind: str, mfcs: list, trained: bool, rows_per_step: int,
+               lora_shared_ref: bool) -> Load:
     """The Load of one model engine of a worker group: a trained policy/critic/reward model or an inference
     one (the reference, a reader of a model trained elsewhere, a reward model)."""
     from ..config.sizes import train_sizes
@@ -481,7 +481,7 @@ def group_loads(models: ModelSections, generate: GenerateConfig, rl: RLConfig, d
         if lay.memory == MM.NO_MODEL:
             continue
         shared = lora_shared and model == "ref" and "actor" in by_model
-        loads.append(_model_load(models, generate, rl, data, d, lay, model, kind_, mfcs, trained, rows_per_step,
+        loads.append(model_load(models, generate, rl, data, d, lay, model, kind_, mfcs, trained, rows_per_step,
                                  shared))
     if by_model and kind != "cpu":
         ctx = Term("context", CONTEXT_BYTES, "CUDA/CANN context, collective buffers (allowance)", ())
