@@ -141,7 +141,6 @@ def test_the_commands_exit_2_without_a_traceback(tmp_path):
 
 
 # ------------------------------------------------------------------------------ real runs
-VAL_SIZE = 12  # prompts, each sampled n=3 times at every validation: four validations in the real runs
 TRAIN_KEYS_SKIPPED = ("val/", "timing/", "busy/", "throughput/", "memory/")
 
 
@@ -151,7 +150,7 @@ def _run(tmp: Path, name: str, steps: int, **sections) -> tuple[list[dict], obje
                         "plot": False, "save_interval": 0, "stage_timeout_s": 60, "dashboard": False,
                         "report": False},
             "rl_config": {"guarantee_order": True, "max_weight_staleness": 1, "prompts_per_step": 8},
-            "data": {"val_dataset": "builtin:copy", "val_size": VAL_SIZE},
+            "data": {"val_dataset": "builtin:copy", "val_size": 24},
             "generate_config": {"val": {"n": 3}}}
     for section, values in sections.items():
         base.setdefault(section, {}).update(values)
@@ -175,7 +174,7 @@ def test_validation_is_logged_at_pinned_versions_and_changes_no_training_number(
     assert versions == {0: 0.0, 1: 2.0, 2: None, 3: 4.0}   # before training, after steps 1 and 3 (the last)
     for r in with_val:
         if r["step"] != 2:
-            assert r["val/prompts"] == VAL_SIZE and 0.0 <= r["val/pass@1"] <= r["val/pass@3"] <= 1.0
+            assert r["val/prompts"] == 24 and 0.0 <= r["val/pass@1"] <= r["val/pass@3"] <= 1.0
             assert 0.0 <= r["val/reward_mean"] <= 1.0 and 0 < r["val/response_length_mean"] <= 4
             assert r["timing/val"] > 0
     assert not any(k.startswith("val/") for r in without for k in r)
