@@ -2,8 +2,7 @@
 mesh, actor generation dp 4 x pp 2 on all 8 devices, critic inference on [0, 1], the rule reward on
 [2, 3], reference inference pp 4 on [4..7], critic training dp 2 x pp 2 on [4..7] and actor training
 dp 2 x pp 2 on [0..3]: 25 Ray actors on the shared test Ray instance. The dry run names every MFC's
-groups and rank mapping; the real run trains 2 steps (plumbing, not learning: the second
-step generates with the weights the first trained) with every consumer taking each row once and
+groups and rank mapping; the real run trains 3 steps with every consumer taking each row once and
 the trained weights reaching all 8 generation ranks and the critic's inference copy every step."""
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ from mindspeed_rl.planning import format_plan, make_plan
 from .test_mesh_e2e import Recording
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "ppo_realhf_8dev.yaml"
-STEPS = 2
+STEPS = 3
 # group -> (dp, tp, pp, devices)
 GROUPS = {"actor@all/4/1/2": (4, 1, 2, list(range(8))), "critic@node0:0-1": (2, 1, 1, [0, 1]),
           "reward@node0:2-3": (2, 1, 1, [2, 3]), "ref@node0:4-7/1/1/4": (1, 1, 4, [4, 5, 6, 7]),
@@ -53,9 +52,9 @@ def test_dry_run_names_each_mfcs_groups_and_rank_mapping(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.ray
-# 25 Ray actors, each importing torch on 2 cores, before 2 steps: the start-up is most of it
+# 25 Ray actors, each importing torch on 2 cores, before 3 steps: the start-up is most of it
 @pytest.mark.slow_budget(90, reason="ReaLHF's allocation needs its 25 actors (one per rank of 6 groups)")
-def test_realhf_ppo_allocation_trains_two_steps(ray_session, tmp_path):
+def test_realhf_ppo_allocation_trains_three_steps(ray_session, tmp_path):
     trainer = Recording(config_from_dict(config(tmp_path / "run")))
     history = trainer.run()
     assert [r["step"] for r in history] == list(range(STEPS))
