@@ -192,7 +192,7 @@ def test_cli_runs_the_tiny_default_with_only_n_changed(ray_session, tmp_path, n,
     import sys
     out = tmp_path / "run"
     address = ray_session.get_runtime_context().gcs_address
-    proc = subprocess.run([sys.executable, str(CLI), f"rl_config.n_samples_per_prompt={n}", "trainer.total_steps=2",
+    proc = subprocess.run([sys.executable, str(CLI), f"rl_config.n_samples_per_prompt={n}", "trainer.total_steps=3",
                            f"rl_config.blocking={str(blocking).lower()}", f"trainer.output_dir={out}",
                            "trainer.progress=false", "trainer.dashboard=false", "trainer.report=false",
                            "trainer.plot=false", "trainer.save_interval=0", f"placement.ray_address={address}"],
@@ -203,8 +203,8 @@ def test_cli_runs_the_tiny_default_with_only_n_changed(ray_session, tmp_path, n,
     assert f"batch size: actor_config.ppo_micro_batch_size_per_device=32 -> {4 * n} rows" in notes[0]
     assert len(notes) == len(set(notes)) == 3  # micro, generate and advantage rounding, each said once
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in lines] == [0, 1]
-    assert [r["weight_version"] for r in lines] == [1, 2]  # one published version per trained step
+    assert [r["step"] for r in lines] == [0, 1, 2]
+    assert [r["weight_version"] for r in lines] == [1, 2, 3]  # one published version per trained step
     assert all(r["actor/updates"] == 4 for r in lines)
     # the tiny default has no KL term: no reference stage ran, no KL was computed
     assert not any(k.startswith(("timing/ref_log_prob", "actor/kl")) and k != "actor/kl_coef" for k in lines[0])
