@@ -3,6 +3,8 @@
 returns plain tensors for the test to compare with a single-process reference."""
 from __future__ import annotations
 
+import contextlib
+
 import datetime
 import gc
 import time
@@ -59,16 +61,8 @@ def train(rank: int, world: int, port: int, path: str, rows: tuple, splits: list
     engine on this rank's rows; the exported weights, metrics and shard shapes of each."""
     group = _join(rank, world, port, subgroup)
     prompts, responses = rows
-    # count FSDP2's gradient reduce-scatters (it calls dist.reduce_scatter_single; passed through)
-    calls, original = [0], dist.reduce_scatter_single
-
-    def counted(*a, **k):
-        calls[0] += 1
-        return original(*a, **k)
-
-    dist.reduce_scatter_single = counted
     runs = []
-    try:
+    with counted_reduce_scatters() as calls:
         for micro, scale in splits:
             engine = _engine(path, group, optim)
             shards = {n: tuple(p.to_local().shape) for n, p in engine.model.named_parameters()}
@@ -77,10 +71,25 @@ def train(rank: int, world: int, port: int, path: str, rows: tuple, splits: list
             runs.append({"stats": stats, "weights": exported(engine), "version": engine.version,
                          "shards": shards, "reduce_scatters": calls[0]})
             engine.close()
-    finally:
-        dist.reduce_scatter_single = original
     dist.destroy_process_group()
     return runs
+
+
+@contextlib.contextmanager
+def counted_reduce_scatters():
+    """FSDP2's gradient reduce-scatters counted (it calls dist.reduce_scatter_single; passed through): yields a
+    one-item list holding the count."""
+    calls, original = [0], dist.reduce_scatter_single
+
+    def counted(*a, **k):
+        calls[0] += 1
+        return original(*a, **k)
+
+    dist.reduce_scatter_single = counted
+    try:
+        yield calls
+    finally:
+        dist.reduce_scatter_single = original
 
 
 def _shards(model) -> dict[str, torch.Tensor]:
@@ -98,15 +107,8 @@ def grads_two_ways(rank: int, world: int, port: int, path: str, rows: tuple, mic
       (unsharded gradients accumulated, reduce-scattered once by the last backward)."""
     group = _join(rank, world, port)
     prompts, responses = rows
-    calls, original = [0], dist.reduce_scatter_single
-
-    def counted(*a, **k):
-        calls[0] += 1
-        return original(*a, **k)
-
-    dist.reduce_scatter_single = counted
     out = {}
-    try:
+    with counted_reduce_scatters() as calls:
         engine = _engine(path, group, OptimConfig(lr=0.0, grad_clip=1e9))
         engine.optimizer.register_step_pre_hook(
             lambda opt, a, k: out.update(per_micro_batch=_shards(engine.model)))
@@ -126,8 +128,6 @@ def grads_two_ways(rank: int, world: int, port: int, path: str, rows: tuple, mic
         out["no_sync"] = _shards(engine.model)
         out["reduce_scatters_no_sync"] = calls[0]
         engine.close()
-    finally:
-        dist.reduce_scatter_single = original
     dist.destroy_process_group()
     return out
 
