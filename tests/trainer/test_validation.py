@@ -160,6 +160,8 @@ def _run(tmp: Path, name: str, steps: int, **sections) -> tuple[list[dict], obje
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.slow_budget(45, reason="three Trainer runs of 4, 4 and 0 steps on the shared Ray instance (about 12 s "
+                                    "each, most of it starting the workers and loading the model), with 3 validations")
 def test_validation_is_logged_at_pinned_versions_and_changes_no_training_number(ray_session, tmp_path):
     """Rollout runs one version ahead (max_weight_staleness 1): each validation still samples exactly the weights
     of the step just trained. The same run without validation has every training number equal, weight checksums
