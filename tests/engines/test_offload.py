@@ -162,7 +162,7 @@ def test_the_worker_holds_each_stage_and_the_sync(tmp_path):
     worker.sync_weights("actor", 0)
     reports = run_step(worker, dock, plan, 0)
     assert reports["actor_train"]["metrics"]["updates"] >= 1
-    worker.save_checkpoint(str(tmp_path / "ckpt"))
+    worker.save_checkpoint(str(tmp_path / "ckpt"), "run-a")
     assert actor.moves() == [
         (OPTIMIZER, OFFLOADED, "built"), (PARAMS, OFFLOADED, "built"),
         (PARAMS, ON_DEVICE, "sync"), (PARAMS, OFFLOADED, "sync"),
