@@ -8,8 +8,8 @@ the static one (`cuda_graphs=True`: a CUDA graph per batch and width bucket on C
 (the first call captures its graphs; the second reuses them). The stop tokens come from a run of the eager loop
 with the same sampling and seeds but no stops: tokens that run's rows produced (`common_stops`), until every row
 holds one, so that in the measured run, which takes the same path up to them, rows end at different steps and
-the batch moves down its buckets. `--sampling greedy` (the default) decodes greedily; `sampled` draws at temperature 1.0 and
-top-p 0.95.
+the batch moves down its buckets. `--sampling greedy` (the default) decodes greedily; `sampled` draws at
+temperature 1.0 and top-p 0.95.
 
 It prints one JSON line per dtype: tokens/s of both loops, the capturing call's time, the batch and width bucket
 moves (the check fails without a batch move), `torch.cuda.set_sync_debug_mode("warn")`'s warnings during a
@@ -23,10 +23,11 @@ blocking), and how the rows compare:
   decided by less than that rounding the two loops may choose differently, and the rows then go separate ways.
   Greedy: the row's two largest logits within `NEAR_TIE_LOGIT` of the largest's size (bfloat16: two roundings).
   Sampled (inverse-CDF draws): the row's uniform within `NEAR_TIE_MASS` of the probability mass from a boundary
-  between two tokens, or the mass before the top-p cutoff within it of top_p. Measured on the eager model's logits for that row at that step (one row, no
-  padding). On a random model at temperature 1 the distribution over 151,936 tokens is nearly flat (a token
-  holds ~5e-6 of the mass), so boundaries are dense and a few rows in a few hundred draws meet one: on the CPU in
-  float32 one row of 8 parted at a draw 7e-8 of the mass from a boundary.
+  between two tokens, or the mass before the top-p cutoff within it of top_p. Measured on the eager model's
+  logits for that row at that step (one row, no padding). On a random model at temperature 1 the distribution
+  over 151,936 tokens is nearly flat (a token holds ~5e-6 of the mass), so boundaries are dense and a few rows
+  in a few hundred draws meet one: on the CPU in float32 one row of 8 parted at a draw 7e-8 of the mass from a
+  boundary.
 * `rows_unexplained`: rows that differ without a near-tie, or whose log-probs before it disagree: the check
   fails on any.
 * `max_logp_diff`: the largest log-prob difference over the tokens both loops share (float32: within
